@@ -94,6 +94,13 @@ class EmptyBufferError(ShmBufferError):
     code = "empty"
 
 
+class TornReadError(ShmBufferError):
+    """Rows kept being overwritten under a reader through every retry (a ring far too small
+    for the write rate)."""
+
+    code = "torn"
+
+
 _BY_CODE: dict[str, type[ShmBufferError]] = {
     cls.code: cls
     for cls in (
@@ -111,6 +118,7 @@ _BY_CODE: dict[str, type[ShmBufferError]] = {
         DaemonUnavailableError,
         WaitTimeoutError,
         EmptyBufferError,
+        TornReadError,
     )
 }
 

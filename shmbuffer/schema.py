@@ -80,13 +80,13 @@ class Field:
         return {"dtype": dtype_name(self.dtype), "shape": list(self.shape)}
 
 
-def _leaves(batch: Mapping[Any, Any], prefix: Key = ()) -> Iterator[tuple[Key, Any]]:
+def iter_leaves(batch: Mapping[Any, Any], prefix: Key = ()) -> Iterator[tuple[Key, Any]]:
     """Leaf (key, value) pairs of a nested mapping or TensorDict, in a stable order."""
     for name in batch.keys():
         value = batch[name]
         key = (*prefix, str(name))
         if isinstance(value, Mapping) or _is_tensordict(value):
-            yield from _leaves(value, key)
+            yield from iter_leaves(value, key)
         else:
             yield key, value
 
@@ -127,7 +127,7 @@ class Schema:
     def from_batch(cls, batch: Mapping[Any, Any], batch_dims: int = 1) -> Schema:
         """Take keys, dtypes and per-row shapes from a batch whose leading dims are rows."""
         fields = []
-        for key, value in _leaves(batch):
+        for key, value in iter_leaves(batch):
             shape = _shape_of(value)
             if len(shape) < batch_dims:
                 raise SchemaError(
@@ -204,21 +204,27 @@ class Schema:
     # -- validation -----------------------------------------------------------------------
 
     def check(self, batch: Mapping[Any, Any], batch_dims: int = 1) -> tuple[int, ...]:
-        """Raise :class:`SchemaError` unless ``batch`` fits; return its batch shape.
+        """Raise :class:`SchemaError` unless ``batch`` fits; return its batch shape."""
+        return self.validate(batch, batch_dims)[0]
+
+    def validate(
+        self, batch: Mapping[Any, Any], batch_dims: int = 1
+    ) -> tuple[tuple[int, ...], dict[Key, Any]]:
+        """Check ``batch`` against the schema; return its batch shape and its leaves by key.
 
         Checks keys (missing and extra), castability of dtypes, per-row shapes, and that every
-        key has the same leading batch dims. Touches no data.
+        key has the same leading batch dims. Touches no data, so a refused batch changes nothing.
         """
-        seen: set[Key] = set()
+        seen: dict[Key, Any] = {}
         batch_shape: tuple[int, ...] | None = None
-        for key, value in _leaves(batch):
+        for key, value in iter_leaves(batch):
             field = self._by_key.get(key)
             if field is None:
                 raise SchemaError(
                     f"key {key_str(key)!r} is not in the schema (keys: "
                     f"{[key_str(f.key) for f in self.fields]})"
                 )
-            seen.add(key)
+            seen[key] = value
             dtype, shape = _dtype_of(value), _shape_of(value)
             if not torch.can_cast(dtype, field.dtype):
                 raise SchemaError(
@@ -238,8 +244,8 @@ class Schema:
                     f"key {key_str(key)!r}: batch dims {list(lead)} differ from other keys' "
                     f"{list(batch_shape)}"
                 )
-        missing = set(self._by_key) - seen
+        missing = self._by_key.keys() - seen.keys()
         if missing:
             raise SchemaError(f"missing keys: {sorted(key_str(k) for k in missing)}")
         assert batch_shape is not None
-        return batch_shape
+        return batch_shape, seen

@@ -1,0 +1,138 @@
+"""Peers: TorchRL replay buffers and cpprb, driven through the common adapter interface.
+
+Both are optional (the ``bench`` extra); a missing one is skipped with a note.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from bench.adapters import Adapter, Unsupported
+from bench.data import Batch, Spec
+
+
+def _missing(module: str) -> str | None:
+    try:
+        __import__(module)
+    except Exception as exc:  # ImportError, or a broken compiled extension
+        return f"{module} is not importable ({type(exc).__name__}: {exc})"
+    return None
+
+
+class _TorchRL(Adapter):
+    """``torchrl.data.ReplayBuffer`` with ``extend(TensorDict)``. TorchRL has no episode unit:
+    an episode is one extend of its rows; episodes are sampled with ``SliceSampler``, which finds
+    episode ends from the ``done`` flags."""
+
+    @classmethod
+    def missing(cls) -> str | None:
+        return _missing("torchrl")
+
+    def __init__(self, capacity: int, spec: Spec, unit: str, tmpdir: str) -> None:
+        super().__init__(capacity, spec, unit, tmpdir)
+        from torchrl.data import ReplayBuffer  # noqa: PLC0415
+
+        logging.getLogger("torchrl").setLevel(logging.WARNING)
+        self.storage = self.make_storage(capacity)
+        self.rb = ReplayBuffer(storage=self.storage)
+        self.slices: dict[int, Any] = {}
+
+    def make_storage(self, capacity: int) -> Any:
+        raise NotImplementedError
+
+    def convert(self, batch: Batch) -> Any:
+        import torch  # noqa: PLC0415
+        from tensordict import TensorDict  # noqa: PLC0415
+
+        n = len(batch["done"])
+        return TensorDict({k: torch.from_numpy(v) for k, v in batch.items()}, batch_size=[n])
+
+    def write(self, native: Any) -> None:
+        self.rb.extend(native)
+
+    def read(self, start: int, stop: int) -> Any:
+        return self.rb[start:stop]
+
+    def read_index(self, idx: np.ndarray) -> Any:
+        import torch  # noqa: PLC0415
+
+        return self.rb[torch.from_numpy(idx)]
+
+    def sample(self, n: int) -> Any:
+        return self.rb.sample(n)
+
+    def _slice_rb(self, n: int) -> Any:
+        if n not in self.slices:
+            from torchrl.data import ReplayBuffer, SliceSampler  # noqa: PLC0415
+
+            sampler = SliceSampler(num_slices=n, end_key="done")
+            self.slices[n] = ReplayBuffer(storage=self.storage, sampler=sampler)
+        return self.slices[n]
+
+    def prepare_sampling(self) -> None:
+        if self.unit == "episode":
+            self._slice_rb(32).sample(32 * 2)
+
+    def sample_episodes(self, n: int, length: int) -> Any:
+        return self._slice_rb(n).sample(n * length).reshape(n, length)
+
+
+class TorchRLTensor(_TorchRL):
+    name = "torchrl-LazyTensorStorage"
+
+    def make_storage(self, capacity: int) -> Any:
+        from torchrl.data import LazyTensorStorage  # noqa: PLC0415
+
+        return LazyTensorStorage(capacity)
+
+
+class TorchRLMemmap(_TorchRL):
+    name = "torchrl-LazyMemmapStorage"
+
+    def make_storage(self, capacity: int) -> Any:
+        from torchrl.data import LazyMemmapStorage  # noqa: PLC0415
+
+        self.scratch = tempfile.mkdtemp(prefix="bench-memmap-", dir=self.tmpdir)
+        return LazyMemmapStorage(capacity, scratch_dir=self.scratch)
+
+    def close(self) -> None:
+        del self.rb, self.storage, self.slices
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+class Cpprb(Adapter):
+    """``cpprb.ReplayBuffer(N, env_dict)`` with ``add(**arrays)``. cpprb has no public slice or
+    index read: reads use ``_encode_sample(idx)``, the gather behind ``sample``."""
+
+    name = "cpprb"
+
+    @classmethod
+    def missing(cls) -> str | None:
+        return _missing("cpprb")
+
+    def __init__(self, capacity: int, spec: Spec, unit: str, tmpdir: str) -> None:
+        super().__init__(capacity, spec, unit, tmpdir)
+        import cpprb  # noqa: PLC0415
+
+        env = {k: {"shape": shape or 1, "dtype": dtype} for k, (shape, dtype) in spec.items()}
+        self.rb = cpprb.ReplayBuffer(capacity, env)
+
+    def write(self, native: Any) -> None:
+        self.rb.add(**native)
+
+    def read(self, start: int, stop: int) -> Any:
+        return self.rb._encode_sample(np.arange(start, stop))
+
+    def read_index(self, idx: np.ndarray) -> Any:
+        return self.rb._encode_sample(idx)
+
+    def sample(self, n: int) -> Any:
+        return self.rb.sample(n)
+
+    def sample_episodes(self, n: int, length: int) -> Any:
+        raise Unsupported("cpprb has no episode sampling")

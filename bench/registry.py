@@ -1,0 +1,83 @@
+"""Scenario registry, run context and the result-row format shared by all scenarios."""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+Row = dict[str, Any]
+ScenarioFn = Callable[["Context"], list[Row]]
+
+SCENARIOS: dict[str, ScenarioFn] = {}
+
+
+def scenario(name: str) -> Callable[[ScenarioFn], ScenarioFn]:
+    """Register a scenario function under ``name`` (e.g. ``"core.transitions"``)."""
+
+    def register(fn: ScenarioFn) -> ScenarioFn:
+        if name in SCENARIOS:
+            raise ValueError(f"scenario {name!r} registered twice")
+        SCENARIOS[name] = fn
+        return fn
+
+    return register
+
+
+@dataclass
+class Context:
+    """What a scenario gets from the runner: size mode, a scratch dir and a place for notes."""
+
+    quick: bool = False
+    tmpdir: str = "/tmp"
+    max_op_seconds: float = 10.0  # an op stops after the call that crosses this (calls reported)
+    notes: list[str] = field(default_factory=list)
+
+    def size(self, n: int, minimum: int = 1) -> int:
+        """``n`` at default size, about ``n / 20`` in ``--quick`` mode."""
+        return max(minimum, n // 20) if self.quick else n
+
+    def note(self, scenario_name: str, text: str) -> None:
+        self.notes.append(f"{scenario_name}: {text}")
+
+
+def make_row(
+    scenario_name: str,
+    impl: str,
+    op: str,
+    *,
+    rows: int,
+    nbytes: int,
+    seconds: float,
+    pass_: str,
+    **extra: Any,
+) -> Row:
+    seconds = max(seconds, 1e-9)
+    return {
+        "scenario": scenario_name,
+        "impl": impl,
+        "op": op,
+        "rows": int(rows),
+        "bytes": int(nbytes),
+        "seconds": seconds,
+        "rows_per_s": rows / seconds,
+        "gb_per_s": nbytes / seconds / 1e9,
+        "pass": pass_,
+        **extra,
+    }
+
+
+def timed(fn: Callable[[Any], Any], items: Iterable[Any], budget: float) -> tuple[float, int]:
+    """``(seconds, calls)`` to call ``fn`` on the items (results dropped as they come),
+    stopping after the call that crosses ``budget`` seconds."""
+    gc.collect()
+    calls = 0
+    t0 = time.perf_counter()
+    for item in items:
+        fn(item)
+        calls += 1
+        if time.perf_counter() - t0 > budget:
+            break
+    return time.perf_counter() - t0, calls

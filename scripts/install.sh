@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Install shmbuffer and its test tools into ./.venv. torch is pinned first to the CPU build:
+# a bare `torch` requirement would pull a multi-GB CUDA build. Pass EXTRAS=dev,bench for peers.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+EXTRAS="${EXTRAS:-dev}"
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[${EXTRAS}]"

@@ -1,0 +1,310 @@
+"""The in-process buffer: the whole engine in one process, no daemon.
+
+``Buffer`` is what a single-process user reaches for, and the reference semantics the daemon's
+Writer and Reader share: the same ingestion calls (``extend``, ``add_episode``,
+``add_transition``, ``end_episode``) and the same reads (``sample``, ``sample_episodes``,
+``sample_slices``, logical indexing).
+
+With ``name=None`` rows live in private memory; with a name they live in a named shared-memory
+segment another process can attach to (:meth:`shmbuffer.segment.Segment.attach`).
+
+Reads return copies: a caller can keep them while later writes overwrite the ring. Zero-copy
+views with a lease that holds off writers are the daemon Reader's job.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from shmbuffer import rows
+from shmbuffer.container import Container
+from shmbuffer.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
+from shmbuffer.errors import SchemaError
+from shmbuffer.schema import Schema
+from shmbuffer.segment import LocalSegment, Segment
+
+Index = int | np.integer | slice | Sequence[int] | np.ndarray | torch.Tensor
+
+
+class Buffer:
+    """A replay/rollout buffer of ``capacity`` rows in this process.
+
+    Args:
+        capacity: rows the buffer holds.
+        unit: ``"transition"`` (``len`` counts rows) or ``"episode"`` (``len`` counts episodes;
+            whole episodes are evicted first-in first-out).
+        mode: ``"circular"`` overwrites the oldest rows; ``"fixed"`` refuses writes once full.
+        schema: a :class:`Schema`, a spec mapping (``{"obs": {"dtype": "uint8", "shape": [84]}}``)
+            or None to take it from the first batch written.
+        name: None for private memory, or the name of a shared-memory segment to create.
+        num_envs: sub-envs per env id (an int for all, or a mapping), for vector envs.
+        auto_truncate: end an env's episode when a done key is true on a transition.
+        done_keys: the keys that end an episode (Gymnasium's by default).
+        postprocess_fn: turns one finished episode's ``{key: [per-step values]}`` into rows.
+        seed: seeds the sampler's random generator.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        unit: str = "transition",
+        mode: str = "circular",
+        schema: Schema | Mapping[str, Any] | None = None,
+        name: str | None = None,
+        storage_dir: str | Path | None = None,
+        num_envs: int | Mapping[str, int] | None = None,
+        auto_truncate: bool = True,
+        done_keys: Sequence[str] = DEFAULT_DONE_KEYS,
+        postprocess_fn: Callable[[dict[str, list[Any]]], Mapping[str, Any]] | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.container = Container(capacity, mode=mode, unit=unit)
+        self.assembler = EpisodeAssembler(
+            num_envs=num_envs,
+            auto_truncate=auto_truncate,
+            done_keys=done_keys,
+            postprocess_fn=postprocess_fn,
+        )
+        self.name = name
+        self._storage_dir = storage_dir
+        self._rng = np.random.default_rng(seed)
+        self.segment: Segment | LocalSegment | None = None
+        if schema is not None:
+            self._allocate(schema if isinstance(schema, Schema) else Schema.from_spec(schema))
+
+    # -- properties -------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self.container.capacity
+
+    @property
+    def unit(self) -> str:
+        return self.container.unit
+
+    @property
+    def mode(self) -> str:
+        return self.container.mode
+
+    @property
+    def schema(self) -> Schema | None:
+        return None if self.segment is None else self.segment.schema
+
+    @property
+    def num_rows(self) -> int:
+        return self.container.num_rows
+
+    @property
+    def num_episodes(self) -> int:
+        return self.container.num_episodes
+
+    @property
+    def use_counts(self) -> np.ndarray:
+        """Reads of each physical row since it was written (-1: holds no committed data)."""
+        return self.container.use_counts
+
+    def __len__(self) -> int:
+        return len(self.container)
+
+    def __repr__(self) -> str:
+        return (
+            f"Buffer(capacity={self.capacity}, unit={self.unit!r}, mode={self.mode!r}, "
+            f"rows={self.num_rows}, episodes={self.num_episodes}, schema={self.schema})"
+        )
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def extend(self, batch: Mapping[str, Any]) -> list[int]:
+        """Write rows straight in: a chunk of transitions, or one whole episode in episode
+        unit. Returns the ids of the (single) registry entry written."""
+        return self._write(batch)
+
+    def add_episode(self, episode: Mapping[str, Any], num_envs: int = 1) -> list[int]:
+        """Write a finished episode; with ``num_envs > 1`` its leaves are ``[L, num_envs, ...]``
+        and each sub-env becomes its own episode. Returns the new episode ids."""
+        if num_envs == 1:
+            return self._write(episode)
+        return self._write(env_major(episode, num_envs), num_sub_episodes=num_envs)
+
+    def add_transition(self, env_id: str, transition: Mapping[str, Any]) -> list[int]:
+        """Append one step of ``env_id``; returns ids of episodes it finished (if any)."""
+        return self._write_finished(self.assembler.add_transition(env_id, transition))
+
+    def end_episode(self, env_id: str) -> list[int]:
+        """End ``env_id``'s pending episode now (a no-op when nothing is pending)."""
+        return self._write_finished(self.assembler.end_episode(env_id))
+
+    def truncate_episodes(self, env_ids: Iterable[str]) -> list[int]:
+        return [i for env_id in env_ids for i in self.end_episode(env_id)]
+
+    def _write_finished(self, episodes: list[FinishedEpisode]) -> list[int]:
+        return [
+            i for ep in episodes for i in self._write(ep.data, num_sub_episodes=ep.num_sub_episodes)
+        ]
+
+    def _write(self, batch: Mapping[str, Any], num_sub_episodes: int = 1) -> list[int]:
+        if self.segment is None:
+            self._allocate(Schema.from_batch(batch))
+        assert self.segment is not None
+        (num_rows,), leaves = self.segment.schema.validate(batch)
+        if num_rows == 0:
+            warnings.warn("ignoring a write of zero rows", RuntimeWarning, stacklevel=3)
+            return []
+        first_row = 0
+        if num_rows > self.capacity and self.mode == "circular":
+            first_row, num_rows, num_sub_episodes = tail_that_fits(
+                num_rows, num_sub_episodes, self.capacity
+            )
+            warnings.warn(
+                f"{first_row + num_rows} rows exceed the capacity {self.capacity}; "
+                f"keeping the last {num_rows}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        reservation = self.container.reserve(num_rows, num_sub_episodes)
+        try:
+            rows.write(
+                self.segment.columns, self.segment.arrays, reservation.ranges, leaves, first_row
+            )
+        except BaseException:
+            self.container.abort(reservation.id)
+            raise
+        return self.container.commit(reservation.id)
+
+    def _allocate(self, schema: Schema) -> None:
+        if self.name is None:
+            self.segment = LocalSegment(schema, self.capacity)
+        else:
+            self.segment = Segment.create(
+                self.name, schema, self.capacity, storage_dir=self._storage_dir
+            )
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def __getitem__(self, index: Index) -> TensorDict | list[TensorDict]:
+        """Logical (chronological) indexing: 0 is the oldest, -1 the newest row or episode."""
+        positions, scalar = normalize_index(index, len(self))
+        if self.unit == "episode":
+            ids, starts, ends = self.container.registry.at_many(positions)
+            return self._episodes(starts, ends, scalar)
+        physical = self.container.registry.rows_at(positions)
+        data = self._read(physical)
+        return data[0] if scalar else data
+
+    def get_data(self) -> TensorDict | list[TensorDict]:
+        """Everything stored, oldest first."""
+        return self[:]
+
+    def sample(self, batch_size: int) -> TensorDict:
+        """``batch_size`` rows drawn uniformly from all committed rows, with replacement."""
+        return self._read(self.container.registry.sample_rows(batch_size, self._rng))
+
+    def sample_episodes(self, n: int) -> TensorDict | list[TensorDict]:
+        """``n`` whole episodes drawn uniformly: ``[n, L]`` if their lengths agree, else a list."""
+        _, starts, ends = self.container.registry.sample_episodes(n, self._rng)
+        return self._episodes(starts, ends, scalar=False)
+
+    def sample_slices(self, n: int, length: int) -> TensorDict:
+        """``[n, length]`` runs of consecutive rows, each inside one episode."""
+        starts = self.container.registry.sample_slices(n, length, self._rng)
+        physical = (starts[:, None] + np.arange(length)).reshape(-1)
+        return self._read(physical).reshape(n, length)
+
+    def _read(self, physical: np.ndarray) -> TensorDict:
+        if self.segment is None:
+            raise IndexError("the buffer is empty")
+        self.container.count_use(physical)
+        return rows.read(self.segment.columns, physical)
+
+    def _episodes(
+        self, starts: np.ndarray, ends: np.ndarray, scalar: bool
+    ) -> TensorDict | list[TensorDict]:
+        lengths = ends - starts
+        data = self._read(rows.episode_rows(starts, lengths))
+        if scalar:
+            return data
+        if len(lengths) and np.all(lengths == lengths[0]):
+            return data.reshape(len(lengths), int(lengths[0]))
+        return list(data.split(lengths.tolist()))
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Drop every stored row and pending step; keeps the schema and the memory."""
+        self.container.clear()
+        self.assembler.clear()
+
+    def close(self, unlink: bool = True) -> None:
+        """Release the memory; a named segment this buffer created is unlinked by default."""
+        if self.segment is not None:
+            self.segment.close()
+            if unlink and self.name is not None:
+                Segment.unlink(self.name, self._storage_dir)
+            self.segment = None
+
+    def __enter__(self) -> Buffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def normalize_index(index: Index, size: int) -> tuple[np.ndarray, bool]:
+    """Logical positions for ``index`` in ``[0, size)``; negative ones count from the end.
+    Raises IndexError for anything out of range (unwritten rows are never read)."""
+    if isinstance(index, int | np.integer):
+        i = int(index)
+        if not -size <= i < size:
+            raise IndexError(f"index {i} is out of range for {size} stored items")
+        return np.array([i % size], dtype=np.int64), True
+    if isinstance(index, slice):
+        return np.arange(*index.indices(size), dtype=np.int64), False
+    if isinstance(index, torch.Tensor):
+        index = index.cpu().numpy()
+    positions = np.asarray(index)
+    if positions.dtype == np.bool_ or not np.issubdtype(positions.dtype, np.integer):
+        if positions.size:
+            raise IndexError(f"indices must be integers, got dtype {positions.dtype}")
+        positions = positions.astype(np.int64)
+    positions = positions.astype(np.int64).reshape(-1)
+    bad = (positions < -size) | (positions >= size)
+    if bad.any():
+        raise IndexError(
+            f"indices {positions[bad][:5].tolist()} are out of range for {size} stored items"
+        )
+    return positions % max(size, 1), False
+
+
+def tail_that_fits(num_rows: int, num_sub: int, capacity: int) -> tuple[int, int, int]:
+    """(first_row, rows, sub_episodes) of the newest data that fits ``capacity``: whole
+    trailing sub-episodes when one fits, else the tail of the last one."""
+    length = num_rows // num_sub
+    if length <= capacity:
+        keep = capacity // length
+        return (num_sub - keep) * length, keep * length, keep
+    return num_rows - capacity, capacity, 1
+
+
+def env_major(batch: Mapping[str, Any], num_envs: int) -> dict[str, Any]:
+    """``[L, num_envs, ...]`` leaves → ``[num_envs * L, ...]``, sub-env 0's steps first."""
+
+    def convert(value: Any, key: str) -> Any:
+        if isinstance(value, Mapping) or hasattr(value, "batch_size"):
+            return {str(k): convert(value[k], f"{key}.{k}".lstrip(".")) for k in value.keys()}
+        tensor = torch.as_tensor(value)
+        if tensor.dim() < 2 or tensor.shape[1] != num_envs:
+            raise SchemaError(
+                f"key {key!r}: with num_envs={num_envs} every value must be "
+                f"[L, {num_envs}, ...], got shape {list(tensor.shape)}"
+            )
+        return tensor.transpose(0, 1).reshape(-1, *tensor.shape[2:])
+
+    return convert(batch, "")  # type: ignore[no-any-return]

@@ -1,0 +1,167 @@
+"""Readers: learner processes that sample a daemon's buffer.
+
+The daemon picks the rows (one small reply: indices and generation stamps); the reader copies
+them straight out of shared memory with one gather, then checks the stamps: rows a writer
+started to overwrite in between are sampled again, so a copy is never torn. Episodes are
+handed out as zero-copy views under a lease that keeps writers off them until released.
+A remote reader (``remote=True``) receives the rows as frames instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from shmbuffer import rows
+from shmbuffer.clients.connection import Connection
+from shmbuffer.clients.writer import _is_remote_target
+from shmbuffer.errors import TornReadError
+from shmbuffer.schema import Schema
+from shmbuffer.segment import Segment
+
+MAX_RESAMPLES = 8
+
+
+def _i64(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i8").astype(np.int64, copy=False)
+
+
+class Reader:
+    """Samples the buffer served by a daemon.
+
+    Args:
+        target: a buffer name (found through its runtime file) or an endpoint.
+        remote: receive rows over the socket instead of reading shared memory.
+        timeout: seconds any single wait on the daemon may take.
+    """
+
+    def __init__(
+        self, target: str = "default", *, remote: bool | None = None, timeout: float = 10.0
+    ) -> None:
+        if remote is None:
+            remote = _is_remote_target(target)
+        self.remote = remote
+        self.conn = Connection(target, "reader", timeout=timeout, remote=remote)
+        self.capacity: int = self.conn.buffer["capacity"]
+        self.unit: str = self.conn.buffer["unit"]
+        self.schema: Schema | None = None
+        self.segment: Segment | None = None
+        self.resamples = 0  # rows sampled again because a writer overwrote them mid-copy
+
+    def _ready(self) -> Segment | None:
+        """Attach once the buffer has a schema (a lazy schema appears with the first write)."""
+        if self.schema is None:
+            info = self.conn.call("stats")["stats"]
+            if info["schema"] is None:
+                return None
+            self.schema = Schema.from_spec(info["schema"])
+            if not self.remote:
+                seg = info["segment"]
+                self.segment = Segment.attach(seg["name"], storage_dir=seg["storage_dir"])
+        return self.segment
+
+    def _sample(self, **fields: Any) -> tuple[dict[str, Any], Any]:
+        self._ready()
+        return self.conn.wait(self.conn.send("sample", payload=self.remote, **fields))
+
+    # -- transitions --------------------------------------------------------------------------
+
+    def sample(self, batch_size: int) -> TensorDict:
+        """``batch_size`` transitions drawn uniformly from the committed rows (a copy)."""
+        reply, frames = self._sample(kind="rows", n=batch_size)
+        if self.remote:
+            return self._from_frames(frames, [batch_size])
+        return self._checked_gather(_i64(reply["rows"]), _i64(reply["gens"]), "rows", 1)
+
+    def sample_slices(self, n: int, length: int) -> TensorDict:
+        """``[n, length]`` runs of consecutive rows, each inside one episode (a copy)."""
+        reply, frames = self._sample(kind="slices", n=n, length=length)
+        if self.remote:
+            return self._from_frames(frames, [n, length])
+        physical = (_i64(reply["starts"])[:, None] + np.arange(length)).reshape(-1)
+        data = self._checked_gather(physical, _i64(reply["gens"]), "slices", length)
+        return data.reshape(n, length)
+
+    def _checked_gather(
+        self, physical: np.ndarray, gens: np.ndarray, kind: str, group: int
+    ) -> TensorDict:
+        """Gather rows, then redo (with fresh samples) the groups whose stamps moved."""
+        assert self.segment is not None
+        data = rows.gather(self.segment.columns, physical)
+        for _ in range(MAX_RESAMPLES):
+            moved = (self.segment.generations[physical] != gens).reshape(-1, group).any(axis=1)
+            if not moved.any():
+                return data
+            bad = np.flatnonzero(moved)
+            self.resamples += len(bad)
+            fields: dict[str, Any] = {"kind": kind, "n": len(bad)}
+            if kind == "slices":
+                fields["length"] = group
+            reply, _ = self._sample(**fields)
+            if kind == "slices":
+                fresh = (_i64(reply["starts"])[:, None] + np.arange(group)).reshape(-1)
+            else:
+                fresh = _i64(reply["rows"])
+            where = (bad[:, None] * group + np.arange(group)).reshape(-1)
+            physical, gens = physical.copy(), gens.copy()
+            physical[where], gens[where] = fresh, _i64(reply["gens"])
+            data[torch.from_numpy(where)] = rows.gather(self.segment.columns, fresh)
+        raise TornReadError(f"rows kept being overwritten through {MAX_RESAMPLES} resamples")
+
+    def _from_frames(self, frames: list[Any], batch_size: list[int]) -> TensorDict:
+        assert self.schema is not None
+        n = int(np.prod(batch_size))
+        flat = {}
+        for field, frame in zip(self.schema.fields, frames, strict=True):
+            array = np.frombuffer(frame.buffer, dtype=np.uint8)
+            flat[field.key] = rows.from_bytes(array, field.dtype, (n, *field.shape), copy=True)
+        return rows.nest(flat, [n]).reshape(*batch_size)
+
+    # -- episodes ---------------------------------------------------------------------------
+
+    @contextmanager
+    def sample_episodes(self, n: int) -> Iterator[list[TensorDict]]:
+        """``n`` whole episodes drawn uniformly. Locally: zero-copy views of the shared rows,
+        leased so no writer overwrites them until the block exits (or the lease TTL ends).
+        Remotely: copies."""
+        if self.remote:
+            reply, frames = self._sample(kind="episodes", n=n)
+            lengths = _i64(reply["lengths"])
+            data = self._from_frames(frames, [int(lengths.sum())])
+            yield list(data.split(lengths.tolist()))
+            return
+        reply, _ = self._sample(kind="episodes", n=n, lease=True)
+        assert self.segment is not None
+        starts, lengths = _i64(reply["starts"]), _i64(reply["lengths"])
+        data = self.segment.data
+        try:
+            yield [data[int(s) : int(s + n)] for s, n in zip(starts, lengths, strict=True)]
+        finally:
+            self.conn.call("release", lease=reply["lease"])
+
+    # -- info ---------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = self.conn.call("stats")["stats"]
+        return stats
+
+    def __len__(self) -> int:
+        stats = self.stats()
+        return int(stats["rows"] if stats["unit"] == "transition" else stats["episodes"])
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+        self.conn.close()
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,211 @@
+"""Writers: env-worker processes that put rows into a daemon's buffer.
+
+A local writer copies its rows straight into the shared segment: ``reserve`` (one round trip)
+→ copy → ``commit`` (sent without waiting; its acknowledgement is collected on the next call,
+by :meth:`Writer.flush` or :meth:`Writer.close`). The daemon never touches the bytes. A remote
+writer (``remote=True``, or a daemon on another host) sends the rows as raw frames instead and
+the daemon copies them in. Both have the same API as the in-process :class:`~shmbuffer.Buffer`.
+"""
+
+from __future__ import annotations
+
+import socket
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from shmbuffer import rows
+from shmbuffer.clients.buffer import env_major, tail_that_fits
+from shmbuffer.clients.connection import Connection
+from shmbuffer.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
+from shmbuffer.schema import Schema
+from shmbuffer.segment import Segment
+
+
+class Writer:
+    """Writes into the buffer served by a daemon.
+
+    Args:
+        target: a buffer name (found through its runtime file) or an endpoint.
+        remote: send rows over the socket instead of writing shared memory (automatic for a
+            ``tcp://`` endpoint on another host).
+        timeout: seconds any single wait on the daemon may take.
+        reserve_timeout: seconds a reservation may wait for readers' leases to end.
+        The rest are the episode-assembly options of :class:`~shmbuffer.Buffer`.
+    """
+
+    def __init__(
+        self,
+        target: str = "default",
+        *,
+        remote: bool | None = None,
+        timeout: float = 10.0,
+        reserve_timeout: float = 30.0,
+        num_envs: int | Mapping[str, int] | None = None,
+        auto_truncate: bool = True,
+        done_keys: Sequence[str] = DEFAULT_DONE_KEYS,
+        postprocess_fn: Callable[[dict[str, list[Any]]], Mapping[str, Any]] | None = None,
+    ) -> None:
+        if remote is None:
+            remote = _is_remote_target(target)
+        self.remote = remote
+        self.conn = Connection(target, "writer", timeout=timeout, remote=remote)
+        self.reserve_timeout = reserve_timeout
+        self.assembler = EpisodeAssembler(
+            num_envs=num_envs,
+            auto_truncate=auto_truncate,
+            done_keys=done_keys,
+            postprocess_fn=postprocess_fn,
+        )
+        self.capacity: int = self.conn.buffer["capacity"]
+        self.unit: str = self.conn.buffer["unit"]
+        self.mode: str = self.conn.buffer["mode"]
+        self.schema: Schema | None = None
+        self.segment: Segment | None = None
+        self._in_flight: list[tuple[int, int]] = []  # (seq, rows) of unacknowledged commits
+        self.episodes_committed = 0
+        self.rows_committed = 0
+        self._adopt(self.conn.buffer)
+
+    def _adopt(self, buffer: dict[str, Any]) -> None:
+        if buffer["schema"] is None:
+            return
+        self.schema = Schema.from_spec(buffer["schema"])
+        if not self.remote and self.segment is None:
+            seg = buffer["segment"]
+            self.segment = Segment.attach(seg["name"], storage_dir=seg["storage_dir"])
+
+    # -- the Buffer API -----------------------------------------------------------------------
+
+    def extend(self, batch: Mapping[str, Any]) -> None:
+        """Write a chunk of transitions (or, in episode unit, one whole episode)."""
+        self._write(batch)
+
+    def add_episode(self, episode: Mapping[str, Any], num_envs: int = 1) -> None:
+        if num_envs == 1:
+            self._write(episode)
+        else:
+            self._write(env_major(episode, num_envs), num_sub_episodes=num_envs)
+
+    def add_transition(self, env_id: str, transition: Mapping[str, Any]) -> None:
+        self._write_finished(self.assembler.add_transition(env_id, transition))
+
+    def end_episode(self, env_id: str) -> None:
+        self._write_finished(self.assembler.end_episode(env_id))
+
+    def truncate_episodes(self, env_ids: Iterable[str]) -> None:
+        for env_id in env_ids:
+            self.end_episode(env_id)
+
+    def _write_finished(self, episodes: list[FinishedEpisode]) -> None:
+        for ep in episodes:
+            self._write(ep.data, num_sub_episodes=ep.num_sub_episodes)
+
+    # -- the write path -----------------------------------------------------------------------
+
+    def _write(self, batch: Mapping[str, Any], num_sub_episodes: int = 1) -> None:
+        if self.schema is None:
+            reply = self.conn.call("define_schema", schema=Schema.from_batch(batch).to_spec())
+            self._adopt(reply["buffer"])
+        assert self.schema is not None
+        (num_rows,), leaves = self.schema.validate(batch)  # refused here, before any copy
+        if num_rows == 0:
+            warnings.warn("ignoring a write of zero rows", RuntimeWarning, stacklevel=3)
+            return
+        first_row = 0
+        if num_rows > self.capacity and self.mode == "circular":
+            first_row, num_rows, num_sub_episodes = tail_that_fits(
+                num_rows, num_sub_episodes, self.capacity
+            )
+            warnings.warn(
+                f"{first_row + num_rows} rows exceed the capacity {self.capacity}; "
+                f"keeping the last {num_rows}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        if self.remote:
+            self._write_remote(leaves, first_row, num_rows, num_sub_episodes)
+        else:
+            self._write_local(leaves, first_row, num_rows, num_sub_episodes)
+
+    def _write_local(
+        self, leaves: dict[Any, Any], first_row: int, num_rows: int, num_sub: int
+    ) -> None:
+        assert self.segment is not None
+        timeout_ms = int(self.reserve_timeout * 1000)
+        reply = self.conn.call(
+            "reserve",
+            timeout=self.reserve_timeout + self.conn.timeout,
+            rows=num_rows,
+            episodes=num_sub,
+            timeout_ms=timeout_ms,
+        )
+        self._collect_acks(block=False)
+        reservation = reply["reservation"]
+        ranges = [(int(s), int(e)) for s, e in reply["ranges"]]
+        try:
+            rows.write(self.segment.columns, self.segment.arrays, ranges, leaves, first_row)
+        except BaseException:
+            self.conn.send("abort", reservation=reservation)
+            raise
+        self._in_flight.append((self.conn.send("commit", reservation=reservation), num_rows))
+
+    def _write_remote(
+        self, leaves: dict[Any, Any], first_row: int, num_rows: int, num_sub: int
+    ) -> None:
+        assert self.schema is not None
+        frames = [
+            rows.to_bytes(leaves[f.key][first_row : first_row + num_rows], f.dtype)
+            for f in self.schema.fields
+        ]
+        reply = self.conn.call(
+            "write",
+            frames,
+            timeout=self.reserve_timeout + self.conn.timeout,
+            rows=num_rows,
+            episodes=num_sub,
+            timeout_ms=int(self.reserve_timeout * 1000),
+        )
+        self.episodes_committed += len(reply["episodes"])
+        self.rows_committed += num_rows
+
+    def _collect_acks(self, block: bool) -> None:
+        """Take the replies of commits sent earlier; raises the first error among them."""
+        while self._in_flight:
+            seq, num_rows = self._in_flight[0]
+            if not block and not self.conn.ready(seq):
+                return
+            header, _ = self.conn.wait(seq)
+            self._in_flight.pop(0)
+            self.episodes_committed += len(header["episodes"])
+            self.rows_committed += num_rows
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until everything written so far is committed and visible to readers.
+        Pending (unfinished) episodes are not written: end them first if you want them."""
+        if self._in_flight:
+            self.conn.wait_all([seq for seq, _ in self._in_flight], timeout)
+            self._collect_acks(block=True)
+
+    def close(self, timeout: float | None = None) -> None:
+        try:
+            self.flush(timeout)
+        finally:
+            if self.segment is not None:
+                self.segment.close()
+                self.segment = None
+            self.conn.close()
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _is_remote_target(target: str) -> bool:
+    if not target.startswith("tcp://"):
+        return False
+    host = target[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    local = {"127.0.0.1", "localhost", "::1", "0.0.0.0", socket.gethostname()}
+    return host not in local

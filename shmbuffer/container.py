@@ -1,0 +1,191 @@
+"""Where the next rows go: the ring pointer, modes, units, reservations and use counters.
+
+The container is metadata only. It never touches row data, so the same object serves the
+in-process :class:`~shmbuffer.Buffer` (which copies right after reserving) and the daemon
+(whose writers copy in their own processes between ``reserve`` and ``commit``).
+
+Writing is two-phase, which is what keeps readers from ever seeing a torn episode:
+
+1. ``reserve(n)`` picks the rows, evicts every committed episode they overlap (samplers stop
+   returning them at once) and hands out the physical row ranges;
+2. the caller copies the data into those rows;
+3. ``commit(reservation)`` publishes the episodes in the registry; only then can they be read.
+
+Units: in ``"transition"`` unit ``len()`` counts rows and a chunk may wrap around the end of
+the ring (split in two ranges); in ``"episode"`` unit ``len()`` counts episodes and an episode
+never wraps: when it does not fit before the end, the writer wraps early to row 0 and the rows
+it skipped are evicted too, so eviction stays FIFO over whole episodes.
+
+Not thread-safe: the owner (buffer or daemon loop) serialises calls.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shmbuffer.errors import CapacityError, NotFoundError
+from shmbuffer.registry import Episode, EpisodeRegistry
+
+MODES = ("circular", "fixed")
+UNITS = ("transition", "episode")
+
+Range = tuple[int, int]
+
+
+@dataclass
+class Reservation:
+    """Rows handed to one writer: physical ``ranges`` filled in order, episodes to publish."""
+
+    id: int
+    ranges: list[Range]
+    #: ``(start, end)`` physical bounds of each (sub-)episode, registered at commit.
+    episodes: list[Range]
+    owner: object = None
+    evicted: list[Episode] = field(default_factory=list)
+    #: When an owner that never commits loses the rows (monotonic seconds; daemon only).
+    deadline: float = math.inf
+
+    @property
+    def num_rows(self) -> int:
+        return sum(stop - start for start, stop in self.ranges)
+
+
+def check_choice(what: str, value: str, allowed: Iterable[str]) -> str:
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r}; expected one of {list(allowed)}")
+    return value
+
+
+class Container:
+    def __init__(self, capacity: int, *, mode: str = "circular", unit: str = "transition") -> None:
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        self.capacity = capacity
+        self.mode = check_choice("mode", mode, MODES)
+        self.unit = check_choice("unit", unit, UNITS)
+        self.registry = EpisodeRegistry(capacity)
+        self.pointer = 0  # next physical row to write
+        self.rows_written = 0  # rows ever reserved, for stats and the fixed-mode limit
+        #: Reads per row since it was committed; -1 for rows that hold no committed data.
+        self.use_counts = np.full(capacity, -1, dtype=np.int32)
+        self.reservations: dict[int, Reservation] = {}
+        self._next_reservation = 1
+
+    # -- sizes ------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.registry.num_rows if self.unit == "transition" else len(self.registry)
+
+    @property
+    def num_rows(self) -> int:
+        return self.registry.num_rows
+
+    @property
+    def num_episodes(self) -> int:
+        return len(self.registry)
+
+    @property
+    def reserved_rows(self) -> int:
+        return sum(r.num_rows for r in self.reservations.values())
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def plan(self, num_rows: int, num_sub_episodes: int = 1) -> tuple[list[Range], list[Range]]:
+        """The physical ranges a reservation of ``num_rows`` would get, and the ranges it would
+        evict, without changing anything (the daemon checks leases against them first)."""
+        if num_rows < 1:
+            raise ValueError(f"a reservation needs at least one row, got {num_rows}")
+        if num_sub_episodes < 1 or num_rows % num_sub_episodes:
+            raise ValueError(
+                f"{num_rows} rows cannot be split into {num_sub_episodes} equal sub-episodes"
+            )
+        if num_rows > self.capacity:
+            raise CapacityError(f"{num_rows} rows do not fit a buffer of capacity {self.capacity}")
+        start, end = self.pointer, self.pointer + num_rows
+        if end <= self.capacity:
+            return [(start, end)], [(start, end)]
+        if self.mode == "fixed":
+            raise CapacityError(
+                f"fixed-mode buffer is full: {num_rows} rows do not fit in the "
+                f"{self.capacity - self.pointer} left of capacity {self.capacity}"
+            )
+        if self.unit == "episode":  # early wrap: skip the tail, evict it with the new rows
+            return [(0, num_rows)], [(start, self.capacity), (0, num_rows)]
+        wrapped = [(start, self.capacity), (0, end - self.capacity)]
+        return wrapped, wrapped
+
+    def reserve(self, num_rows: int, num_sub_episodes: int = 1, owner: object = None) -> Reservation:
+        ranges, evict = self.plan(num_rows, num_sub_episodes)
+        for start, stop in ranges:
+            for other in self.reservations.values():
+                if any(s < stop and start < e for s, e in other.ranges):
+                    raise CapacityError(
+                        f"rows {start}..{stop} are still reserved by an uncommitted writer "
+                        f"(reservation {other.id}); the ring is smaller than the data in flight"
+                    )
+        evicted = [ep for s, e in evict for ep in self.registry.evict(s, e)]
+        for s, e in evict:
+            self.use_counts[s:e] = -1
+        reservation = Reservation(
+            id=self._next_reservation,
+            ranges=ranges,
+            episodes=_episode_bounds(ranges, num_rows // num_sub_episodes, num_sub_episodes),
+            owner=owner,
+            evicted=evicted,
+        )
+        self._next_reservation += 1
+        self.reservations[reservation.id] = reservation
+        self.pointer = ranges[-1][1] % self.capacity
+        self.rows_written += num_rows
+        return reservation
+
+    def commit(self, reservation_id: int) -> list[int]:
+        """Publish a reservation's episodes; return their ids in order."""
+        reservation = self._pop(reservation_id)
+        for start, stop in reservation.ranges:
+            self.use_counts[start:stop] = 0
+        return [self.registry.add(s, e) for s, e in reservation.episodes]
+
+    def abort(self, reservation_id: int) -> None:
+        """Give rows back unpublished (a writer that died or failed mid-copy)."""
+        self._pop(reservation_id)
+
+    def _pop(self, reservation_id: int) -> Reservation:
+        try:
+            return self.reservations.pop(reservation_id)
+        except KeyError:
+            raise NotFoundError(f"no open reservation {reservation_id}") from None
+
+    def clear(self) -> None:
+        """Forget every committed row; open reservations stay valid."""
+        self.registry.clear()
+        self.use_counts[:] = -1
+        if not self.reservations:
+            self.pointer = 0
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def count_use(self, rows: np.ndarray) -> None:
+        """Count one read of each row, duplicates included (``np.add.at``, not ``+=``)."""
+        np.add.at(self.use_counts, rows, 1)
+
+
+def _episode_bounds(ranges: list[Range], length: int, count: int) -> list[Range]:
+    """Physical bounds of ``count`` sub-episodes of ``length`` rows laid over ``ranges`` in
+    order; an episode that straddles the wrap of a transition chunk becomes two entries."""
+    bounds: list[Range] = []
+    logical = [(i * length, (i + 1) * length) for i in range(count)]
+    offset = 0
+    for start, stop in ranges:
+        span = (offset, offset + stop - start)
+        for lo, hi in logical:
+            lo, hi = max(lo, span[0]), min(hi, span[1])
+            if lo < hi:
+                bounds.append((start + lo - offset, start + hi - offset))
+        offset = span[1]
+    return bounds

@@ -1,0 +1,276 @@
+"""``shmbuffer-daemon``: start, stop, status, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from shmbuffer.daemon import runtime
+from shmbuffer.daemon.config import DaemonConfig, load_schema_file, runtime_dir
+from shmbuffer.errors import ShmBufferError
+from shmbuffer.protocol import PROTOCOL_VERSION
+from shmbuffer.segment import Segment
+
+log = logging.getLogger("shmbuffer.daemon")
+
+
+def _admin(name: str, timeout: float = 5.0) -> Any:
+    from shmbuffer.clients.connection import Connection
+
+    return Connection(name, "admin", timeout=timeout)
+
+
+# -- start --------------------------------------------------------------------------------
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    config = DaemonConfig.load(
+        args.config,
+        name=args.name,
+        capacity=args.capacity,
+        unit=args.unit,
+        mode=args.mode,
+        schema=load_schema_file(args.schema) if args.schema else None,
+        endpoint=args.endpoint,
+        storage_dir=args.storage_dir,
+        lease_ttl=args.lease_ttl,
+        reservation_ttl=args.reservation_ttl,
+    )
+    if args.detach:
+        return _detach(args, config)
+    return run_daemon(config, keep=args.keep)
+
+
+def _claim_name(config: DaemonConfig) -> None:
+    """Refuse a name a live daemon serves; clear what a dead one left behind."""
+    info = runtime.read(config.name)
+    if info is None:
+        return
+    if not runtime.is_stale(info):
+        raise ShmBufferError(
+            f"buffer {config.name!r} is already served by pid {info.get('pid')} at "
+            f"{info.get('endpoint')}; stop it first (`shmbuffer-daemon stop --name {config.name}`)"
+        )
+    log.warning(
+        "replacing the stale runtime file and segment of dead daemon pid %s", info.get("pid")
+    )
+    runtime.remove(config.name)
+    Segment.unlink(config.name, info.get("storage_dir"))
+
+
+def run_daemon(config: DaemonConfig, keep: bool = False) -> int:
+    from shmbuffer.daemon.server import Server
+    from shmbuffer.daemon.service import BufferService
+
+    _claim_name(config)
+    service = BufferService(config)
+    server = Server(service, config.resolved_endpoint)
+    server.install_signal_handlers()
+    runtime.write(
+        config.name,
+        {
+            "name": config.name,
+            "endpoint": server.endpoint,
+            "pid": os.getpid(),
+            "storage_dir": config.storage_dir,
+            "protocol": PROTOCOL_VERSION,
+        },
+    )
+    (runtime_dir() / f"{config.name}.pid").write_text(f"{os.getpid()}\n")
+    log.info(
+        "buffer %r: %d rows, unit=%s, mode=%s; listening on %s (pid %d)",
+        config.name,
+        config.capacity,
+        config.unit,
+        config.mode,
+        server.endpoint,
+        os.getpid(),
+    )
+    try:
+        server.serve_forever()
+    finally:
+        server.close()
+        keep = keep or server.keep_segment
+        if not keep:
+            Segment.unlink(config.name, config.storage_dir)
+        runtime.remove(config.name, os.getpid())
+        (runtime_dir() / f"{config.name}.pid").unlink(missing_ok=True)
+        log.info("stopped%s", " (segment kept)" if keep else "")
+    return 0
+
+
+def _detach(args: argparse.Namespace, config: DaemonConfig) -> int:
+    argv = [a for a in sys.argv[1:] if a != "--detach"]
+    logfile = runtime_dir() / f"{config.name}.log"
+    with open(logfile, "ab") as out:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "shmbuffer.daemon.cli", *argv],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + args.ready_timeout
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            print(f"the daemon exited with {child.returncode}; see {logfile}", file=sys.stderr)
+            return 1
+        info = runtime.read(config.name)
+        if info is not None and info.get("pid") == child.pid:
+            print(f"shmbuffer daemon {config.name!r} ready: pid {child.pid}, {info['endpoint']}")
+            print(f"log: {logfile}")
+            return 0
+        time.sleep(0.05)
+    child.terminate()
+    print(f"the daemon did not become ready in {args.ready_timeout}s; see {logfile}")
+    return 1
+
+
+# -- stop ---------------------------------------------------------------------------------
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    info = runtime.read(args.name)
+    if info is None or runtime.is_stale(info):
+        print(f"no daemon serves {args.name!r}", file=sys.stderr)
+        return 1
+    pid = int(info["pid"])
+    try:
+        conn = _admin(args.name)
+        conn.call("shutdown", keep=args.keep)
+        conn.close()
+    except ShmBufferError as exc:
+        print(f"the daemon did not answer ({exc}); sending SIGTERM", file=sys.stderr)
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + args.timeout
+    while runtime.pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if runtime.pid_alive(pid):
+        print(f"pid {pid} still running after {args.timeout}s", file=sys.stderr)
+        return 1
+    print(f"stopped {args.name!r} (pid {pid})")
+    return 0
+
+
+# -- status -------------------------------------------------------------------------------
+
+
+def format_status(s: dict[str, Any]) -> str:
+    def rate(x: float) -> str:
+        return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
+
+    schema = s["schema"] or "(lazy: set by the first writer)"
+    return "\n".join(
+        [
+            f"buffer      {s['name']}  (pid {s['pid']}, protocol {s['protocol']}, "
+            f"up {s['uptime_s']:.0f}s)",
+            f"capacity    {s['capacity']:,} rows  unit={s['unit']}  mode={s['mode']}",
+            f"stored      {s['rows']:,} rows, {s['episodes']:,} episodes  "
+            f"fill {100 * s['fill']:.1f}%",
+            f"rates       insert {rate(s['insert_rows_per_s'])} rows/s   "
+            f"sample {rate(s['sample_rows_per_s'])} rows/s",
+            f"clients     {s['writers']} writers, {s['readers']} readers",
+            f"in flight   {s['reservations']} reservations ({s['reserved_rows']:,} rows), "
+            f"{s['leases']} leases",
+            f"totals      {s['rows_committed']:,} rows / {s['episodes_committed']:,} episodes "
+            f"committed, {s['samples']:,} samples, {s['errors']:,} refused requests",
+            f"limiter     {s['rate_limiter']}",
+            f"schema      {schema}",
+        ]
+    )
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    try:
+        conn = _admin(args.name, timeout=args.timeout)
+    except ShmBufferError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    try:
+        while True:
+            stats = conn.call("stats")["stats"]
+            if args.json:
+                print(json.dumps(stats))
+            else:
+                text = format_status(stats)
+                print(f"\x1b[H\x1b[2J{text}" if args.watch else text, flush=True)
+            if not args.watch:
+                return 0
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+    except ShmBufferError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    finally:
+        conn.close()
+
+
+# -- parser -------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shmbuffer-daemon", description="Run and inspect a shmbuffer replay-buffer daemon."
+    )
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    start = sub.add_parser("start", help="start a daemon (foreground unless --detach)")
+    start.add_argument("--config", help="TOML file with the settings below")
+    start.add_argument("--name", default=None, help="buffer name (default: default)")
+    start.add_argument("--capacity", type=int, default=None, help="rows (default: 100000)")
+    start.add_argument("--unit", choices=("transition", "episode"), default=None)
+    start.add_argument("--mode", choices=("circular", "fixed"), default=None)
+    start.add_argument("--schema", help="TOML or JSON file: keys -> dtype, shape")
+    start.add_argument("--endpoint", help="ipc://PATH or tcp://HOST:PORT")
+    start.add_argument("--storage-dir", help="folder for the segment (default /dev/shm/shmbuffer)")
+    start.add_argument("--lease-ttl", type=float, default=None)
+    start.add_argument("--reservation-ttl", type=float, default=None)
+    start.add_argument("--keep", action="store_true", help="keep the segment when stopping")
+    start.add_argument("--detach", action="store_true", help="run in the background")
+    start.add_argument("--ready-timeout", type=float, default=30.0)
+    start.set_defaults(func=cmd_start)
+
+    stop = sub.add_parser("stop", help="stop a daemon cleanly")
+    stop.add_argument("--name", default="default")
+    stop.add_argument("--keep", action="store_true", help="keep the segment")
+    stop.add_argument("--timeout", type=float, default=10.0)
+    stop.set_defaults(func=cmd_stop)
+
+    status = sub.add_parser("status", help="show a daemon's state")
+    status.add_argument("--name", default="default")
+    status.add_argument("--json", action="store_true")
+    status.add_argument("--watch", type=float, nargs="?", const=1.0, default=None)
+    status.add_argument("--timeout", type=float, default=5.0)
+    status.set_defaults(func=cmd_status)
+
+    from shmbuffer.demo import add_demo_parser
+
+    add_demo_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return int(args.func(args))
+    except (ShmBufferError, ValueError, OSError) as exc:
+        print(f"shmbuffer-daemon: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""The daemon's event loop: one ROUTER socket, one thread, every message answered.
+
+Each request is decoded and validated before it reaches the service; anything wrong becomes an
+error reply with a typed code and a log line, and the loop goes on. A request the service
+defers (a reservation waiting for readers' leases) is parked and retried after every batch of
+messages until it succeeds or its own timeout runs out, without blocking anyone else.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from shmbuffer.daemon.service import BufferService, Deferred, Frames
+from shmbuffer.errors import ShmBufferError, WaitTimeoutError
+from shmbuffer.protocol import (
+    MAX_HEADER_BYTES,
+    decode,
+    encode,
+    error_reply,
+    ok_reply,
+    validate_request,
+)
+
+log = logging.getLogger("shmbuffer.daemon")
+
+TICK_S = 0.05  # how often leases and reservations are checked for expiry
+
+
+@dataclass
+class Parked:
+    identity: bytes
+    header: dict[str, Any]
+    fields: dict[str, Any]
+    frames: Frames
+    deadline: float
+
+
+class Server:
+    def __init__(self, service: BufferService, endpoint: str) -> None:
+        self.service = service
+        self.endpoint = endpoint
+        self._context = zmq.Context()
+        self.socket = self._context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 1000)
+        self.socket.setsockopt(
+            zmq.MAXMSGSIZE, service.config.max_payload_bytes + MAX_HEADER_BYTES
+        )
+        self._bind(endpoint)
+        self._parked: deque[Parked] = deque()
+        self._stopping = False
+        self.keep_segment = False
+
+    def _bind(self, endpoint: str) -> None:
+        if endpoint.startswith("ipc://"):
+            path = endpoint[len("ipc://") :]
+            old = os.umask(0o177)  # the socket file is created owner-only
+            try:
+                self.socket.bind(endpoint)
+            finally:
+                os.umask(old)
+            os.chmod(path, 0o600)
+        else:
+            self.socket.bind(endpoint)
+            self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def stop(self, *_: object) -> None:
+        """Ask the loop to finish the messages in hand and return (signal-handler safe)."""
+        self._stopping = True
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+
+    # -- loop -------------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        last_tick = 0.0
+        while not self._stopping:
+            if poller.poll(int(TICK_S * 1000)):
+                for _ in range(1000):  # drain a burst, then look at timers
+                    try:
+                        frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._on_message(frames)
+            now = time.monotonic()
+            if now - last_tick >= TICK_S:
+                self.service.tick(now)
+                last_tick = now
+            if self._parked:
+                self._retry_parked(now)
+        self._drain_on_stop()
+
+    def _on_message(self, raw: list[zmq.Frame]) -> None:
+        if len(raw) < 2:
+            return  # a ROUTER always prepends the identity; nothing to answer
+        identity, header_frame, payload = raw[0].bytes, raw[1].buffer, [f.buffer for f in raw[2:]]
+        header: dict[str, Any] = {}
+        try:
+            header = decode(header_frame)
+            fields = validate_request(header)
+        except ShmBufferError as exc:
+            self._reply_error(identity, header.get("seq"), exc)
+            return
+        self._dispatch(identity, header, fields, payload, time.monotonic(), first=True)
+
+    def _dispatch(
+        self,
+        identity: bytes,
+        header: dict[str, Any],
+        fields: dict[str, Any],
+        payload: Frames,
+        now: float,
+        first: bool,
+    ) -> bool:
+        """Run one request; False if it was (re)parked."""
+        try:
+            reply, out = self.service.handle(identity, header["op"], fields, payload, now)
+        except Deferred as wait:
+            if first:
+                self._parked.append(Parked(identity, header, fields, payload, wait.deadline))
+            return False
+        except ShmBufferError as exc:
+            self._reply_error(identity, header["seq"], exc)
+            return True
+        except Exception as exc:  # a bug must not kill the daemon: report it and go on
+            log.exception("internal error handling %s", header.get("op"))
+            self._reply_error(identity, header["seq"], ShmBufferError(f"internal error: {exc!r}"))
+            return True
+        self._send(identity, ok_reply(header["seq"], **reply), out)
+        if header["op"] == "shutdown":
+            self.keep_segment = bool(fields.get("keep", False))
+            self.stop()
+        return True
+
+    def _retry_parked(self, now: float) -> None:
+        still: deque[Parked] = deque()
+        while self._parked:
+            item = self._parked.popleft()
+            if now >= item.deadline:
+                self._reply_error(
+                    item.identity,
+                    item.header["seq"],
+                    WaitTimeoutError(f"op {item.header['op']!r} waited too long: rows are leased"),
+                )
+            elif not self._dispatch(
+                item.identity, item.header, item.fields, item.frames, now, first=False
+            ):
+                still.append(item)
+                break  # FIFO: later requests want the same rows; keep them behind this one
+        still.extend(self._parked)
+        self._parked = still
+
+    def _reply_error(self, identity: bytes, seq: Any, exc: ShmBufferError) -> None:
+        self.service.counters.errors += 1
+        log.warning("refused a request: %s: %s", exc.code, exc)
+        self._send(identity, error_reply(seq, exc), [])
+
+    def _send(self, identity: bytes, header: dict[str, Any], payload: Frames) -> None:
+        try:
+            self.socket.send_multipart([identity, encode(header), *payload], copy=False)
+        except zmq.ZMQError as exc:  # the peer vanished; its state is reaped by TTL
+            log.warning("could not reply to a client: %s", exc)
+
+    def _drain_on_stop(self) -> None:
+        for item in self._parked:
+            self._reply_error(
+                item.identity, item.header["seq"], ShmBufferError("the daemon is shutting down")
+            )
+        self._parked.clear()
+
+    def close(self) -> None:
+        self.socket.close()
+        self._context.term()
+        if self.endpoint.startswith("ipc://"):
+            try:
+                os.unlink(self.endpoint[len("ipc://") :])
+            except FileNotFoundError:
+                pass

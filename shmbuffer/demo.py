@@ -1,0 +1,189 @@
+"""``shmbuffer-daemon demo``: a daemon, N writer processes and learners on synthetic data.
+
+Every row carries who wrote it (``writer``), which of its episodes (``episode``), the step and
+an observation filled with a value derived from those three, so a learner can prove each
+episode it samples is whole. The same worker functions drive the end-to-end tests and the
+daemon benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+
+def payload_value(writer: int, episode: int, step: np.ndarray | int) -> Any:
+    return (writer * 7 + episode * 13 + step) % 251
+
+
+def make_episode(writer: int, episode: int, length: int, obs_shape: tuple[int, ...]) -> dict:
+    steps = np.arange(length, dtype=np.int64)
+    values = payload_value(writer, episode, steps).astype(np.uint8)
+    obs = np.empty((length, *obs_shape), dtype=np.uint8)
+    obs.reshape(length, -1)[:] = values[:, None]
+    done = np.zeros(length, dtype=bool)
+    done[-1] = True
+    return {
+        "obs": obs,
+        "writer": np.full(length, writer, dtype=np.int64),
+        "episode": np.full(length, episode, dtype=np.int64),
+        "step": steps,
+        "reward": steps.astype(np.float32),
+        "done": done,
+    }
+
+
+def check_episode(ep: TensorDict) -> None:
+    """Raise AssertionError unless ``ep`` is one whole episode written by make_episode."""
+    writer, episode = int(ep["writer"][0]), int(ep["episode"][0])
+    steps = ep["step"].numpy()
+    length = len(steps)
+    assert (ep["writer"] == writer).all() and (ep["episode"] == episode).all(), "mixed episodes"
+    assert np.array_equal(steps, np.arange(length)), f"steps not 0..{length - 1}: torn"
+    assert bool(ep["done"][-1]) and not ep["done"][:-1].any(), "done flags torn"
+    expected = payload_value(writer, episode, steps).astype(np.uint8)
+    obs = ep["obs"].reshape(length, -1).numpy()
+    assert np.array_equal(obs[:, 0], expected) and np.array_equal(obs[:, -1], expected), "torn obs"
+
+
+def check_rows(batch: TensorDict) -> None:
+    """Each sampled row's observation matches its (writer, episode, step) stamp."""
+    expected = payload_value(batch["writer"], batch["episode"], batch["step"]).to(torch.uint8)
+    obs = batch["obs"].reshape(len(expected), -1)
+    assert torch.equal(obs[:, 0], expected) and torch.equal(obs[:, -1], expected), "torn row"
+
+
+def writer_loop(
+    target: str,
+    writer_id: int,
+    episodes: int,
+    length: int,
+    obs_shape: tuple[int, ...],
+    seconds: float | None = None,
+) -> int:
+    """Write ``episodes`` episodes (or until ``seconds`` pass); return how many were written."""
+    from shmbuffer import Writer
+
+    deadline = time.monotonic() + seconds if seconds else None
+    with Writer(target) as writer:
+        written = 0
+        for episode in range(episodes):
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            writer.add_episode(make_episode(writer_id, episode, length, obs_shape))
+            written += 1
+        writer.flush()
+    return written
+
+
+def learner_loop(target: str, seconds: float, batch: int = 8) -> dict[str, int]:
+    """Sample episodes and rows for ``seconds``; verify every one. Returns counts."""
+    from shmbuffer import Reader
+    from shmbuffer.errors import EmptyBufferError
+
+    checked = rows = 0
+    deadline = time.monotonic() + seconds
+    with Reader(target) as reader:
+        while time.monotonic() < deadline:
+            try:
+                with reader.sample_episodes(batch) as episodes:
+                    for ep in episodes:
+                        check_episode(ep)
+                        checked += 1
+                sample = reader.sample(256)
+            except EmptyBufferError:
+                time.sleep(0.01)
+                continue
+            check_rows(sample)
+            rows += len(sample)
+    return {"episodes_checked": checked, "rows_checked": rows}
+
+
+# -- the CLI command ------------------------------------------------------------------------
+
+
+def _writer_proc(target: str, wid: int, length: int, shape: tuple[int, ...], secs: float) -> None:
+    writer_loop(target, wid, 10**9, length, shape, seconds=secs)
+
+
+def _learner_proc(target: str, secs: float, out: Any) -> None:
+    out.put(learner_loop(target, secs))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from shmbuffer.daemon.cli import format_status
+    from shmbuffer.daemon.runtime import read
+
+    shape = tuple(int(x) for x in args.obs_shape.split(","))
+    name = args.name or f"demo-{os.getpid()}"
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "shmbuffer.daemon.cli", "--log-level", "WARNING", "start"]
+        + ["--name", name, "--capacity", str(args.capacity), "--unit", "episode"],
+    )
+    ctx = mp.get_context("spawn")
+    procs: list[Any] = []
+    try:
+        deadline = time.monotonic() + 30
+        while (read(name) or {}).get("pid") != daemon.pid:
+            if time.monotonic() > deadline or daemon.poll() is not None:
+                print("the daemon did not start", file=sys.stderr)
+                return 1
+            time.sleep(0.05)
+        print(f"daemon {name!r} up (pid {daemon.pid}); {args.writers} writers, "
+              f"{args.learners} learners, {args.seconds}s, obs uint8{list(shape)}")
+        results = ctx.Queue()
+        for w in range(args.writers):
+            procs.append(ctx.Process(target=_writer_proc, args=(name, w, args.episode_len, shape,
+                                                                 args.seconds)))
+        for _ in range(args.learners):
+            procs.append(ctx.Process(target=_learner_proc, args=(name, args.seconds, results)))
+        for p in procs:
+            p.start()
+        from shmbuffer.clients.connection import Connection
+
+        admin = Connection(name, "admin")
+        row_bytes = int(np.prod(shape)) + 8 * 3 + 4 + 1
+        end = time.monotonic() + args.seconds + 5
+        while any(p.is_alive() for p in procs) and time.monotonic() < end:
+            time.sleep(1.0)
+            s = admin.call("stats")["stats"]
+            print(f"\x1b[H\x1b[2J{format_status(s)}\n"
+                  f"throughput  {s['insert_rows_per_s'] * row_bytes / 1e9:.2f} GB/s in, "
+                  f"{s['sample_rows_per_s'] * row_bytes / 1e9:.2f} GB/s out", flush=True)
+        admin.close()
+        checked = [results.get(timeout=10) for _ in range(args.learners)]
+        total = sum(c["episodes_checked"] for c in checked)
+        print(f"learners verified {total:,} sampled episodes and "
+              f"{sum(c['rows_checked'] for c in checked):,} rows: none torn")
+        return 0
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        daemon.terminate()
+        try:
+            daemon.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+
+
+def add_demo_parser(sub: Any) -> None:
+    demo = sub.add_parser("demo", help="a daemon, writers and learners on synthetic data")
+    demo.add_argument("--name", default=None)
+    demo.add_argument("--writers", type=int, default=4)
+    demo.add_argument("--learners", type=int, default=1)
+    demo.add_argument("--seconds", type=float, default=10.0)
+    demo.add_argument("--capacity", type=int, default=50_000)
+    demo.add_argument("--episode-len", type=int, default=200)
+    demo.add_argument("--obs-shape", default="4,84,84")
+    demo.set_defaults(func=cmd_demo)

@@ -1,0 +1,487 @@
+"""The episode registry: which row intervals of the ring hold committed episodes.
+
+Every committed episode (or committed chunk of transitions) is a half-open row interval
+``[start, end)`` inside a ring of ``capacity`` rows, with a stable id handed out at :meth:`add`
+(``0, 1, 2, ...``; ids are never reused, not even after :meth:`EpisodeRegistry.clear`). Live
+intervals never overlap. Episodes are kept in chronological (= insertion = id) order.
+
+Design, for the sampling hot path of the daemon:
+
+* Live episodes sit in growable numpy arrays (``ids``, ``starts``, ``ends``) in id order between
+  a ``head`` and a ``tail`` slot, with an ``alive`` bool array for tombstones. Removing at the
+  head (the common FIFO eviction) just advances ``head`` past dead slots, amortised O(1).
+  Removing in the middle (writers committing out of order) leaves a tombstone; the arrays are
+  compacted (live entries moved to the front, pure numpy) only once tombstones exceed 25 % of
+  the live count, so removal stays amortised O(1).
+* Because ids are strictly increasing along the slots, id → slot is a ``np.searchsorted`` over
+  ``ids[head:tail]`` (O(log n)). A dict would be O(1) but would have to be rebuilt in Python on
+  every compaction; the binary search keeps compaction a handful of vectorised copies.
+* :meth:`EpisodeRegistry.sample_episodes` draws slots uniformly in ``[head, tail)`` and redraws
+  the dead ones (vectorised rejection; with at most ~25 % dead it converges in a few rounds).
+* Position based queries (:meth:`~EpisodeRegistry.at`, :meth:`~EpisodeRegistry.at_many`,
+  :meth:`~EpisodeRegistry.rows_at`, :meth:`~EpisodeRegistry.sample_rows`,
+  :meth:`~EpisodeRegistry.sample_slices`) use slot-aligned running totals of episode lengths
+  (and, per requested slice length, of slice weights) and ``np.searchsorted``. The totals are
+  extended in O(1) by :meth:`~EpisodeRegistry.add` and need no change when the head moves, so
+  the FIFO add/evict/sample loop never rebuilds anything; they are recomputed (``np.cumsum``)
+  only when tombstones force a compaction, which position queries do lazily first.
+* Overlap queries (:meth:`~EpisodeRegistry.add`, :meth:`~EpisodeRegistry.evict`,
+  :meth:`~EpisodeRegistry.overlapping`) bisect over a sorted Python list of live starts. Live
+  intervals are disjoint, so their ends are sorted too and the overlapping ones are one
+  contiguous run of that list: O(log n + k) plus one ``memmove`` of the list on insert/delete.
+  Measured several times faster than ``intervaltree.IntervalTree`` for add/evict at the same
+  simplicity.
+
+Thread safety: not thread-safe; the owner (container or daemon loop) serialises calls.
+"""
+
+from __future__ import annotations
+
+import bisect
+import operator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from shmbuffer.errors import EmptyBufferError, NotFoundError
+
+__all__ = ["Episode", "EpisodeRegistry"]
+
+I64 = npt.NDArray[np.int64]
+
+_INITIAL_SLOTS = 64
+_MAX_SLICE_CACHES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Episode:
+    """One live interval ``[start, end)`` of the ring and the id it was registered under."""
+
+    id: int
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+class EpisodeRegistry:
+    """Live episodes of a ring of ``capacity`` rows; see the module docstring for the design."""
+
+    def __init__(self, capacity: int) -> None:
+        capacity = operator.index(capacity)
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity: int = capacity
+        self._next_id = 0
+        self._reset_storage(_INITIAL_SLOTS)
+
+    # ------------------------------------------------------------------ storage
+
+    def _reset_storage(self, slots: int) -> None:
+        self._ids: I64 = np.zeros(slots, dtype=np.int64)
+        self._starts: I64 = np.zeros(slots, dtype=np.int64)
+        self._ends: I64 = np.zeros(slots, dtype=np.int64)
+        self._alive: npt.NDArray[np.bool_] = np.zeros(slots, dtype=np.bool_)
+        # Slot-aligned running totals (see _cum_valid): cum[s] - cum[s-1] == length of slot s.
+        self._cum: I64 = np.zeros(slots, dtype=np.int64)
+        # slice length -> slot-aligned running total of max(length_s - slice_length + 1, 0)
+        self._slice_cum: dict[int, I64] = {}
+        self._head = 0
+        self._tail = 0
+        self._n_live = 0
+        self._num_rows = 0
+        # Sorted live starts, and start -> (end, id), for overlap queries.
+        self._sorted_starts: list[int] = []
+        self._by_start: dict[int, tuple[int, int]] = {}
+
+    @property
+    def _tombstones(self) -> int:
+        return self._tail - self._head - self._n_live
+
+    def _compact(self, slots: int | None = None) -> None:
+        """Move live entries to slots ``0..n_live-1``, optionally into arrays of ``slots``."""
+        h, t, n = self._head, self._tail, self._n_live
+        mask = self._alive[h:t]
+        ids = self._ids[h:t][mask]
+        starts = self._starts[h:t][mask]
+        ends = self._ends[h:t][mask]
+        if slots is not None and slots != len(self._ids):
+            self._ids = np.zeros(slots, dtype=np.int64)
+            self._starts = np.zeros(slots, dtype=np.int64)
+            self._ends = np.zeros(slots, dtype=np.int64)
+            self._alive = np.zeros(slots, dtype=np.bool_)
+            self._cum = np.zeros(slots, dtype=np.int64)
+        else:
+            self._alive[:t] = False
+        self._ids[:n] = ids
+        self._starts[:n] = starts
+        self._ends[:n] = ends
+        self._alive[:n] = True
+        np.cumsum(ends - starts, out=self._cum[:n])
+        self._slice_cum = {}  # rebuilt lazily
+        self._head = 0
+        self._tail = n
+
+    def _compact_if_needed(self) -> None:
+        if self._tombstones:
+            self._compact()
+
+    def _ensure_room(self) -> None:
+        size = len(self._ids)
+        if self._tail < size:
+            return
+        if self._n_live * 2 <= size:
+            self._compact()
+        else:
+            self._compact(size * 2)
+
+    def _slot_of(self, episode_id: int) -> int | None:
+        if self._n_live == 0:
+            return None
+        h, t = self._head, self._tail
+        slot = h + int(np.searchsorted(self._ids[h:t], episode_id))
+        if slot < t and self._ids[slot] == episode_id and self._alive[slot]:
+            return slot
+        return None
+
+    def _episode_at_slot(self, slot: int) -> Episode:
+        return Episode(int(self._ids[slot]), int(self._starts[slot]), int(self._ends[slot]))
+
+    def _kill_slot(self, slot: int) -> Episode:
+        """Tombstone one live slot; the caller updates the overlap index."""
+        ep = self._episode_at_slot(slot)
+        self._alive[slot] = False
+        self._n_live -= 1
+        self._num_rows -= ep.length
+        if self._n_live == 0:
+            self._alive[self._head : self._tail] = False
+            self._head = self._tail = 0
+        else:
+            while not self._alive[self._head]:
+                self._head += 1
+            while not self._alive[self._tail - 1]:
+                self._tail -= 1
+        return ep
+
+    def _after_removals(self) -> None:
+        if self._tombstones * 4 > self._n_live:
+            self._compact()
+
+    def _insert(self, episode_id: int, start: int, end: int) -> None:
+        """Append a validated, non-overlapping episode whose id is above every live id."""
+        self._ensure_room()
+        t = self._tail
+        self._ids[t] = episode_id
+        self._starts[t] = start
+        self._ends[t] = end
+        self._alive[t] = True
+        length = end - start
+        self._cum[t] = (self._cum[t - 1] if t else 0) + length
+        for size, cum in self._slice_cum.items():
+            cum[t] = (cum[t - 1] if t else 0) + max(length - size + 1, 0)
+        self._tail = t + 1
+        self._n_live += 1
+        self._num_rows += length
+        bisect.insort(self._sorted_starts, start)
+        self._by_start[start] = (end, episode_id)
+
+    # ------------------------------------------------------------------ overlap index
+
+    def _overlap_range(self, start: int, end: int) -> tuple[int, int]:
+        """Index range into ``_sorted_starts`` of the live episodes overlapping [start, end)."""
+        starts = self._sorted_starts
+        if start >= end:
+            return 0, 0  # an empty range overlaps nothing
+        lo = bisect.bisect_right(starts, start) - 1
+        if lo < 0 or self._by_start[starts[lo]][0] <= start:
+            lo += 1
+        hi = bisect.bisect_left(starts, end, lo)
+        return lo, max(lo, hi)
+
+    def _check_query(self, start: int, end: int) -> tuple[int, int]:
+        start, end = operator.index(start), operator.index(end)
+        if start > end:
+            raise ValueError(f"invalid row range [{start}, {end}): start > end")
+        return start, end
+
+    def _overlapping_ids(self, start: int, end: int) -> tuple[int, int, list[int]]:
+        lo, hi = self._overlap_range(start, end)
+        ids = sorted(self._by_start[s][1] for s in self._sorted_starts[lo:hi])
+        return lo, hi, ids
+
+    # ------------------------------------------------------------------ mutation
+
+    def add(self, start: int, end: int) -> int:
+        """Register ``[start, end)`` and return its new id."""
+        start, end = operator.index(start), operator.index(end)
+        if start >= end:
+            raise ValueError(f"empty or reversed episode [{start}, {end}): need start < end")
+        if start < 0 or end > self.capacity:
+            raise ValueError(f"episode [{start}, {end}) is outside the ring [0, {self.capacity})")
+        lo, hi = self._overlap_range(start, end)
+        if lo < hi:
+            s = self._sorted_starts[lo]
+            e, other = self._by_start[s]
+            raise ValueError(f"episode [{start}, {end}) overlaps live episode {other} [{s}, {e})")
+        episode_id = self._next_id
+        self._insert(episode_id, start, end)
+        self._next_id = episode_id + 1
+        return episode_id
+
+    def evict(self, start: int, end: int) -> list[Episode]:
+        """Remove every live episode overlapping ``[start, end)``; return them oldest first."""
+        start, end = self._check_query(start, end)
+        lo, hi, ids = self._overlapping_ids(start, end)
+        if not ids:
+            return []
+        out = []
+        for episode_id in ids:
+            slot = self._slot_of(episode_id)
+            assert slot is not None
+            out.append(self._kill_slot(slot))
+        for s in self._sorted_starts[lo:hi]:
+            del self._by_start[s]
+        del self._sorted_starts[lo:hi]
+        self._after_removals()
+        return out
+
+    def remove(self, episode_id: int) -> Episode:
+        """Remove one live episode by id."""
+        slot = self._slot_of(episode_id) if self._is_id(episode_id) else None
+        if slot is None:
+            raise NotFoundError(f"episode {episode_id!r} is not live")
+        ep = self._kill_slot(slot)
+        i = bisect.bisect_left(self._sorted_starts, ep.start)
+        del self._sorted_starts[i]
+        del self._by_start[ep.start]
+        self._after_removals()
+        return ep
+
+    def clear(self) -> None:
+        """Remove every episode; ids keep increasing (they are never reused)."""
+        self._reset_storage(_INITIAL_SLOTS)
+
+    # ------------------------------------------------------------------ lookup
+
+    @staticmethod
+    def _is_id(value: object) -> bool:
+        return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+    def overlapping(self, start: int, end: int) -> list[Episode]:
+        """The live episodes overlapping ``[start, end)``, oldest first (nothing is removed)."""
+        start, end = self._check_query(start, end)
+        return [self.get(i) for i in self._overlapping_ids(start, end)[2]]
+
+    def get(self, episode_id: int) -> Episode:
+        slot = self._slot_of(episode_id) if self._is_id(episode_id) else None
+        if slot is None:
+            raise NotFoundError(f"episode {episode_id!r} is not live")
+        return self._episode_at_slot(slot)
+
+    def __contains__(self, episode_id: object) -> bool:
+        if not isinstance(episode_id, (int, np.integer)) or isinstance(episode_id, bool):
+            return False
+        return self._slot_of(int(episode_id)) is not None
+
+    def __len__(self) -> int:
+        return self._n_live
+
+    def __iter__(self) -> Iterator[Episode]:
+        # A snapshot: mutating the registry while iterating is safe.
+        h, t = self._head, self._tail
+        mask = self._alive[h:t]
+        rows = zip(
+            self._ids[h:t][mask].tolist(),
+            self._starts[h:t][mask].tolist(),
+            self._ends[h:t][mask].tolist(),
+            strict=True,
+        )
+        return iter([Episode(i, s, e) for i, s, e in rows])
+
+    def __repr__(self) -> str:
+        return (
+            f"EpisodeRegistry(capacity={self.capacity}, episodes={self._n_live}, "
+            f"rows={self._num_rows}, next_id={self._next_id})"
+        )
+
+    @property
+    def num_rows(self) -> int:
+        """Sum of the lengths of the live episodes."""
+        return self._num_rows
+
+    @property
+    def next_id(self) -> int:
+        """The id the next :meth:`add` will return."""
+        return self._next_id
+
+    # ------------------------------------------------------------------ positions
+
+    def _row_base(self) -> int:
+        """Compact if needed; return the running total of rows before the head slot.
+
+        Without tombstones, the running totals of slots ``[head, tail)`` differ by exactly the
+        episode lengths, so logical row ``r`` has the absolute total ``r + base``. Adds append
+        to the totals and head removals just move ``head``: neither needs a rebuild.
+        """
+        self._compact_if_needed()
+        h = self._head
+        return int(self._cum[h] - (self._ends[h] - self._starts[h]))
+
+    def at(self, position: int) -> Episode:
+        """The live episode at chronological ``position`` (negative counts from the newest)."""
+        position = operator.index(position)
+        n = self._n_live
+        if not -n <= position < n:
+            raise IndexError(f"episode position {position} out of range for {n} live episodes")
+        self._compact_if_needed()
+        return self._episode_at_slot(self._head + position % n)
+
+    @staticmethod
+    def _positions(positions: npt.ArrayLike, size: int, what: str) -> I64:
+        pos = np.asarray(positions)
+        if pos.dtype.kind not in "iu" and pos.size:
+            raise TypeError(f"{what} positions must be integers, got dtype {pos.dtype}")
+        pos = pos.astype(np.int64, copy=False)
+        pos = np.where(pos < 0, pos + size, pos)
+        bad = (pos < 0) | (pos >= size)
+        if bad.any():
+            first = int(np.asarray(positions).reshape(-1)[int(np.argmax(bad.reshape(-1)))])
+            raise IndexError(f"{what} position {first} out of range for {size} live {what}s")
+        return pos
+
+    def at_many(self, positions: npt.ArrayLike) -> tuple[I64, I64, I64]:
+        """``(ids, starts, ends)`` of the episodes at chronological ``positions``."""
+        pos = self._positions(positions, self._n_live, "episode")
+        self._compact_if_needed()
+        slots = pos + self._head
+        return self._ids[slots], self._starts[slots], self._ends[slots]
+
+    def _rows_from_absolute(self, r: I64) -> I64:
+        """Physical rows of absolute running-total positions ``r`` (no tombstones)."""
+        h, t = self._head, self._tail
+        # Sorting the keys first makes the binary searches cache/branch friendly.
+        order = np.argsort(r)
+        idx = np.empty_like(order)
+        idx[order] = np.searchsorted(self._cum[h:t], r[order], side="right")
+        idx += h
+        out: I64 = self._ends[idx] - (self._cum[idx] - r)
+        return out
+
+    def rows_at(self, positions: npt.ArrayLike) -> I64:
+        """Physical rows of logical row ``positions`` (live episodes concatenated, oldest first)."""
+        pos = self._positions(positions, self._num_rows, "row")
+        if pos.size == 0:
+            return pos
+        return self._rows_from_absolute(pos + self._row_base())
+
+    # ------------------------------------------------------------------ sampling
+
+    @staticmethod
+    def _check_n(n: int) -> int:
+        n = operator.index(n)
+        if n <= 0:
+            raise ValueError(f"sample size must be >= 1, got {n}")
+        return n
+
+    def _empty(self, what: str) -> EmptyBufferError:
+        return EmptyBufferError(
+            f"cannot sample {what}: {self._n_live} live episodes, {self._num_rows} rows"
+        )
+
+    def sample_episodes(self, n: int, rng: np.random.Generator) -> tuple[I64, I64, I64]:
+        """``n`` episodes drawn uniformly with replacement: ``(ids, starts, ends)``."""
+        n = self._check_n(n)
+        if self._n_live == 0:
+            raise self._empty("episodes")
+        slots = rng.integers(self._head, self._tail, size=n)
+        if self._tombstones:
+            dead = np.flatnonzero(~self._alive[slots])
+            while dead.size:
+                slots[dead] = rng.integers(self._head, self._tail, size=dead.size)
+                dead = dead[~self._alive[slots[dead]]]
+        return self._ids[slots], self._starts[slots], self._ends[slots]
+
+    def sample_rows(self, n: int, rng: np.random.Generator) -> I64:
+        """``n`` physical rows drawn uniformly (with replacement) from all live rows."""
+        n = self._check_n(n)
+        if self._num_rows == 0:
+            raise self._empty("rows")
+        base = self._row_base()
+        return self._rows_from_absolute(rng.integers(base, base + self._num_rows, size=n))
+
+    def sample_slices(self, n: int, length: int, rng: np.random.Generator) -> I64:
+        """Physical start rows of ``n`` slices of ``length`` rows, each inside one episode.
+
+        Uniform over all valid slice starts: an episode of ``L >= length`` rows has weight
+        ``L - length + 1``; shorter episodes are never chosen.
+        """
+        n = self._check_n(n)
+        length = operator.index(length)
+        if length < 1:
+            raise ValueError(f"slice length must be >= 1, got {length}")
+        if self._n_live == 0:
+            raise self._empty(f"slices of {length} rows")
+        self._compact_if_needed()
+        h, t = self._head, self._tail
+        cum = self._slice_cum.get(length)
+        if cum is None:
+            if len(self._slice_cum) >= _MAX_SLICE_CACHES:
+                self._slice_cum.clear()
+            cum = np.zeros(len(self._ids), dtype=np.int64)
+            np.cumsum(
+                np.maximum(self._ends[h:t] - self._starts[h:t] - (length - 1), 0), out=cum[h:t]
+            )
+            self._slice_cum[length] = cum
+        lead = int(max(self._ends[h] - self._starts[h] - (length - 1), 0))
+        base = int(cum[h]) - lead
+        total = int(cum[t - 1]) - base
+        if total <= 0:
+            raise self._empty(f"slices of {length} rows (no episode is long enough)")
+        r = rng.integers(base, base + total, size=n)
+        order = np.argsort(r)
+        idx = np.empty_like(order)
+        idx[order] = np.searchsorted(cum[h:t], r[order], side="right")
+        idx += h
+        weights = np.maximum(self._ends[idx] - self._starts[idx] - (length - 1), 0)
+        out: I64 = self._starts[idx] + (r - (cum[idx] - weights))
+        return out
+
+    # ------------------------------------------------------------------ state
+
+    def to_state(self) -> dict[str, Any]:
+        """A msgpack/JSON-able snapshot (plain ints and lists)."""
+        h, t = self._head, self._tail
+        mask = self._alive[h:t]
+        cols = [self._ids[h:t][mask], self._starts[h:t][mask], self._ends[h:t][mask]]
+        return {
+            "capacity": self.capacity,
+            "next_id": self._next_id,
+            "episodes": np.stack(cols, axis=1).tolist(),
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> EpisodeRegistry:
+        """Rebuild a registry from :meth:`to_state`; ValueError if the state is inconsistent."""
+        reg = cls(int(state["capacity"]))
+        last = -1
+        for item in state["episodes"]:
+            episode_id, start, end = (operator.index(v) for v in item)
+            if episode_id <= last:
+                raise ValueError(f"episode ids not strictly increasing at id {episode_id}")
+            if start >= end or start < 0 or end > reg.capacity:
+                raise ValueError(f"invalid episode {episode_id} [{start}, {end})")
+            lo, hi = reg._overlap_range(start, end)
+            if lo < hi:
+                raise ValueError(f"episode {episode_id} [{start}, {end}) overlaps another")
+            reg._insert(episode_id, start, end)
+            last = episode_id
+        next_id = operator.index(state["next_id"])
+        if next_id <= last:
+            raise ValueError(f"next_id {next_id} is not above the largest id {last}")
+        reg._next_id = next_id
+        return reg

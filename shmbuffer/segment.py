@@ -1,0 +1,370 @@
+"""Rows in named shared memory: one data file on tmpfs plus ``manifest.json``.
+
+Layout of ``<storage_dir>/<name>/``: ``data.bin`` holds every column back to back, each at a
+4096-aligned offset, sized and reserved with ``posix_fallocate`` (a full tmpfs then fails at
+creation with :class:`OutOfSpaceError`, not later with SIGBUS). ``manifest.json`` is written last,
+atomically, so an attacher never sees a half-made segment. Any process that knows the name maps
+the same file (``MAP_SHARED``) and sees the same memory.
+
+Lifetime of a mapping: ``torch.frombuffer`` keeps a reference to the ``mmap`` object but holds no
+buffer export, so ``mmap.close()`` would succeed and leave every live view dangling (a segfault on
+the next access). We therefore never call it: :meth:`Segment.close` drops our references, and the
+kernel mapping goes away when the last tensor/array view is garbage-collected.
+
+numpy has no bfloat16: ``arrays`` exposes such columns as ``uint16`` views of the raw bits.
+After the columns, ``generations`` holds one int64 stamp per row (outside the schema) that
+the daemon bumps on overwrite so readers can detect torn copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import mmap
+import os
+import re
+import shutil
+import socket
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+from typing_extensions import Self
+
+from shmbuffer.errors import (
+    InvalidNameError,
+    NotFoundError,
+    OutOfSpaceError,
+    SchemaError,
+    SegmentError,
+)
+from shmbuffer.schema import Field, Key, Schema, key_str
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+FORMAT_VERSION = 1
+ALIGN = 4096
+DATA_FILE = "data.bin"
+MANIFEST = "manifest.json"
+ENV_STORAGE_DIR = "SHMBUFFER_STORAGE_DIR"
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap module lacks the name
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+class SegmentNotFoundError(SegmentError, NotFoundError):
+    """No segment of that name: catchable as either SegmentError or NotFoundError."""
+
+    code = "not_found"
+
+
+def default_storage_dir() -> Path:
+    return Path(os.environ.get(ENV_STORAGE_DIR) or "/dev/shm/shmbuffer")
+
+
+def validate_name(name: str) -> str:
+    """Return ``name`` if it is safe as a single folder name under the storage dir."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name.startswith("."):
+        raise InvalidNameError(
+            f"invalid segment name {name!r}: use 1-64 characters of [A-Za-z0-9_.-], "
+            "not starting with '.'"
+        )
+    return name
+
+
+def segment_path(name: str, storage_dir: str | Path | None = None) -> Path:
+    root = Path(storage_dir) if storage_dir is not None else default_storage_dir()
+    return root / validate_name(name)
+
+
+def _layout(schema: Schema, capacity: int) -> dict[str, Any]:
+    """Where everything lives: ``columns`` (dotted key -> {offset, nbytes}), ``generations``
+    (one int64 stamp per row, for torn-read checks) and the total ``size``; 4096-aligned."""
+    regions, end = [], 0
+    for nbytes in [capacity * f.row_nbytes for f in schema] + [capacity * 8]:
+        offset = -(-end // ALIGN) * ALIGN
+        regions.append({"offset": offset, "nbytes": nbytes})
+        end = offset + nbytes
+    columns = {key_str(f.key): r for f, r in zip(schema, regions[:-1], strict=True)}
+    return {"columns": columns, "generations": regions[-1], "size": -(-end // ALIGN) * ALIGN}
+
+
+def _views(
+    schema: Schema, capacity: int, make: Callable[[Field, tuple[int, ...], int], torch.Tensor]
+) -> tuple[TensorDict, dict[Key, torch.Tensor], dict[Key, np.ndarray]]:
+    """One tensor per field from ``make(field, shape, numel)``, as a TensorDict and flat dicts."""
+    columns: dict[Key, torch.Tensor] = {}
+    arrays: dict[Key, np.ndarray] = {}
+    nested: dict[str, Any] = {}
+    for field in schema:
+        shape = (capacity, *field.shape)
+        t = make(field, shape, int(np.prod(shape, dtype=np.int64)))
+        columns[field.key] = t
+        # numpy has no bfloat16: expose the raw bits as uint16 (np.copyto still works on them)
+        raw = t.view(torch.uint16) if field.dtype == torch.bfloat16 else t
+        arrays[field.key] = raw.numpy()
+        node = nested
+        for part in field.key[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise SchemaError(f"key {key_str(field.key)!r} nests under a leaf column")
+        if field.key[-1] in node:
+            raise SchemaError(f"key {key_str(field.key)!r} is both a leaf and a group")
+        node[field.key[-1]] = t
+    return TensorDict(nested, batch_size=[capacity]), columns, arrays
+
+
+def _free_bytes(path: Path) -> int:
+    """Free bytes on the file system that ``path`` will live on (nearest existing ancestor)."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    st = os.statvfs(probe)
+    return st.f_bavail * st.f_frsize
+
+
+def _make_dir(path: Path, mode: int, group: int | None) -> None:
+    os.mkdir(path, mode)
+    os.chmod(path, mode)  # exact mode, whatever the umask
+    if group is not None:
+        os.chown(path, -1, group)
+
+
+def _open_new(path: Path, file_mode: int, group: int | None) -> int:
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+    fd = os.open(path, flags, file_mode)
+    os.fchmod(fd, file_mode)
+    if group is not None:
+        os.fchown(fd, -1, group)
+    return fd
+
+
+def _prefault(mm: mmap.mmap) -> None:
+    """Populate the page tables now so the first write runs at full speed (no-op if unsupported)."""
+    with contextlib.suppress(OSError, ValueError):
+        mm.madvise(_MADV_POPULATE_WRITE)
+
+
+class _Columns:
+    """What :class:`Segment` and :class:`LocalSegment` share: the views and their lifetime."""
+
+    schema: Schema
+    capacity: int
+    data: TensorDict  # batch_size [capacity], nested keys as in the schema
+    columns: dict[Key, torch.Tensor]  # the same tensors, flat (no TensorDict overhead)
+    arrays: dict[Key, np.ndarray]  # the same memory for np.copyto; bfloat16 as uint16 bits
+    generations: np.ndarray  # int64 [capacity]: a stamp per row, bumped on overwrite
+    _nbytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def close(self) -> None:
+        """Drop our views; safe twice. Memory is freed once no view of it is left anywhere."""
+        self.columns, self.arrays = {}, {}
+        self.generations = np.zeros(0, np.int64)
+        self.data = TensorDict({}, batch_size=[self.capacity])
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Segment(_Columns):
+    """A named, shared TensorDict of ``capacity`` rows; see the module docstring."""
+
+    def __init__(self, path: Path, manifest: dict[str, Any], mm: mmap.mmap, prefault: bool):
+        self.name: str = manifest["name"]
+        self.path = path
+        self.manifest = manifest
+        self.schema = Schema.from_spec(manifest["schema"])
+        self.capacity: int = manifest["capacity"]
+        self._nbytes: int = manifest["size"]
+        if prefault:
+            _prefault(mm)
+        offsets = {k: c["offset"] for k, c in manifest["columns"].items()}
+
+        def view(field: Field, shape: tuple[int, ...], numel: int) -> torch.Tensor:
+            if numel == 0:  # frombuffer refuses count=0; an empty column needs no memory
+                return torch.empty(shape, dtype=field.dtype)
+            offset = offsets[key_str(field.key)]
+            return torch.frombuffer(mm, dtype=field.dtype, count=numel, offset=offset).view(shape)
+
+        self.data, self.columns, self.arrays = _views(self.schema, self.capacity, view)
+        gen = manifest["generations"]["offset"]
+        self.generations = np.frombuffer(mm, np.int64, count=self.capacity, offset=gen)
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        schema: Schema,
+        capacity: int,
+        *,
+        storage_dir: str | Path | None = None,
+        file_mode: int = 0o600,
+        group: int | None = None,
+        extra: Mapping[str, Any] | None = None,
+        prefault: bool = True,
+        exist_ok: bool = False,
+    ) -> Segment:
+        path = segment_path(name, storage_dir)
+        if not isinstance(capacity, int) or capacity < 1:
+            raise SegmentError(f"capacity must be a positive int, got {capacity!r}")
+        layout = _layout(schema, capacity)
+        size = layout["size"]
+        manifest: dict[str, Any] = {
+            "format_version": FORMAT_VERSION,
+            "name": name,
+            "capacity": capacity,
+            "schema": schema.to_spec(),
+            **layout,  # columns, generations, size
+            "data_file": DATA_FILE,
+            "created": time.time(),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "extra": dict(extra or {}),
+        }
+        try:  # fail on an unserialisable `extra` before anything exists on disk
+            text = json.dumps(manifest, indent=2)
+        except (TypeError, ValueError) as e:
+            raise SegmentError(f"segment {name!r}: manifest not JSON-serialisable: {e}") from e
+        if os.path.lexists(path):
+            if not exist_ok:
+                raise SegmentError(f"segment {name!r} already exists at {path}")
+            cls.unlink(name, storage_dir)
+        free = _free_bytes(path)
+        if size + ALIGN > free:  # tmpfs would SIGBUS under the mapping instead of failing
+            raise OutOfSpaceError(
+                f"segment {name!r} needs {size + ALIGN} bytes but {path.parent} has {free} free"
+            )
+        dir_mode = 0o750 if group is not None else 0o700
+        if not path.parent.exists():  # an existing storage root is left as it is
+            os.makedirs(path.parent.parent, exist_ok=True)
+            with contextlib.suppress(FileExistsError):  # another creator may race us here
+                _make_dir(path.parent, dir_mode, group)
+        try:
+            _make_dir(path, dir_mode, group)
+        except FileExistsError:
+            raise SegmentError(f"segment {name!r} already exists at {path}") from None
+        try:
+            fd = _open_new(path / DATA_FILE, file_mode, group)
+            try:
+                os.posix_fallocate(fd, 0, size)
+                mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
+            finally:
+                os.close(fd)  # the mmap keeps its own reference to the file
+            seg = cls(path, manifest, mm, prefault)
+            tmp = path / f".{MANIFEST}.{os.getpid()}.tmp"
+            fd = _open_new(tmp, file_mode, group)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path / MANIFEST)  # atomic: attachers see all or nothing
+            return seg
+        except OSError as e:
+            shutil.rmtree(path, ignore_errors=True)
+            if (
+                e.errno == errno.ENOSPC
+            ):  # ENOSPC from posix_fallocate: the space was taken meanwhile
+                raise OutOfSpaceError(f"segment {name!r}: no space for {size} bytes: {e}") from e
+            raise SegmentError(f"segment {name!r}: cannot create at {path}: {e}") from e
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+
+    @classmethod
+    def attach(
+        cls, name: str, *, storage_dir: str | Path | None = None, prefault: bool = True
+    ) -> Segment:
+        path = segment_path(name, storage_dir)
+        if not path.is_dir():
+            raise SegmentNotFoundError(f"no segment {name!r} at {path}")
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except FileNotFoundError:
+            raise SegmentError(
+                f"segment {name!r} at {path} has no {MANIFEST}: still being created, or its "
+                "creator died (unlink it)"
+            ) from None
+        except (OSError, ValueError) as e:
+            raise SegmentError(
+                f"segment {name!r}: unreadable manifest {path / MANIFEST}: {e}"
+            ) from e
+        if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+            version = manifest.get("format_version") if isinstance(manifest, dict) else None
+            raise SegmentError(
+                f"segment {name!r} at {path}: format_version {version!r}, this code reads "
+                f"{FORMAT_VERSION}"
+            )
+        try:  # never trust offsets from disk: they must match the layout the schema implies
+            schema = Schema.from_spec(manifest["schema"])
+            layout = _layout(schema, manifest["capacity"])
+            ok = all(manifest[k] == v for k, v in layout.items())
+            size = layout["size"]
+            data = path / validate_name(manifest["data_file"])
+        except (KeyError, TypeError, SchemaError) as e:
+            raise SegmentError(
+                f"segment {name!r}: malformed manifest {path / MANIFEST}: {e}"
+            ) from e
+        if not ok or manifest["name"] != name:
+            raise SegmentError(f"segment {name!r}: manifest {path / MANIFEST} is inconsistent")
+        try:
+            fd = os.open(data, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            try:
+                if os.fstat(fd).st_size < size:  # a short file would SIGBUS on access
+                    raise SegmentError(f"segment {name!r}: {data} is shorter than {size} bytes")
+                mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise SegmentError(f"segment {name!r}: cannot map {data}: {e}") from e
+        return cls(path, manifest, mm, prefault)
+
+    @staticmethod
+    def exists(name: str, storage_dir: str | Path | None = None) -> bool:
+        """Whether the name is taken (even by a half-made segment that ``create`` would refuse)."""
+        return os.path.lexists(segment_path(name, storage_dir))
+
+    @staticmethod
+    def unlink(name: str, storage_dir: str | Path | None = None) -> bool:
+        """Remove the files; live mappings elsewhere stay valid until they are dropped."""
+        path = segment_path(name, storage_dir)
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+            return True
+        try:
+            shutil.rmtree(path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def __repr__(self) -> str:
+        return f"Segment({self.name!r}, capacity={self.capacity}, {self.schema}, path={self.path})"
+
+
+class LocalSegment(_Columns):
+    """The same attributes as :class:`Segment` in private process memory (no name, no file).
+
+    ``prefault=True`` zero-fills (same initial contents as a fresh shared segment, and the
+    first-touch cost is paid here); ``False`` leaves ``torch.empty`` memory untouched.
+    """
+
+    def __init__(self, schema: Schema, capacity: int, *, prefault: bool = True) -> None:
+        if not isinstance(capacity, int) or capacity < 1:
+            raise SegmentError(f"capacity must be a positive int, got {capacity!r}")
+        self.schema = schema
+        self.capacity = capacity
+        alloc = torch.zeros if prefault else torch.empty
+        self.data, self.columns, self.arrays = _views(
+            schema, capacity, lambda field, shape, _: alloc(shape, dtype=field.dtype)
+        )
+        self.generations = np.zeros(capacity, np.int64)
+        self._nbytes = sum(t.nbytes for t in self.columns.values())

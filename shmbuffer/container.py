@@ -128,9 +128,7 @@ class Container:
                         f"rows {start}..{stop} are still reserved by an uncommitted writer "
                         f"(reservation {other.id}); the ring is smaller than the data in flight"
                     )
-        evicted = [ep for s, e in evict for ep in self.registry.evict(s, e)]
-        for s, e in evict:
-            self.use_counts[s:e] = -1
+        evicted = [ep for s, e in evict for ep in self._evict(s, e)]
         reservation = Reservation(
             id=self._next_reservation,
             ranges=ranges,
@@ -143,6 +141,21 @@ class Container:
         self.pointer = ranges[-1][1] % self.capacity
         self.rows_written += num_rows
         return reservation
+
+    def _evict(self, start: int, stop: int) -> list[Episode]:
+        """Unpublish rows ``start:stop``. Episode unit drops every episode they touch; transition
+        unit keeps the surviving tail of a chunk the ring only partly overwrites."""
+        self.use_counts[start:stop] = -1
+        if self.unit == "episode":
+            return self.registry.evict(start, stop)
+        evicted = []
+        for ep in self.registry.overlapping(start, stop):
+            if start <= ep.start and ep.end > stop:
+                self.registry.trim_front(ep.id, stop)
+            else:
+                evicted.append(self.registry.remove(ep.id))
+                self.use_counts[ep.start : ep.end] = -1
+        return evicted
 
     def commit(self, reservation_id: int) -> list[int]:
         """Publish a reservation's episodes; return their ids in order."""

@@ -250,6 +250,29 @@ class EpisodeRegistry:
         self._after_removals()
         return out
 
+    def trim_front(self, episode_id: int, new_start: int) -> Episode:
+        """Drop the rows before ``new_start`` from a live episode, keeping its id and place.
+
+        Used in transition unit, where the ring overwrites the oldest chunk row by row rather
+        than evicting it whole. Trimming the oldest entry is O(1); any other entry compacts.
+        """
+        slot = self._slot_of(episode_id) if self._is_id(episode_id) else None
+        if slot is None:
+            raise NotFoundError(f"episode {episode_id!r} is not live")
+        old = self._episode_at_slot(slot)
+        if not old.start < new_start < old.end:
+            raise ValueError(f"cannot trim episode {old} to start at {new_start}")
+        i = bisect.bisect_left(self._sorted_starts, old.start)
+        self._sorted_starts[i] = new_start  # still sorted: no other start lies in between
+        del self._by_start[old.start]
+        self._by_start[new_start] = (old.end, episode_id)
+        self._starts[slot] = new_start
+        self._num_rows -= new_start - old.start
+        self._slice_cum = {}  # slice weights of this entry changed; rebuilt lazily
+        if slot != self._head:  # running totals after this slot are now off: rebuild them
+            self._compact()
+        return Episode(episode_id, new_start, old.end)
+
     def remove(self, episode_id: int) -> Episode:
         """Remove one live episode by id."""
         slot = self._slot_of(episode_id) if self._is_id(episode_id) else None

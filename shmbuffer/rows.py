@@ -67,7 +67,7 @@ def gather_columns(
     columns: Mapping[Key, torch.Tensor], rows: np.ndarray
 ) -> dict[Key, torch.Tensor]:
     """Copy the given physical rows (any order, duplicates allowed) out of every column."""
-    index = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+    index = torch.from_numpy(np.require(rows, dtype=np.int64, requirements=["C", "W"]))
     out = {}
     for key, column in columns.items():
         dst = torch.empty((len(index), *column.shape[1:]), dtype=column.dtype)

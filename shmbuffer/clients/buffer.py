@@ -219,8 +219,8 @@ class Buffer:
         return self._read(physical).reshape(n, length)
 
     def _read(self, physical: np.ndarray) -> TensorDict:
-        if self.segment is None:
-            raise IndexError("the buffer is empty")
+        if self.segment is None:  # nothing written yet, so nothing can be selected
+            return TensorDict({}, batch_size=[0])
         self.container.count_use(physical)
         return rows.read(self.segment.columns, physical)
 
@@ -231,7 +231,9 @@ class Buffer:
         data = self._read(rows.episode_rows(starts, lengths))
         if scalar:
             return data
-        if len(lengths) and np.all(lengths == lengths[0]):
+        if len(lengths) == 0:
+            return []
+        if np.all(lengths == lengths[0]):
             return data.reshape(len(lengths), int(lengths[0]))
         return list(data.split(lengths.tolist()))
 

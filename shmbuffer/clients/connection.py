@@ -43,10 +43,10 @@ class Connection:
         self.buffer: dict[str, Any] = hello["buffer"]
         self.daemon_pid: int = hello["daemon_pid"]
 
-    def send(self, op: str, payload: Sequence[Any] = (), **fields: Any) -> int:
+    def send(self, op: str, frames: Sequence[Any] = (), **fields: Any) -> int:
         self._seq += 1
         header = encode(request(op, self._seq, **fields))
-        self.socket.send_multipart([header, *payload], copy=False)
+        self.socket.send_multipart([header, *frames], copy=False)
         return self._seq
 
     def wait(self, seq: int, timeout: float | None = None) -> Reply:
@@ -88,9 +88,9 @@ class Connection:
         self._early[got] = (header, frames[1:])
 
     def call(
-        self, op: str, payload: Sequence[Any] = (), timeout: float | None = None, **fields: Any
+        self, op: str, frames: Sequence[Any] = (), timeout: float | None = None, **fields: Any
     ) -> dict[str, Any]:
-        return self.wait(self.send(op, payload, **fields), timeout)[0]
+        return self.wait(self.send(op, frames, **fields), timeout)[0]
 
     def close(self) -> None:
         if self._closed:

@@ -28,7 +28,7 @@ MAX_RESAMPLES = 8
 
 
 def _i64(data: bytes) -> np.ndarray:
-    return np.frombuffer(data, dtype="<i8").astype(np.int64, copy=False)
+    return np.frombuffer(data, dtype="<i8").astype(np.int64)  # a writable copy
 
 
 class Reader:

@@ -69,7 +69,7 @@ _names = itertools.count()
 
 
 def _import_buffer() -> Any:
-    from shmbuffer import Buffer  # noqa: PLC0415 (optional: bench runs before it exists)
+    from shmbuffer import Buffer
 
     return Buffer
 
@@ -98,7 +98,7 @@ class Shmbuffer(Adapter):
         self._recent_rows = 0
 
     def convert(self, batch: Batch) -> Any:
-        import torch  # noqa: PLC0415
+        import torch
 
         return {k: torch.from_numpy(v) for k, v in batch.items()}
 

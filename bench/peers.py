@@ -35,7 +35,7 @@ class _TorchRL(Adapter):
 
     def __init__(self, capacity: int, spec: Spec, unit: str, tmpdir: str) -> None:
         super().__init__(capacity, spec, unit, tmpdir)
-        from torchrl.data import ReplayBuffer  # noqa: PLC0415
+        from torchrl.data import ReplayBuffer
 
         logging.getLogger("torchrl").setLevel(logging.WARNING)
         self.storage = self.make_storage(capacity)
@@ -46,8 +46,8 @@ class _TorchRL(Adapter):
         raise NotImplementedError
 
     def convert(self, batch: Batch) -> Any:
-        import torch  # noqa: PLC0415
-        from tensordict import TensorDict  # noqa: PLC0415
+        import torch
+        from tensordict import TensorDict
 
         n = len(batch["done"])
         return TensorDict({k: torch.from_numpy(v) for k, v in batch.items()}, batch_size=[n])
@@ -59,7 +59,7 @@ class _TorchRL(Adapter):
         return self.rb[start:stop]
 
     def read_index(self, idx: np.ndarray) -> Any:
-        import torch  # noqa: PLC0415
+        import torch
 
         return self.rb[torch.from_numpy(idx)]
 
@@ -68,7 +68,7 @@ class _TorchRL(Adapter):
 
     def _slice_rb(self, n: int) -> Any:
         if n not in self.slices:
-            from torchrl.data import ReplayBuffer, SliceSampler  # noqa: PLC0415
+            from torchrl.data import ReplayBuffer, SliceSampler
 
             sampler = SliceSampler(num_slices=n, end_key="done")
             self.slices[n] = ReplayBuffer(storage=self.storage, sampler=sampler)
@@ -86,7 +86,7 @@ class TorchRLTensor(_TorchRL):
     name = "torchrl-LazyTensorStorage"
 
     def make_storage(self, capacity: int) -> Any:
-        from torchrl.data import LazyTensorStorage  # noqa: PLC0415
+        from torchrl.data import LazyTensorStorage
 
         return LazyTensorStorage(capacity)
 
@@ -95,7 +95,7 @@ class TorchRLMemmap(_TorchRL):
     name = "torchrl-LazyMemmapStorage"
 
     def make_storage(self, capacity: int) -> Any:
-        from torchrl.data import LazyMemmapStorage  # noqa: PLC0415
+        from torchrl.data import LazyMemmapStorage
 
         self.scratch = tempfile.mkdtemp(prefix="bench-memmap-", dir=self.tmpdir)
         return LazyMemmapStorage(capacity, scratch_dir=self.scratch)
@@ -117,7 +117,7 @@ class Cpprb(Adapter):
 
     def __init__(self, capacity: int, spec: Spec, unit: str, tmpdir: str) -> None:
         super().__init__(capacity, spec, unit, tmpdir)
-        import cpprb  # noqa: PLC0415
+        import cpprb
 
         env = {k: {"shape": shape or 1, "dtype": dtype} for k, (shape, dtype) in spec.items()}
         self.rb = cpprb.ReplayBuffer(capacity, env)

@@ -8,10 +8,10 @@ from bench.registry import Row
 
 
 def plot(rows: list[Row], out: Path) -> list[Path]:
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     paths = []
     for name in dict.fromkeys(r["scenario"] for r in rows):

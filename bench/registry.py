@@ -32,7 +32,7 @@ class Context:
 
     quick: bool = False
     tmpdir: str = "/tmp"
-    max_op_seconds: float = 10.0  # an op stops after the call that crosses this (calls reported)
+    max_op_seconds: float = 5.0  # an op stops after the call that crosses this (calls reported)
     notes: list[str] = field(default_factory=list)
 
     def size(self, n: int, minimum: int = 1) -> int:

@@ -84,8 +84,8 @@ def print_tables(rows: list[Row], notes: list[str], meta: dict[str, Any]) -> Non
         print(markdown(rows, notes, meta))
         return
     try:
-        from rich.console import Console  # noqa: PLC0415
-        from rich.table import Table  # noqa: PLC0415
+        from rich.console import Console
+        from rich.table import Table
     except ImportError:
         print(markdown(rows, notes, meta))
         return

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         help="torch intra-op threads (default 1: copies are "
         "compared single-threaded, and 2 OpenMP threads collapse on a busy 2-core machine)",
     )
-    parser.add_argument("--max-op-seconds", type=float, default=10.0, help="cap per timed op")
+    parser.add_argument("--max-op-seconds", type=float, default=5.0, help="cap per timed op")
     args = parser.parse_args(argv)
 
     if args.list:
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown scenario(s) {unknown}; known: {list(SCENARIOS)}")
 
-    import torch  # noqa: PLC0415
+    import torch
 
     torch.set_num_threads(args.threads)
     load0 = os.getloadavg()[0]
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     report.print_tables(rows, ctx.notes, info)
     report.write(args.out, rows, ctx.notes, info)
     if args.plot:
-        from bench.plot import plot  # noqa: PLC0415
+        from bench.plot import plot
 
         for path in plot(rows, args.out):
             print(f"plot: {path}")

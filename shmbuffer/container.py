@@ -119,7 +119,9 @@ class Container:
         wrapped = [(start, self.capacity), (0, end - self.capacity)]
         return wrapped, wrapped
 
-    def reserve(self, num_rows: int, num_sub_episodes: int = 1, owner: object = None) -> Reservation:
+    def reserve(
+        self, num_rows: int, num_sub_episodes: int = 1, owner: object = None
+    ) -> Reservation:
         ranges, evict = self.plan(num_rows, num_sub_episodes)
         for start, stop in ranges:
             for other in self.reservations.values():
@@ -196,8 +198,8 @@ def _episode_bounds(ranges: list[Range], length: int, count: int) -> list[Range]
     offset = 0
     for start, stop in ranges:
         span = (offset, offset + stop - start)
-        for lo, hi in logical:
-            lo, hi = max(lo, span[0]), min(hi, span[1])
+        for first, last in logical:
+            lo, hi = max(first, span[0]), min(last, span[1])
             if lo < hi:
                 bounds.append((start + lo - offset, start + hi - offset))
         offset = span[1]

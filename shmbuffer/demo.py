@@ -25,7 +25,9 @@ def payload_value(writer: int, episode: int, step: np.ndarray | int) -> Any:
     return (writer * 7 + episode * 13 + step) % 251
 
 
-def make_episode(writer: int, episode: int, length: int, obs_shape: tuple[int, ...]) -> dict:
+def make_episode(
+    writer: int, episode: int, length: int, obs_shape: tuple[int, ...]
+) -> dict[str, np.ndarray]:
     steps = np.arange(length, dtype=np.int64)
     values = payload_value(writer, episode, steps).astype(np.uint8)
     obs = np.empty((length, *obs_shape), dtype=np.uint8)
@@ -126,8 +128,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     shape = tuple(int(x) for x in args.obs_shape.split(","))
     name = args.name or f"demo-{os.getpid()}"
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "shmbuffer.daemon.cli", "--log-level", "WARNING", "start"]
-        + ["--name", name, "--capacity", str(args.capacity), "--unit", "episode"],
+        [
+            sys.executable,
+            "-m",
+            "shmbuffer.daemon.cli",
+            "--log-level",
+            "WARNING",
+            "start",
+            "--name",
+            name,
+            "--capacity",
+            str(args.capacity),
+            "--unit",
+            "episode",
+        ],
     )
     ctx = mp.get_context("spawn")
     procs: list[Any] = []
@@ -138,12 +152,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 print("the daemon did not start", file=sys.stderr)
                 return 1
             time.sleep(0.05)
-        print(f"daemon {name!r} up (pid {daemon.pid}); {args.writers} writers, "
-              f"{args.learners} learners, {args.seconds}s, obs uint8{list(shape)}")
+        print(
+            f"daemon {name!r} up (pid {daemon.pid}); {args.writers} writers, "
+            f"{args.learners} learners, {args.seconds}s, obs uint8{list(shape)}"
+        )
         results = ctx.Queue()
         for w in range(args.writers):
-            procs.append(ctx.Process(target=_writer_proc, args=(name, w, args.episode_len, shape,
-                                                                 args.seconds)))
+            procs.append(
+                ctx.Process(
+                    target=_writer_proc, args=(name, w, args.episode_len, shape, args.seconds)
+                )
+            )
         for _ in range(args.learners):
             procs.append(ctx.Process(target=_learner_proc, args=(name, args.seconds, results)))
         for p in procs:
@@ -156,14 +175,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
         while any(p.is_alive() for p in procs) and time.monotonic() < end:
             time.sleep(1.0)
             s = admin.call("stats")["stats"]
-            print(f"\x1b[H\x1b[2J{format_status(s)}\n"
-                  f"throughput  {s['insert_rows_per_s'] * row_bytes / 1e9:.2f} GB/s in, "
-                  f"{s['sample_rows_per_s'] * row_bytes / 1e9:.2f} GB/s out", flush=True)
+            print(
+                f"\x1b[H\x1b[2J{format_status(s)}\n"
+                f"throughput  {s['insert_rows_per_s'] * row_bytes / 1e9:.2f} GB/s in, "
+                f"{s['sample_rows_per_s'] * row_bytes / 1e9:.2f} GB/s out",
+                flush=True,
+            )
         admin.close()
         checked = [results.get(timeout=10) for _ in range(args.learners)]
         total = sum(c["episodes_checked"] for c in checked)
-        print(f"learners verified {total:,} sampled episodes and "
-              f"{sum(c['rows_checked'] for c in checked):,} rows: none torn")
+        print(
+            f"learners verified {total:,} sampled episodes and "
+            f"{sum(c['rows_checked'] for c in checked):,} rows: none torn"
+        )
         return 0
     finally:
         for p in procs:

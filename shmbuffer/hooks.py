@@ -82,7 +82,7 @@ def is_env_ret(item: Any) -> bool:
     )
 
 
-def default_preprocess_fn(  # noqa: PLR0917 (the seed's positional signature)
+def default_preprocess_fn(
     transition_buffer: Mapping[str, Any] | None,
     env_ret: Any,
     policy_resp: Any,

@@ -26,7 +26,7 @@ from shmbuffer.errors import ProtocolError, ShmBufferError, VersionMismatchError
 
 #: Versioned separately from the package. Minor bumps add optional fields or ops only.
 PROTOCOL_VERSION = "1.0"
-PROTOCOL_MAJOR = int(PROTOCOL_VERSION.split(".")[0])
+PROTOCOL_MAJOR = int(PROTOCOL_VERSION.split(".", maxsplit=1)[0])
 
 #: Largest header accepted, in bytes; payload frames are bounded by the daemon's own limit.
 MAX_HEADER_BYTES = 64 * 1024
@@ -143,7 +143,7 @@ def _check_field(op: str, name: str, value: Any, spec: Spec) -> None:
         raise ProtocolError(
             f"op {op!r}: field {name!r} must be {expected}, got {type(value).__name__}"
         )
-    if spec.lo is not None and value < spec.lo or spec.hi is not None and value > spec.hi:
+    if (spec.lo is not None and value < spec.lo) or (spec.hi is not None and value > spec.hi):
         raise ProtocolError(
             f"op {op!r}: field {name!r}={value} is out of range [{spec.lo}, {spec.hi}]"
         )

@@ -101,7 +101,8 @@ def read(columns: Mapping[Key, torch.Tensor], rows: np.ndarray) -> TensorDict:
 def episode_rows(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """The physical rows of episodes ``[start, start + length)``, concatenated, vectorised."""
     ends_before = np.cumsum(lengths) - lengths
-    return np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(starts - ends_before, lengths)
+    offsets: np.ndarray = np.repeat(starts - ends_before, lengths)
+    return np.arange(int(lengths.sum()), dtype=np.int64) + offsets
 
 
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype[Any]:
@@ -115,7 +116,7 @@ def from_bytes(
     view when ``copy`` is False (a copy source), else an owned torch tensor."""
     if dtype == torch.bfloat16:  # no numpy dtype: go through int16
         return torch.from_numpy(frame.copy()).view(torch.bfloat16).reshape(tuple(shape))
-    array = frame.view(_numpy_dtype(dtype)).reshape(tuple(shape))
+    array: np.ndarray = frame.view(_numpy_dtype(dtype)).reshape(tuple(shape))
     return torch.from_numpy(array.copy()) if copy else array
 
 
@@ -125,4 +126,4 @@ def to_bytes(value: Any, dtype: torch.dtype) -> memoryview:
     tensor = tensor.detach().to("cpu", dtype).contiguous()
     if dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)
-    return memoryview(tensor.numpy()).cast("B")
+    return memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type]

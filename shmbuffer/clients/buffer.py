@@ -193,7 +193,7 @@ class Buffer:
         """Logical (chronological) indexing: 0 is the oldest, -1 the newest row or episode."""
         positions, scalar = normalize_index(index, len(self))
         if self.unit == "episode":
-            ids, starts, ends = self.container.registry.at_many(positions)
+            _, starts, ends = self.container.registry.at_many(positions)
             return self._episodes(starts, ends, scalar)
         physical = self.container.registry.rows_at(positions)
         data = self._read(physical)

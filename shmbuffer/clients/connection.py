@@ -8,6 +8,7 @@ instead of hanging the caller.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -96,9 +97,7 @@ class Connection:
         if self._closed:
             return
         self._closed = True
-        try:
+        with contextlib.suppress(Exception):  # the daemon may be gone; closing still succeeds
             self.call("bye", timeout=min(self.timeout, 2.0))
-        except Exception:  # the daemon may be gone; closing must still succeed
-            pass
         self.socket.close()
         self._context.term()

@@ -116,7 +116,7 @@ class Reader:
     def _from_frames(self, frames: list[Any], batch_size: list[int]) -> TensorDict:
         assert self.schema is not None
         n = int(np.prod(batch_size))
-        flat = {}
+        flat: dict[Any, Any] = {}
         for field, frame in zip(self.schema.fields, frames, strict=True):
             array = np.frombuffer(frame.buffer, dtype=np.uint8)
             flat[field.key] = rows.from_bytes(array, field.dtype, (n, *field.shape), copy=True)

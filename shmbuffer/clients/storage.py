@@ -70,7 +70,7 @@ class Storage:
         seed: seeds the in-process buffer's sampler.
     """
 
-    def __init__(  # noqa: PLR0917 (the seed's positional signature)
+    def __init__(
         self,
         capacity: int = 100_000,
         mode: str = "circular",

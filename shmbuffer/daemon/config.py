@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import tempfile
-import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from shmbuffer.container import MODES, UNITS, check_choice
 from shmbuffer.segment import validate_name

@@ -8,6 +8,7 @@ messages until it succeeds or its own timeout runs out, without blocking anyone 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -50,9 +51,7 @@ class Server:
         self._context = zmq.Context()
         self.socket = self._context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 1000)
-        self.socket.setsockopt(
-            zmq.MAXMSGSIZE, service.config.max_payload_bytes + MAX_HEADER_BYTES
-        )
+        self.socket.setsockopt(zmq.MAXMSGSIZE, service.config.max_payload_bytes + MAX_HEADER_BYTES)
         self._bind(endpoint)
         self._parked: deque[Parked] = deque()
         self._stopping = False
@@ -104,7 +103,8 @@ class Server:
     def _on_message(self, raw: list[zmq.Frame]) -> None:
         if len(raw) < 2:
             return  # a ROUTER always prepends the identity; nothing to answer
-        identity, header_frame, payload = raw[0].bytes, raw[1].buffer, [f.buffer for f in raw[2:]]
+        identity, header_frame = raw[0].bytes, raw[1].buffer
+        payload: Frames = [f.buffer for f in raw[2:]]
         header: dict[str, Any] = {}
         try:
             header = decode(header_frame)
@@ -183,7 +183,5 @@ class Server:
         self.socket.close()
         self._context.term()
         if self.endpoint.startswith("ipc://"):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.endpoint[len("ipc://") :])
-            except FileNotFoundError:
-                pass

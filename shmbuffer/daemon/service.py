@@ -215,9 +215,7 @@ class BufferService:
 
     # -- writing ----------------------------------------------------------------------------
 
-    def op_reserve(
-        self, client: Client, fields: dict[str, Any], frames: Frames, now: float
-    ) -> Any:
+    def op_reserve(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Any:
         if "commit" in fields:  # commit the previous episode in the same round trip; kept
             # out of ``fields`` so a deferred retry does not commit twice
             fields["_committed"] = self._commit(client, fields.pop("commit"))
@@ -290,7 +288,7 @@ class BufferService:
             raise
         return {"episodes": self._commit(client, reservation.id)}, []
 
-    def _leaves_from_frames(self, num_rows: int, frames: Frames) -> dict[Any, np.ndarray]:
+    def _leaves_from_frames(self, num_rows: int, frames: Frames) -> dict[Any, Any]:
         if self.schema is None:
             raise SchemaError("the buffer has no schema yet: send 'define_schema' first")
         fields = self.schema.fields
@@ -347,7 +345,7 @@ class BufferService:
         if fields.get("payload", False):  # remote reader: the daemon copies the rows out
             assert self.segment is not None
             data = rows.gather_columns(self.segment.columns, physical)
-            return reply, [memoryview(t.numpy()).cast("B") for t in data.values()]
+            return reply, [rows.to_bytes(t, t.dtype) for t in data.values()]
         reply["gens"] = _i64(self.generations[physical])
         return reply, []
 

@@ -123,13 +123,12 @@ class Container:
         self, num_rows: int, num_sub_episodes: int = 1, owner: object = None
     ) -> Reservation:
         ranges, evict = self.plan(num_rows, num_sub_episodes)
-        for start, stop in ranges:
-            for other in self.reservations.values():
-                if any(s < stop and start < e for s, e in other.ranges):
-                    raise CapacityError(
-                        f"rows {start}..{stop} are still reserved by an uncommitted writer "
-                        f"(reservation {other.id}); the ring is smaller than the data in flight"
-                    )
+        busy = self.conflicts(evict)
+        if busy:
+            raise CapacityError(
+                f"rows {evict} are still reserved by an uncommitted writer (reservation "
+                f"{busy[0].id}); the ring is smaller than the data in flight"
+            )
         evicted = [ep for s, e in evict for ep in self._evict(s, e)]
         reservation = Reservation(
             id=self._next_reservation,
@@ -140,7 +139,9 @@ class Container:
         )
         self._next_reservation += 1
         self.reservations[reservation.id] = reservation
-        self.pointer = ranges[-1][1] % self.capacity
+        # A full fixed-mode ring keeps pointer == capacity, so nothing fits any more.
+        end = ranges[-1][1]
+        self.pointer = end if self.mode == "fixed" else end % self.capacity
         self.rows_written += num_rows
         return reservation
 
@@ -149,7 +150,10 @@ class Container:
         unit keeps the surviving tail of a chunk the ring only partly overwrites."""
         self.use_counts[start:stop] = -1
         if self.unit == "episode":
-            return self.registry.evict(start, stop)
+            evicted = self.registry.evict(start, stop)
+            for ep in evicted:
+                self.use_counts[ep.start : ep.end] = -1
+            return evicted
         evicted = []
         for ep in self.registry.overlapping(start, stop):
             if start <= ep.start and ep.end > stop:
@@ -158,6 +162,14 @@ class Container:
                 evicted.append(self.registry.remove(ep.id))
                 self.use_counts[ep.start : ep.end] = -1
         return evicted
+
+    def conflicts(self, ranges: list[Range]) -> list[Reservation]:
+        """Open reservations holding any row of ``ranges`` (a writer still copying there)."""
+        return [
+            other
+            for other in self.reservations.values()
+            if any(s < stop and start < e for s, e in other.ranges for start, stop in ranges)
+        ]
 
     def commit(self, reservation_id: int) -> list[int]:
         """Publish a reservation's episodes; return their ids in order."""

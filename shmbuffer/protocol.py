@@ -16,6 +16,7 @@ field. Nothing here knows about sockets.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -105,10 +106,14 @@ def decode(frame: bytes | memoryview) -> dict[str, Any]:
     return header
 
 
+_VERSION_RE = re.compile(r"([0-9]{1,6})\.([0-9]{1,6})")
+
+
 def check_version(version: Any) -> None:
-    if not isinstance(version, str) or not version.partition(".")[0].isdigit():
+    match = _VERSION_RE.fullmatch(version) if isinstance(version, str) else None
+    if match is None:  # ASCII digits only: str.isdigit() accepts "²", which int() refuses
         raise ProtocolError(f"field 'v': expected a version string like {PROTOCOL_VERSION!r}")
-    if int(version.partition(".")[0]) != PROTOCOL_MAJOR:
+    if int(match.group(1)) != PROTOCOL_MAJOR:
         raise VersionMismatchError(
             f"protocol version {version} is not compatible with this side's {PROTOCOL_VERSION}"
         )

@@ -101,8 +101,9 @@ def read(columns: Mapping[Key, torch.Tensor], rows: np.ndarray) -> TensorDict:
 def episode_rows(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """The physical rows of episodes ``[start, start + length)``, concatenated, vectorised."""
     ends_before = np.cumsum(lengths) - lengths
-    offsets: np.ndarray = np.repeat(starts - ends_before, lengths)
-    return np.arange(int(lengths.sum()), dtype=np.int64) + offsets
+    out: np.ndarray = np.arange(int(lengths.sum()), dtype=np.int64)
+    out += np.repeat(starts - ends_before, lengths)
+    return out
 
 
 def _numpy_dtype(dtype: torch.dtype) -> np.dtype[Any]:

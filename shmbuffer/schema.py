@@ -42,6 +42,8 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()
 
 
 def dtype_from_name(name: str) -> torch.dtype:
+    if not isinstance(name, str):
+        raise SchemaError(f"dtype must be a name like 'float32', got {name!r}")
     try:
         return _DTYPES[name.removeprefix("torch.")]
     except KeyError:

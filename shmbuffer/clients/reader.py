@@ -90,25 +90,33 @@ class Reader:
     def _checked_gather(
         self, physical: np.ndarray, gens: np.ndarray, kind: str, group: int
     ) -> TensorDict:
-        """Gather rows, then redo (with fresh samples) the groups whose stamps moved."""
+        """Gather rows, then redo (with fresh samples) the groups whose stamps moved.
+
+        A group whose stamps still match after its copy was copied untorn, so only the groups
+        just redone are checked again: rechecking all of them would blame rows that were
+        overwritten after their (good) copy was taken.
+        """
         assert self.segment is not None
+        stamps = self.segment.generations
         data = rows.gather(self.segment.columns, physical)
+        todo = np.arange(len(physical) // group)
+        offsets = np.arange(group)
         for _ in range(MAX_RESAMPLES):
-            moved = (self.segment.generations[physical] != gens).reshape(-1, group).any(axis=1)
+            where = (todo[:, None] * group + offsets).reshape(-1)
+            moved = (stamps[physical[where]] != gens[where]).reshape(-1, group).any(axis=1)
             if not moved.any():
                 return data
-            bad = np.flatnonzero(moved)
-            self.resamples += len(bad)
-            fields: dict[str, Any] = {"kind": kind, "n": len(bad)}
+            todo = todo[moved]
+            self.resamples += len(todo)
+            fields: dict[str, Any] = {"kind": kind, "n": len(todo)}
             if kind == "slices":
                 fields["length"] = group
             reply, _ = self._sample(**fields)
             if kind == "slices":
-                fresh = (_i64(reply["starts"])[:, None] + np.arange(group)).reshape(-1)
+                fresh = (_i64(reply["starts"])[:, None] + offsets).reshape(-1)
             else:
                 fresh = _i64(reply["rows"])
-            where = (bad[:, None] * group + np.arange(group)).reshape(-1)
-            physical, gens = physical.copy(), gens.copy()
+            where = (todo[:, None] * group + offsets).reshape(-1)
             physical[where], gens[where] = fresh, _i64(reply["gens"])
             data[torch.from_numpy(where)] = rows.gather(self.segment.columns, fresh)
         raise TornReadError(f"rows kept being overwritten through {MAX_RESAMPLES} resamples")

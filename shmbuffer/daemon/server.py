@@ -112,6 +112,10 @@ class Server:
         except ShmBufferError as exc:
             self._reply_error(identity, header.get("seq"), exc)
             return
+        except Exception as exc:  # a bug in validation must not kill the daemon either
+            log.exception("internal error validating a request")
+            self._reply_error(identity, header.get("seq"), ShmBufferError(f"internal: {exc!r}"))
+            return
         self._dispatch(identity, header, fields, payload, time.monotonic(), first=True)
 
     def _dispatch(
@@ -151,7 +155,10 @@ class Server:
                 self._reply_error(
                     item.identity,
                     item.header["seq"],
-                    WaitTimeoutError(f"op {item.header['op']!r} waited too long: rows are leased"),
+                    WaitTimeoutError(
+                        f"op {item.header['op']!r} waited too long: its rows are leased by "
+                        "readers or still being written"
+                    ),
                 )
             elif not self._dispatch(
                 item.identity, item.header, item.fields, item.frames, now, first=False

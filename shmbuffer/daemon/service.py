@@ -96,7 +96,9 @@ class BufferService:
         self._next_client = 1
         self._rates: deque[tuple[float, int, int]] = deque(maxlen=11)
         self.segment = segment
-        self.generations = np.zeros(config.capacity, dtype=np.int64)
+        self.generations = (
+            np.zeros(config.capacity, dtype=np.int64) if segment is None else segment.generations
+        )
         if segment is None and config.schema is not None:
             self._create_segment(Schema.from_spec(config.schema))
 
@@ -234,13 +236,19 @@ class BufferService:
                 f"(limit {self.config.max_reservations_per_client}); commit or abort some"
             )
         num_rows, num_sub = fields["rows"], fields.get("episodes", 1)
+        if num_rows % num_sub:
+            raise ProtocolError(
+                f"field 'rows'={num_rows} is not a multiple of field 'episodes'={num_sub}"
+            )
         _, evict = self.container.plan(num_rows, num_sub)
-        blocking = self.leases.pinned(
+        deadline = now + fields.get("timeout_ms", 30_000) / 1000
+        leased = self.leases.pinned(
             ep.id for s, e in evict for ep in self.container.registry.overlapping(s, e)
         )
-        if blocking:
-            timeout = fields.get("timeout_ms", 30_000) / 1000
-            raise Deferred(f"rows are leased by readers (episodes {blocking[:5]})", now + timeout)
+        if leased:
+            raise Deferred(f"rows are leased by readers (episodes {leased[:5]})", deadline)
+        if self.container.conflicts(evict):  # the ring lapped a writer that is still copying
+            raise Deferred("rows are still being written by another writer", deadline)
         reservation = self.container.reserve(num_rows, num_sub, owner=client.id)
         for start, stop in reservation.ranges:
             self.generations[start:stop] += 1
@@ -356,6 +364,11 @@ class BufferService:
     def op_clear(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Any:
         if client.role != "admin":
             raise PermissionDeniedError("only an admin client may clear the buffer")
+        if len(self.leases) or self.container.reservations:
+            raise LimitExceededError(
+                f"cannot clear while {len(self.leases)} leases and "
+                f"{len(self.container.reservations)} reservations are open"
+            )
         self.container.clear()
         return {}, []
 

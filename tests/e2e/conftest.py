@@ -1,0 +1,294 @@
+"""Fixtures for the end-to-end tests: a real daemon subprocess started through the CLI, and
+spawned writer/reader processes that are always joined or killed.
+
+Every test gets its own runtime dir (a short path in /tmp, since ipc socket paths are limited
+to ~107 bytes) exported as ``SHMBUFFER_RUNTIME_DIR`` in this process and passed to every child,
+and its own storage folder under /dev/shm; both are removed in teardown, whatever happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e import _workers
+
+START_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 10.0
+CLI = [sys.executable, "-m", "shmbuffer.daemon.cli"]
+
+
+def wait_for(predicate: Any, timeout: float, interval: float = 0.02, what: str = "") -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what or predicate}")
+        time.sleep(interval)
+
+
+def kill_pid(pid: int) -> None:
+    """SIGTERM, wait, SIGKILL a process that is not our child (a detached daemon)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Heavy e2e tests (``@pytest.mark.slow``) run only when a ``-m`` expression is given."""
+    if config.option.markexpr:
+        return
+    here = Path(__file__).parent
+    skip = pytest.mark.skip(reason="slow e2e test: run with `pytest -m slow`")
+    for item in items:
+        if item.get_closest_marker("slow") and here in Path(item.path).parents:
+            item.add_marker(skip)
+
+
+@dataclass
+class Env:
+    """The per-test folders and the environment every subprocess gets."""
+
+    runtime_dir: Path
+    storage_dir: Path
+    extra_pids: list[int] = field(default_factory=list)  # detached daemons to reap
+
+    @property
+    def environ(self) -> dict[str, str]:
+        return {**os.environ, "SHMBUFFER_RUNTIME_DIR": str(self.runtime_dir)}
+
+    def runtime_file(self, name: str) -> Path:
+        return self.runtime_dir / f"{name}.json"
+
+    def read_runtime(self, name: str) -> dict[str, Any] | None:
+        try:
+            return dict(json.loads(self.runtime_file(name).read_text()))
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def cli(self, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+        """Run ``shmbuffer-daemon ARGS`` to completion (a hang is a test failure)."""
+        try:
+            return subprocess.run(
+                [*CLI, *args],
+                check=False,
+                env=self.environ,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                stdin=subprocess.DEVNULL,
+            )
+        except subprocess.TimeoutExpired as exc:
+            pytest.fail(f"`shmbuffer-daemon {' '.join(args)}` did not finish in {timeout}s: {exc}")
+
+
+@dataclass
+class DaemonHandle:
+    name: str
+    process: subprocess.Popen[bytes]
+    endpoint: str
+    storage_dir: Path
+    env: Env
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def segment_path(self) -> Path:
+        return self.storage_dir / self.name
+
+    def admin(self, timeout: float = 5.0) -> Any:
+        from shmbuffer.clients.connection import Connection
+
+        return Connection(self.name, "admin", timeout=timeout)
+
+    def stats(self) -> dict[str, Any]:
+        conn = self.admin()
+        try:
+            return dict(conn.call("stats")["stats"])
+        finally:
+            conn.close()
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def stop(self) -> int | None:
+        """SIGTERM, wait, SIGKILL; returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(STOP_TIMEOUT_S)
+        return self.process.returncode
+
+
+@pytest.fixture
+def e2e_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
+    runtime_dir = Path(tempfile.mkdtemp(prefix="sbe2e-", dir="/tmp"))
+    storage_dir = Path(f"/dev/shm/shmbuffer-e2e-{uuid.uuid4().hex[:12]}")
+    monkeypatch.setenv("SHMBUFFER_RUNTIME_DIR", str(runtime_dir))
+    env = Env(runtime_dir, storage_dir)
+    try:
+        yield env
+    finally:
+        for pid in env.extra_pids:
+            kill_pid(pid)
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+        shutil.rmtree(storage_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(e2e_env: Env) -> Iterator[Any]:
+    """Factory: ``daemon(capacity=..., unit=..., args=[...])`` starts a real daemon through
+    ``shmbuffer-daemon start`` and waits until its runtime file names its pid."""
+    started: list[DaemonHandle] = []
+
+    def start(
+        *,
+        name: str | None = None,
+        capacity: int = 10_000,
+        unit: str = "episode",
+        args: tuple[str, ...] | list[str] = (),
+    ) -> DaemonHandle:
+        name = name or f"e2e-{uuid.uuid4().hex[:8]}"
+        log_path = e2e_env.runtime_dir / f"{name}.daemon-{len(started)}.log"
+        argv = [
+            *CLI,
+            "start",
+            "--name",
+            name,
+            "--capacity",
+            str(capacity),
+            "--unit",
+            unit,
+            "--storage-dir",
+            str(e2e_env.storage_dir),
+            *args,
+        ]
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(
+                argv, env=e2e_env.environ, stdout=log, stderr=subprocess.STDOUT
+            )
+        handle = DaemonHandle(name, process, "", e2e_env.storage_dir, e2e_env, log_path)
+        started.append(handle)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            info = e2e_env.read_runtime(name)
+            if info is not None and info.get("pid") == process.pid:
+                handle.endpoint = str(info["endpoint"])
+                return handle
+            if process.poll() is not None:
+                pytest.fail(f"daemon exited with {process.returncode}:\n{handle.log()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"daemon not ready in {START_TIMEOUT_S}s:\n{handle.log()}")
+            time.sleep(0.05)
+
+    try:
+        yield start
+    finally:
+        for handle in started:
+            handle.stop()
+            log = handle.log()
+            if log:
+                print(f"--- daemon {handle.name} (pid {handle.pid}) log ---\n{log}")
+
+
+class Children:
+    """Spawned worker processes: results come back on a queue; teardown kills stragglers."""
+
+    def __init__(self, env: Env) -> None:
+        self.env = env
+        self.ctx = mp.get_context("spawn")
+        self.results = self.ctx.Queue()
+        self.procs: list[Any] = []
+
+    def spawn(self, tag: str, fn: str, *args: Any) -> Any:
+        """Run ``tests.e2e._workers.<fn>(*args)`` in a fresh interpreter."""
+        proc = self.ctx.Process(
+            target=_workers.entry,
+            args=(str(self.env.runtime_dir), self.results, tag, fn, args),
+            daemon=True,
+        )
+        proc.start()
+        self.procs.append(proc)
+        return proc
+
+    def get(self, timeout: float) -> tuple[str, str, Any]:
+        """The next ``(tag, status, value)``; status is "ok", "error" or a worker message."""
+        import queue
+
+        try:
+            item: tuple[str, str, Any] = self.results.get(timeout=timeout)
+        except queue.Empty:
+            pytest.fail(f"no message from the worker processes within {timeout}s")
+        return item
+
+    def collect(self, tags: set[str], timeout: float) -> dict[str, Any]:
+        """Wait for the final result of each tagged worker; a worker error fails the test."""
+        deadline = time.monotonic() + timeout
+        out: dict[str, Any] = {}
+        while tags - out.keys():
+            tag, status, value = self.get(max(0.1, deadline - time.monotonic()))
+            if status == "error":
+                pytest.fail(f"worker {tag} failed:\n{value}")
+            if status == "ok":
+                out[tag] = value
+        return out
+
+    def join(self, proc: Any, timeout: float) -> int:
+        proc.join(timeout)
+        if proc.is_alive():
+            pytest.fail(f"worker pid {proc.pid} still running after {timeout}s")
+        return int(proc.exitcode)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.join(1.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+        self.results.close()
+        self.results.join_thread()
+
+
+@pytest.fixture
+def children(e2e_env: Env) -> Iterator[Children]:
+    kids = Children(e2e_env)
+    try:
+        yield kids
+    finally:
+        kids.close()

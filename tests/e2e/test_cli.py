@@ -1,0 +1,141 @@
+"""The ``shmbuffer-daemon`` command line: start, status, stop, --detach, stale runtime files."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shmbuffer import Writer
+from shmbuffer.demo import make_episode
+from tests.e2e.conftest import CLI, wait_for
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_start_status_refuse_stop(daemon, e2e_env):
+    d = daemon(capacity=1234, unit="episode")
+    with Writer(d.name) as w:  # a schema, hence a segment folder, to be unlinked by stop
+        w.add_episode(make_episode(0, 0, 10, (2,)))
+    assert (d.segment_path / "manifest.json").is_file()
+
+    text = e2e_env.cli("status", "--name", d.name)
+    assert text.returncode == 0, text.stderr
+    assert d.name in text.stdout
+    assert "1,234 rows" in text.stdout
+    assert "unit=episode" in text.stdout
+
+    js = e2e_env.cli("status", "--name", d.name, "--json")
+    assert js.returncode == 0, js.stderr
+    stats = json.loads(js.stdout)
+    assert stats["name"] == d.name
+    assert stats["capacity"] == 1234
+    assert stats["pid"] == d.pid
+    assert stats["episodes_committed"] == 1
+
+    again = e2e_env.cli(
+        "start", "--name", d.name, "--capacity", "10", "--storage-dir", str(d.storage_dir)
+    )
+    assert again.returncode != 0
+    assert "already served" in again.stderr
+    assert e2e_env.read_runtime(d.name)["pid"] == d.pid  # the live daemon's file is untouched
+    assert d.process.poll() is None
+
+    # `stop` waits for the pid to vanish; as the daemon's parent we must reap it meanwhile
+    # (a zombie still answers kill(pid, 0))
+    stop = subprocess.Popen(
+        [*CLI, "stop", "--name", d.name],
+        env=e2e_env.environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert d.process.wait(20) == 0
+        _, err = stop.communicate(timeout=20)
+    finally:
+        stop.kill()
+    assert stop.returncode == 0, err
+    assert not e2e_env.runtime_file(d.name).exists()
+    assert not d.segment_path.exists()
+    assert not (e2e_env.runtime_dir / f"{d.name}.sock").exists()
+
+    gone = e2e_env.cli("status", "--name", d.name, "--timeout", "2")
+    assert gone.returncode != 0
+    assert e2e_env.cli("stop", "--name", d.name).returncode != 0
+
+
+@pytest.mark.slow
+def test_detach_then_stop(e2e_env):
+    name = "e2e-detached"
+    out = e2e_env.cli(
+        "start",
+        "--detach",
+        "--name",
+        name,
+        "--capacity",
+        "100",
+        "--storage-dir",
+        str(e2e_env.storage_dir),
+        "--ready-timeout",
+        "20",
+    )
+    match = re.search(r"ready: pid (\d+)", out.stdout)
+    if match:
+        e2e_env.extra_pids.append(int(match.group(1)))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert match, out.stdout
+    pid = int(match.group(1))
+    assert e2e_env.read_runtime(name)["pid"] == pid
+    assert _pid_alive(pid)
+    status = e2e_env.cli("status", "--name", name, "--json")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["pid"] == pid
+
+    stop = e2e_env.cli("stop", "--name", name)
+    assert stop.returncode == 0, stop.stderr
+    wait_for(lambda: not _pid_alive(pid), 10, what="the detached daemon to exit")
+    assert not e2e_env.runtime_file(name).exists()
+
+
+def test_stale_runtime_file_is_replaced(daemon, e2e_env):
+    name = "e2e-stale"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(30)
+    stale = {
+        "name": name,
+        "endpoint": f"ipc://{e2e_env.runtime_dir / 'gone.sock'}",
+        "pid": dead.pid,
+        "storage_dir": str(e2e_env.storage_dir),
+        "protocol": "1.0",
+        "host": socket.gethostname(),
+        "written": time.time(),
+    }
+    e2e_env.runtime_file(name).write_text(json.dumps(stale))
+    leftover = e2e_env.storage_dir / name
+    leftover.mkdir(parents=True)
+    (leftover / "junk").write_bytes(b"x")
+
+    # nothing serves it: clients and `stop` say so instead of hanging on a dead endpoint
+    assert e2e_env.cli("stop", "--name", name).returncode != 0
+    from shmbuffer.errors import DaemonUnavailableError
+
+    with pytest.raises(DaemonUnavailableError, match="gone"):
+        Writer(name, timeout=2)
+
+    d = daemon(name=name, capacity=100)  # waits until the runtime file names the new pid
+    assert e2e_env.read_runtime(name)["pid"] == d.pid != dead.pid
+    assert not (leftover / "junk").exists()  # the dead daemon's segment was cleared
+    assert d.stats()["capacity"] == 100

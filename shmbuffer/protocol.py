@@ -106,7 +106,7 @@ def decode(frame: bytes | memoryview) -> dict[str, Any]:
     return header
 
 
-_VERSION_RE = re.compile(r"([0-9]{1,6})\.([0-9]{1,6})")
+_VERSION_RE = re.compile(r"([0-9]{1,6})(?:\.[0-9]{1,6}){0,2}")
 
 
 def check_version(version: Any) -> None:

@@ -60,7 +60,9 @@ def nest(flat: Mapping[Key, torch.Tensor], batch_size: Sequence[int]) -> TensorD
         for part in key[:-1]:
             node = node.setdefault(part, {})
         node[key[-1]] = tensor
-    return TensorDict(nested, batch_size=list(batch_size))
+    # The columns are ours and already consistent, so skip TensorDict's per-key validation
+    # (9 us -> 2 us a call, which matters at 256-row samples).
+    return TensorDict._new_unsafe(nested, batch_size=torch.Size(batch_size))
 
 
 def gather_columns(

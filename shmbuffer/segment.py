@@ -362,9 +362,12 @@ class LocalSegment(_Columns):
             raise SegmentError(f"capacity must be a positive int, got {capacity!r}")
         self.schema = schema
         self.capacity = capacity
-        alloc = torch.zeros if prefault else torch.empty
-        self.data, self.columns, self.arrays = _views(
-            schema, capacity, lambda field, shape, _: alloc(shape, dtype=field.dtype)
-        )
+        def alloc(field: Field, shape: tuple[int, ...], _: int) -> torch.Tensor:
+            # torch.zeros gets lazily mapped zero pages from calloc; writing the zeros
+            # ourselves faults every page in now instead of during the first pass of writes.
+            tensor = torch.empty(shape, dtype=field.dtype)
+            return tensor.zero_() if prefault else tensor
+
+        self.data, self.columns, self.arrays = _views(schema, capacity, alloc)
         self.generations = np.zeros(capacity, np.int64)
         self._nbytes = sum(t.nbytes for t in self.columns.values())

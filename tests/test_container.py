@@ -73,11 +73,6 @@ def test_fixed_full_refuses_and_changes_nothing(unit: str) -> None:
     put(c, 3)  # what fits still fits
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="container.py reserve: pointer = ranges[-1][1] % capacity wraps to 0 when a fixed-mode "
-    "buffer fills exactly, so the next reserve 'fits' at row 0 and overwrites committed rows",
-)
 @pytest.mark.parametrize("unit", ["transition", "episode"])
 def test_fixed_exactly_full_refuses(unit: str) -> None:
     c = Container(10, mode="fixed", unit=unit)
@@ -154,12 +149,6 @@ def test_episode_unit_partial_overlap_evicts_whole_episode() -> None:
     assert len(c) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="container.py _evict, episode unit: only the reserved rows' use counters are reset "
-    "to -1; the rest of an evicted episode keeps its stale count although it holds no "
-    "committed data (transition unit resets the whole removed chunk)",
-)
 def test_episode_unit_eviction_resets_use_counts_of_whole_episode() -> None:
     c = Container(10, unit="episode")
     put(c, 5)

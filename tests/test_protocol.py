@@ -250,11 +250,6 @@ def test_version_checked_first() -> None:
     refuse({"v": "9.0", "op": "nope", "seq": -1}, exc=VersionMismatchError)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="protocol.check_version: str.isdigit() accepts '²' but int('²') raises ValueError, "
-    "which escapes Server._on_message (it only catches ShmBufferError) and kills the loop",
-)
 @pytest.mark.parametrize("version", ["².0", "³", "①.0"])
 def test_non_decimal_digit_version_is_a_protocol_error(version: str) -> None:
     with pytest.raises(ShmBufferError):

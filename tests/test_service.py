@@ -181,11 +181,6 @@ def test_define_schema(make: Any) -> None:
         h(W, "define_schema", schema={"obs": {"dtype": "nope"}})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="schema.dtype_from_name calls name.removeprefix(); a non-str dtype in a "
-    "define_schema spec raises AttributeError (an 'internal' error) instead of SchemaError",
-)
 def test_define_schema_non_string_dtype_is_a_schema_error(make: Any) -> None:
     h = make()
     h.hello(W)
@@ -233,11 +228,6 @@ def test_sub_episodes(h: Harness) -> None:
     assert set(i64(out["starts"]).tolist()) <= {0, 2, 4}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Container.plan raises ValueError for rows not divisible by episodes; the server "
-    "turns it into an 'internal' error instead of a typed error naming the field",
-)
 def test_indivisible_sub_episodes_is_a_typed_error(h: Harness) -> None:
     from shmbuffer.errors import ShmBufferError
 
@@ -317,9 +307,12 @@ def test_max_reservations_per_client(make: Any) -> None:
 
 
 def test_reservation_in_flight_is_never_overlapped(h: Harness) -> None:
-    h(W, "reserve", rows=10)
-    with pytest.raises(CapacityError, match="in flight"):
+    """A ring that laps a writer still copying waits for it (deferred), never overlaps it."""
+    first = h(W, "reserve", rows=10)
+    with pytest.raises(Deferred, match="still being written"):
         h(W, "reserve", rows=10)
+    h(W, "commit", reservation=first["reservation"])
+    assert h(W, "reserve", rows=10)["ranges"] == [[10, 16], [0, 4]]
 
 
 # -- remote write ----------------------------------------------------------------------------
@@ -606,12 +599,6 @@ def test_stats_rates(h: Harness) -> None:
     assert h(W, "stats")["stats"]["insert_rows_per_s"] == pytest.approx(5.0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BufferService.__init__ keeps self.generations = np.zeros(...) when a segment is "
-    "passed in, so reservations bump a private array and readers (who read "
-    "segment.generations) never see overwrites",
-)
 def test_service_with_given_segment_stamps_the_shared_generations(storage: str) -> None:
     name = f"svc-{uuid.uuid4().hex[:10]}"
     segment = Segment.create(name, Schema.from_spec(SPEC), 8, storage_dir=storage)

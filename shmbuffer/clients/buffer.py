@@ -195,6 +195,13 @@ class Buffer:
         if self.unit == "episode":
             _, starts, ends = self.container.registry.at_many(positions)
             return self._episodes(starts, ends, scalar)
+        if isinstance(index, slice) and len(positions) > 1 and self.segment is not None:
+            # Fast path: one writer commits in ring order, so a logical range whose ends are
+            # n-1 rows apart is one physical range (a gap or a wrap would break the distance).
+            first, last = self.container.registry.rows_at(positions[[0, -1]])
+            if last - first == len(positions) - 1 and np.all(np.diff(positions) == 1):
+                self.container.use_counts[first : last + 1] += 1
+                return rows.copy_range(self.segment.columns, int(first), int(last) + 1)
         physical = self.container.registry.rows_at(positions)
         data = self._read(physical)
         return data[0] if scalar else data

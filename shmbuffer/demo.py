@@ -9,16 +9,22 @@ daemon benchmarks.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from tensordict import TensorDict
+
+from shmbuffer.schema import Schema
 
 
 def payload_value(writer: int, episode: int, step: np.ndarray | int) -> Any:
@@ -127,22 +133,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     shape = tuple(int(x) for x in args.obs_shape.split(","))
     name = args.name or f"demo-{os.getpid()}"
-    daemon = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "shmbuffer.daemon.cli",
-            "--log-level",
-            "WARNING",
-            "start",
-            "--name",
-            name,
-            "--capacity",
-            str(args.capacity),
-            "--unit",
-            "episode",
-        ],
-    )
+    # Declaring the schema lets the daemon allocate and prefault the segment before it is
+    # ready, instead of stalling every client when the first writer defines it.
+    spec = Schema.from_batch(make_episode(0, 0, 1, shape)).to_spec()
+    schema_file = Path(tempfile.mkdtemp(prefix="shmbuffer-demo-")) / "schema.json"
+    schema_file.write_text(json.dumps(spec))
+    cli = [sys.executable, "-m", "shmbuffer.daemon.cli", "--log-level", "WARNING", "start"]
+    options = ["--capacity", str(args.capacity), "--unit", "episode", "--schema", str(schema_file)]
+    daemon = subprocess.Popen([*cli, "--name", name, *options])
     ctx = mp.get_context("spawn")
     procs: list[Any] = []
     try:
@@ -199,6 +197,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             daemon.wait(timeout=10)
         except subprocess.TimeoutExpired:
             daemon.kill()
+        shutil.rmtree(schema_file.parent, ignore_errors=True)
 
 
 def add_demo_parser(sub: Any) -> None:

@@ -362,6 +362,7 @@ class LocalSegment(_Columns):
             raise SegmentError(f"capacity must be a positive int, got {capacity!r}")
         self.schema = schema
         self.capacity = capacity
+
         def alloc(field: Field, shape: tuple[int, ...], _: int) -> torch.Tensor:
             # torch.zeros gets lazily mapped zero pages from calloc; writing the zeros
             # ourselves faults every page in now instead of during the first pass of writes.

@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 
 from shmbuffer.daemon.service import BufferService, Deferred, Frames
-from shmbuffer.errors import ShmBufferError, WaitTimeoutError
+from shmbuffer.errors import EmptyBufferError, ShmBufferError, WaitTimeoutError
 from shmbuffer.protocol import (
     MAX_HEADER_BYTES,
     decode,
@@ -170,7 +170,13 @@ class Server:
 
     def _reply_error(self, identity: bytes, seq: Any, exc: ShmBufferError) -> None:
         self.service.counters.errors += 1
-        log.warning("refused a request: %s: %s", exc.code, exc)
+        # Waiting for data or for rows is normal flow control; anything else is a client bug.
+        level = (
+            logging.DEBUG
+            if isinstance(exc, EmptyBufferError | WaitTimeoutError)
+            else logging.WARNING
+        )
+        log.log(level, "refused a request: %s: %s", exc.code, exc)
         self._send(identity, error_reply(seq, exc), [])
 
     def _send(self, identity: bytes, header: dict[str, Any], payload: Frames) -> None:

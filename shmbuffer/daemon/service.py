@@ -43,6 +43,7 @@ from shmbuffer.segment import Segment
 log = logging.getLogger("shmbuffer.daemon")
 
 Frames = list[bytes | memoryview]
+RATE_WINDOW_S = 3.0
 
 
 class Deferred(Exception):
@@ -396,11 +397,13 @@ class BufferService:
             self._rates.append((now, self.counters.rows_committed, self.counters.rows_sampled))
 
     def stats(self, now: float) -> dict[str, Any]:
+        # Rates over the last few seconds, up to this moment (bursts show at once).
         insert_rate = sample_rate = 0.0
-        if len(self._rates) >= 2:
-            (t0, c0, s0), (t1, c1, s1) = self._rates[0], self._rates[-1]
-            if t1 > t0:
-                insert_rate, sample_rate = (c1 - c0) / (t1 - t0), (s1 - s0) / (t1 - t0)
+        recent = [snap for snap in self._rates if now - snap[0] <= RATE_WINDOW_S]
+        if recent and now > recent[0][0]:
+            t0, c0, s0 = recent[0]
+            insert_rate = (self.counters.rows_committed - c0) / (now - t0)
+            sample_rate = (self.counters.rows_sampled - s0) / (now - t0)
         roles = [c.role for c in self.clients.values()]
         container = self.container
         return {

@@ -54,27 +54,30 @@ def _start(reader: Any, ep: Any) -> int:
     return (ep["step"].data_ptr() - base.data_ptr()) // (base.stride(0) * base.element_size())
 
 
-def write_episodes_retrying(
-    name: str, writer_id: int, episodes: int, length: int, obs_shape: tuple[int, ...], say: Any
-) -> dict[str, int]:
-    """Like ``write_episodes``, but a reservation refused with CapacityError (the ring lapped a
-    writer still copying) is retried; returns how many were written and retried."""
-    from shmbuffer import Writer
-    from shmbuffer.demo import make_episode
-    from shmbuffer.errors import CapacityError
+def learn_tolerating_torn(name: str, seconds: float, say: Any) -> dict[str, int]:
+    """``learner_loop`` for a ring that laps under the reader: whole leased episodes must
+    always check out; a row sample may give up with TornReadError (documented for a ring far
+    too small for the write rate), which is counted, never a wrong row."""
+    from shmbuffer import Reader
+    from shmbuffer.demo import check_episode, check_rows
+    from shmbuffer.errors import EmptyBufferError, TornReadError
 
-    retries = 0
-    with Writer(name) as writer:
-        for episode in range(episodes):
-            data = make_episode(writer_id, episode, length, tuple(obs_shape))
-            for _ in range(1000):
-                try:
-                    writer.add_episode(data)
-                    break
-                except CapacityError:
-                    retries += 1
-                    time.sleep(0.005)
-            else:
-                raise RuntimeError("a reservation kept colliding with another writer's")
-        writer.flush()
-    return {"written": episodes, "retries": retries}
+    checked = rows = torn = 0
+    deadline = time.monotonic() + seconds
+    with Reader(name) as reader:
+        while time.monotonic() < deadline:
+            try:
+                with reader.sample_episodes(4) as episodes:
+                    for ep in episodes:
+                        check_episode(ep)
+                        checked += 1
+                sample = reader.sample(64)
+            except EmptyBufferError:
+                time.sleep(0.01)
+                continue
+            except TornReadError:
+                torn += 1
+                continue
+            check_rows(sample)
+            rows += len(sample)
+    return {"episodes_checked": checked, "rows_checked": rows, "torn": torn}

@@ -8,8 +8,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import bench.core  # noqa: F401  (registers the core scenarios)
-from bench import report
+from bench import core, daemon, report  # noqa: F401  (core, daemon: register the scenarios)
 from bench.registry import SCENARIOS, Context, Row
 
 

@@ -86,6 +86,8 @@ REQUESTS: dict[str, dict[str, Spec]] = {
     "release": {"lease": _ID},
     "clear": {},
     "shutdown": {"keep": Spec((bool,), required=False)},
+    # Write data, registry and sampler state to <to>/checkpoint (admin only).
+    "checkpoint": {"to": Spec((str,))},
 }
 
 

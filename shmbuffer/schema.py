@@ -97,16 +97,31 @@ def _is_tensordict(value: Any) -> bool:
     return hasattr(value, "batch_size") and hasattr(value, "keys")
 
 
+_NUMPY_DTYPES: dict[np.dtype[Any], torch.dtype] = {}
+_CAN_CAST: dict[tuple[torch.dtype, torch.dtype], bool] = {}
+
+
 def _dtype_of(value: Any) -> torch.dtype:
     if isinstance(value, torch.Tensor):
         return value.dtype
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(value[:0].copy()).dtype
+    if isinstance(value, np.ndarray):  # cached: this runs for every key of every write
+        dtype = _NUMPY_DTYPES.get(value.dtype)
+        if dtype is None:
+            dtype = _NUMPY_DTYPES[value.dtype] = torch.from_numpy(np.empty(0, value.dtype)).dtype
+        return dtype
     return torch.as_tensor(value).dtype
 
 
+def _can_cast(src: torch.dtype, dst: torch.dtype) -> bool:
+    ok = _CAN_CAST.get((src, dst))
+    if ok is None:
+        ok = _CAN_CAST[(src, dst)] = torch.can_cast(src, dst)
+    return ok
+
+
 def _shape_of(value: Any) -> tuple[int, ...]:
-    return tuple(int(s) for s in getattr(value, "shape", np.shape(value)))
+    shape = getattr(value, "shape", None)
+    return tuple(shape) if shape is not None else tuple(np.shape(value))
 
 
 class Schema:
@@ -228,7 +243,7 @@ class Schema:
                 )
             seen[key] = value
             dtype, shape = _dtype_of(value), _shape_of(value)
-            if not torch.can_cast(dtype, field.dtype):
+            if not _can_cast(dtype, field.dtype):
                 raise SchemaError(
                     f"key {key_str(key)!r}: dtype {dtype_name(dtype)} cannot be stored safely "
                     f"in a {dtype_name(field.dtype)} column"

@@ -50,6 +50,7 @@ GOOD: dict[str, dict[str, Any]] = {
     "release": {"lease": 1},
     "clear": {},
     "shutdown": {},
+    "checkpoint": {"to": "/tmp/ckpt"},
 }
 GOOD_FULL: dict[str, dict[str, Any]] = {
     **GOOD,

@@ -596,7 +596,10 @@ def test_stats_rates(h: Harness) -> None:
     h.service.tick(0.0)
     h.write(W, 10, 1.0)
     h.service.tick(2.0)
-    assert h(W, "stats")["stats"]["insert_rows_per_s"] == pytest.approx(5.0)
+    assert h.service.stats(2.0)["insert_rows_per_s"] == pytest.approx(5.0)
+    # the window slides: 10 s later, with nothing new committed, the rate is zero
+    h.service.tick(12.0)
+    assert h.service.stats(12.0)["insert_rows_per_s"] == 0.0
 
 
 def test_service_with_given_segment_stamps_the_shared_generations(storage: str) -> None:

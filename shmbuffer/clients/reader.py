@@ -9,6 +9,7 @@ A remote reader (``remote=True``) receives the rows as frames instead.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -38,15 +39,30 @@ class Reader:
         target: a buffer name (found through its runtime file) or an endpoint.
         remote: receive rows over the socket instead of reading shared memory.
         timeout: seconds any single wait on the daemon may take.
+        curve_server_key, curve_client_cert: CURVE keys for a daemon started with
+            ``--curve-secret`` (see :class:`~shmbuffer.clients.connection.Connection`).
     """
 
     def __init__(
-        self, target: str = "default", *, remote: bool | None = None, timeout: float = 10.0
+        self,
+        target: str = "default",
+        *,
+        remote: bool | None = None,
+        timeout: float = 10.0,
+        curve_server_key: str | bytes | os.PathLike[str] | None = None,
+        curve_client_cert: str | os.PathLike[str] | None = None,
     ) -> None:
         if remote is None:
             remote = _is_remote_target(target)
         self.remote = remote
-        self.conn = Connection(target, "reader", timeout=timeout, remote=remote)
+        self.conn = Connection(
+            target,
+            "reader",
+            timeout=timeout,
+            remote=remote,
+            curve_server_key=curve_server_key,
+            curve_client_cert=curve_client_cert,
+        )
         self.capacity: int = self.conn.buffer["capacity"]
         self.unit: str = self.conn.buffer["unit"]
         self.schema: Schema | None = None

@@ -9,6 +9,7 @@ the daemon copies them in. Both have the same API as the in-process :class:`~shm
 
 from __future__ import annotations
 
+import os
 import socket
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -31,6 +32,8 @@ class Writer:
             ``tcp://`` endpoint on another host).
         timeout: seconds any single wait on the daemon may take.
         reserve_timeout: seconds a reservation may wait for readers' leases to end.
+        curve_server_key, curve_client_cert: CURVE keys for a daemon started with
+            ``--curve-secret`` (see :class:`~shmbuffer.clients.connection.Connection`).
         The rest are the episode-assembly options of :class:`~shmbuffer.Buffer`.
     """
 
@@ -45,11 +48,20 @@ class Writer:
         auto_truncate: bool = True,
         done_keys: Sequence[str] = DEFAULT_DONE_KEYS,
         postprocess_fn: Callable[[dict[str, list[Any]]], Mapping[str, Any]] | None = None,
+        curve_server_key: str | bytes | os.PathLike[str] | None = None,
+        curve_client_cert: str | os.PathLike[str] | None = None,
     ) -> None:
         if remote is None:
             remote = _is_remote_target(target)
         self.remote = remote
-        self.conn = Connection(target, "writer", timeout=timeout, remote=remote)
+        self.conn = Connection(
+            target,
+            "writer",
+            timeout=timeout,
+            remote=remote,
+            curve_server_key=curve_server_key,
+            curve_client_cert=curve_client_cert,
+        )
         self.reserve_timeout = reserve_timeout
         self.assembler = EpisodeAssembler(
             num_envs=num_envs,

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from shmbuffer.daemon import runtime
+from shmbuffer.daemon import runtime, security
 from shmbuffer.daemon.config import DaemonConfig, load_schema_file, runtime_dir
 from shmbuffer.errors import ShmBufferError
 from shmbuffer.protocol import PROTOCOL_VERSION
@@ -42,14 +42,23 @@ def cmd_start(args: argparse.Namespace) -> int:
         storage_dir=args.storage_dir,
         lease_ttl=args.lease_ttl,
         reservation_ttl=args.reservation_ttl,
+        group=args.group,
+        curve_secret=args.curve_secret,
+        curve_clients=args.curve_clients,
+        insecure_tcp=args.insecure_tcp,
     )
+    if args.resume or args.restore:  # capacity/unit/mode/schema come from what is loaded
+        from shmbuffer.daemon.recovery import adopt_settings
+
+        config = adopt_settings(config, args, args.restore)
     if args.detach:
         return _detach(args, config)
-    return run_daemon(config, keep=args.keep)
+    return run_daemon(config, keep=args.keep, resume=args.resume, restore=args.restore)
 
 
-def _claim_name(config: DaemonConfig) -> None:
-    """Refuse a name a live daemon serves; clear what a dead one left behind."""
+def _claim_name(config: DaemonConfig, keep_segment: bool = False) -> None:
+    """Refuse a name a live daemon serves; clear what a dead one left behind (its segment
+    too, unless ``keep_segment``: ``--resume`` re-attaches it)."""
     info = runtime.read(config.name)
     if info is None:
         return
@@ -62,15 +71,29 @@ def _claim_name(config: DaemonConfig) -> None:
         "replacing the stale runtime file and segment of dead daemon pid %s", info.get("pid")
     )
     runtime.remove(config.name)
-    Segment.unlink(config.name, info.get("storage_dir"))
+    if not keep_segment:
+        Segment.unlink(config.name, info.get("storage_dir"))
 
 
-def run_daemon(config: DaemonConfig, keep: bool = False) -> int:
+def run_daemon(
+    config: DaemonConfig, keep: bool = False, resume: bool = False, restore: str | None = None
+) -> int:
     from shmbuffer.daemon.server import Server
     from shmbuffer.daemon.service import BufferService
 
-    _claim_name(config)
-    service = BufferService(config)
+    for warning in security.check_daemon_access(config):  # refuses an exposed tcp endpoint
+        log.warning("%s", warning)
+    _claim_name(config, keep_segment=resume)
+    if resume or restore:  # see recovery.py
+        from shmbuffer.daemon import recovery
+
+        if resume:
+            service = recovery.resume_service(config)
+        else:
+            assert restore is not None
+            service = recovery.restore_service(config, restore)
+    else:
+        service = BufferService(config)
     server = Server(service, config.resolved_endpoint)
     server.install_signal_handlers()
     runtime.write(
@@ -84,6 +107,7 @@ def run_daemon(config: DaemonConfig, keep: bool = False) -> int:
         },
     )
     (runtime_dir() / f"{config.name}.pid").write_text(f"{os.getpid()}\n")
+    security.share_runtime(config)  # with --group: the runtime dir and file become group-readable
     log.info(
         "buffer %r: %d rows, unit=%s, mode=%s; listening on %s (pid %d)",
         config.name,
@@ -131,6 +155,16 @@ def _detach(args: argparse.Namespace, config: DaemonConfig) -> int:
     child.terminate()
     print(f"the daemon did not become ready in {args.ready_timeout}s; see {logfile}")
     return 1
+
+
+# -- keygen -------------------------------------------------------------------------------
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    public, secret = security.keygen(args.out, args.name, force=args.force)
+    print(f"public key:  {public}  (give to the other side)")
+    print(f"secret key:  {secret}  (mode 0600; keep private)")
+    return 0
 
 
 # -- stop ---------------------------------------------------------------------------------
@@ -213,6 +247,32 @@ def cmd_status(args: argparse.Namespace) -> int:
         conn.close()
 
 
+# -- checkpoint, cleanup ------------------------------------------------------------------
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from shmbuffer.daemon.checkpoint import checkpoint
+
+    reply = checkpoint(args.name, os.path.abspath(args.to), timeout=args.timeout)
+    print(
+        f"checkpoint of {args.name!r} at {reply['path']}: {reply['bytes'] / 1e6:.1f} MB "
+        f"in {reply['seconds']:.2f}s"
+    )
+    return 0
+
+
+def cmd_cleanup(args: argparse.Namespace) -> int:
+    from shmbuffer.daemon.recovery import cleanup
+
+    removed = cleanup(args.storage_dir, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for path in removed:
+        print(f"{verb} {path}")
+    if not removed:
+        print("nothing to clean up")
+    return 0
+
+
 # -- parser -------------------------------------------------------------------------------
 
 
@@ -237,7 +297,44 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--keep", action="store_true", help="keep the segment when stopping")
     start.add_argument("--detach", action="store_true", help="run in the background")
     start.add_argument("--ready-timeout", type=float, default=30.0)
+    start.add_argument(
+        "--group", help="group NAME or GID that may use the segment and ipc socket (0660)"
+    )
+    start.add_argument(
+        "--curve-secret", help="CURVE server secret certificate (keygen's NAME.key_secret)"
+    )
+    start.add_argument("--curve-clients", help="folder of allowed client public keys (*.key)")
+    start.add_argument(
+        "--insecure-tcp",
+        action="store_true",
+        default=None,
+        help="allow a non-loopback tcp endpoint without CURVE (anyone can connect)",
+    )
+    recover = start.add_mutually_exclusive_group()
+    recover.add_argument(
+        "--resume",
+        action="store_true",
+        help="re-attach the segment and registry a dead daemon of this name left behind",
+    )
+    recover.add_argument("--restore", metavar="DIR", help="start from the checkpoint in DIR")
     start.set_defaults(func=cmd_start)
+
+    keygen = sub.add_parser("keygen", help="write a CURVE keypair (NAME.key, NAME.key_secret)")
+    keygen.add_argument("--out", required=True, help="folder for the key files")
+    keygen.add_argument("--name", default="server", help="file name stem (server, client, ...)")
+    keygen.add_argument("--force", action="store_true", help="replace existing key files")
+    keygen.set_defaults(func=cmd_keygen)
+
+    ckpt = sub.add_parser("checkpoint", help="write the buffer to DIR/checkpoint")
+    ckpt.add_argument("--name", default="default")
+    ckpt.add_argument("--to", required=True, help="folder (on the daemon's machine)")
+    ckpt.add_argument("--timeout", type=float, default=600.0)
+    ckpt.set_defaults(func=cmd_checkpoint)
+
+    clean = sub.add_parser("cleanup", help="remove segments and runtime files of dead daemons")
+    clean.add_argument("--storage-dir", help="segment folder root (default /dev/shm/shmbuffer)")
+    clean.add_argument("--dry-run", action="store_true", help="only print what would go")
+    clean.set_defaults(func=cmd_cleanup)
 
     stop = sub.add_parser("stop", help="stop a daemon cleanly")
     stop.add_argument("--name", default="default")

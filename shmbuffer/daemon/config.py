@@ -45,8 +45,23 @@ class DaemonConfig:
     max_clients: int = 1024
     max_reservations_per_client: int = 64
     max_leases_per_client: int = 4096
+    #: Largest remote write / payload sample, in bytes (a bigger single frame is dropped by
+    #: libzmq, which disconnects its sender; see tests/e2e/test_limits.py).
     max_payload_bytes: int = 1 << 31
+    #: Seconds a client holding nothing may stay silent before it is forgotten (local clients
+    #: whose process died are forgotten at once: the daemon checks their pids).
+    client_idle_ttl: float = 3600.0
     seed: int | None = None
+    #: Access control (see ``shmbuffer/daemon/security.py``): a group name or gid that may
+    #: use the segment (0750/0660) and the ipc socket (0660); None keeps them owner-only.
+    group: str | int | None = None
+    #: CURVE secret certificate (``shmbuffer-daemon keygen``): the socket becomes a CURVE
+    #: server; clients need its public key.
+    curve_secret: str | None = None
+    #: Folder of allowed client public keys (``*.key``); None admits any client with the key.
+    curve_clients: str | None = None
+    #: Allow binding a non-loopback tcp endpoint without CURVE.
+    insecure_tcp: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -55,9 +70,18 @@ class DaemonConfig:
         check_choice("mode", self.mode, MODES)
         if not isinstance(self.capacity, int) or self.capacity < 1:
             raise ValueError(f"capacity must be a positive integer, got {self.capacity!r}")
-        for name in ("lease_ttl", "reservation_ttl"):
+        for name in ("lease_ttl", "reservation_ttl", "client_idle_ttl"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        for name in (
+            "max_clients",
+            "max_reservations_per_client",
+            "max_leases_per_client",
+            "max_payload_bytes",
+        ):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
     @property
     def resolved_endpoint(self) -> str:

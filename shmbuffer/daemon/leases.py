@@ -71,6 +71,10 @@ class LeaseTable:
             self.release(lease.id)
         return mine
 
+    def owners(self) -> set[int]:
+        """The clients that hold at least one lease."""
+        return {lease.owner for lease in self._leases.values()}
+
     def count_owner(self, owner: int) -> int:
         return sum(1 for lease in self._leases.values() if lease.owner == owner)
 

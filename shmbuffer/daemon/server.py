@@ -19,6 +19,12 @@ from typing import Any
 
 import zmq
 
+from shmbuffer.daemon.security import (
+    ServerSecurity,
+    make_curve_server,
+    resolve_group,
+    secure_ipc_path,
+)
 from shmbuffer.daemon.service import BufferService, Deferred, Frames
 from shmbuffer.errors import EmptyBufferError, ShmBufferError, WaitTimeoutError
 from shmbuffer.protocol import (
@@ -29,10 +35,38 @@ from shmbuffer.protocol import (
     ok_reply,
     validate_request,
 )
+from shmbuffer.protocol_zmq import send_frames
 
 log = logging.getLogger("shmbuffer.daemon")
 
 TICK_S = 0.05  # how often leases and reservations are checked for expiry
+LOG_REFUSALS_PER_S = 20  # refused requests logged per second; the rest are only counted
+
+
+class _LogBudget:
+    """At most ``per_s`` log lines a second; what was left out is summarised in one line."""
+
+    def __init__(self, per_s: int) -> None:
+        self.per_s = per_s
+        self.window = -1.0
+        self.used = self.dropped = 0
+
+    def allow(self) -> bool:
+        now = time.monotonic()
+        if now - self.window >= 1.0:
+            if self.dropped:
+                log.warning(
+                    "%d more refused requests were not logged (at most %d a second); the "
+                    "'errors' counter in stats counts them all",
+                    self.dropped,
+                    self.per_s,
+                )
+            self.window, self.used, self.dropped = now, 0, 0
+        self.used += 1
+        if self.used <= self.per_s:
+            return True
+        self.dropped += 1
+        return False
 
 
 @dataclass
@@ -55,20 +89,31 @@ class Server:
         self._bind(endpoint)
         self._parked: deque[Parked] = deque()
         self._stopping = False
+        self._refusals = _LogBudget(LOG_REFUSALS_PER_S)
         self.keep_segment = False
 
     def _bind(self, endpoint: str) -> None:
-        if endpoint.startswith("ipc://"):
-            path = endpoint[len("ipc://") :]
-            old = os.umask(0o177)  # the socket file is created owner-only
-            try:
+        config = self.service.config
+        self.security = ServerSecurity()  # CURVE and its authenticator (see daemon/security.py)
+        if config.curve_secret:
+            self.security = make_curve_server(
+                self._context, self.socket, config.curve_secret, config.curve_clients
+            )
+        try:
+            if endpoint.startswith("ipc://"):
+                path = endpoint[len("ipc://") :]
+                old = os.umask(0o177)  # the socket file is created owner-only
+                try:
+                    self.socket.bind(endpoint)
+                finally:
+                    os.umask(old)
+                secure_ipc_path(path, resolve_group(config.group))  # 0600, or 0660 + group
+            else:
                 self.socket.bind(endpoint)
-            finally:
-                os.umask(old)
-            os.chmod(path, 0o600)
-        else:
-            self.socket.bind(endpoint)
-            self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+                self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        except BaseException:
+            self.security.close()
+            raise
 
     def stop(self, *_: object) -> None:
         """Ask the loop to finish the messages in hand and return (signal-handler safe)."""
@@ -170,18 +215,17 @@ class Server:
 
     def _reply_error(self, identity: bytes, seq: Any, exc: ShmBufferError) -> None:
         self.service.counters.errors += 1
-        # Waiting for data or for rows is normal flow control; anything else is a client bug.
-        level = (
-            logging.DEBUG
-            if isinstance(exc, EmptyBufferError | WaitTimeoutError)
-            else logging.WARNING
-        )
-        log.log(level, "refused a request: %s: %s", exc.code, exc)
+        # Waiting for data or for rows is normal flow control; anything else is a client bug,
+        # logged at a bounded rate so that a flood of bad input cannot flood the log.
+        if isinstance(exc, EmptyBufferError | WaitTimeoutError):
+            log.debug("refused a request: %s: %s", exc.code, exc)
+        elif self._refusals.allow():
+            log.warning("refused a request: %s: %s", exc.code, exc)
         self._send(identity, error_reply(seq, exc), [])
 
     def _send(self, identity: bytes, header: dict[str, Any], payload: Frames) -> None:
         try:
-            self.socket.send_multipart([identity, encode(header), *payload], copy=False)
+            send_frames(self.socket, [identity, encode(header)], payload)
         except zmq.ZMQError as exc:  # the peer vanished; its state is reaped by TTL
             log.warning("could not reply to a client: %s", exc)
 
@@ -194,6 +238,7 @@ class Server:
 
     def close(self) -> None:
         self.socket.close()
+        self.security.close()  # the ZAP authenticator thread, before the context goes
         self._context.term()
         if self.endpoint.startswith("ipc://"):
             with contextlib.suppress(FileNotFoundError):

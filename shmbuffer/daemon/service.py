@@ -28,22 +28,27 @@ import numpy as np
 from shmbuffer import rows
 from shmbuffer.container import Container, Reservation
 from shmbuffer.daemon.config import DaemonConfig
+from shmbuffer.daemon.journal import Journal, container_state, restore_container
 from shmbuffer.daemon.leases import LeaseTable
+from shmbuffer.daemon.security import segment_access
 from shmbuffer.errors import (
     LimitExceededError,
     NotFoundError,
+    OutOfSpaceError,
     PermissionDeniedError,
     ProtocolError,
     SchemaError,
 )
-from shmbuffer.protocol import PROTOCOL_VERSION
+from shmbuffer.protocol import PROTOCOL_VERSION, payload_sizes
 from shmbuffer.schema import Schema
-from shmbuffer.segment import Segment
+from shmbuffer.segment import Segment, _free_bytes, segment_path
 
 log = logging.getLogger("shmbuffer.daemon")
 
 Frames = list[bytes | memoryview]
 RATE_WINDOW_S = 3.0
+REAP_INTERVAL_S = 0.25  # how often clients are checked for a dead process or idleness
+FULL_SWEEP_EVERY = 20  # every 20th sweep (~5 s) also checks the pids of clients holding nothing
 
 
 class Deferred(Exception):
@@ -63,6 +68,9 @@ class Client:
     remote: bool
     reservations: set[int] = field(default_factory=set)
     last_seen: float = 0.0
+    #: Same host, and its pid was alive from here at hello (so not another pid namespace):
+    #: the daemon may reap it the moment that pid dies.
+    watch_pid: bool = False
 
     @property
     def local(self) -> bool:
@@ -79,6 +87,41 @@ class Counters:
     errors: int = 0
     reservations_expired: int = 0
     leases_expired: int = 0
+    clients_reaped: int = 0  # local clients whose process died (found by the pid check)
+    clients_expired: int = 0  # clients dropped after client_idle_ttl with nothing open
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a local process still runs; a zombie (killed, not yet waited for) is dead."""
+    if pid <= 0:  # 0 and negatives would signal process groups
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True  # no /proc: trust kill()
+
+
+def _check_fits(config: DaemonConfig) -> None:
+    """Refuse a declared buffer its file system cannot hold, before anything is allocated
+    (``Segment.create`` checks again, exactly, and reserves the pages)."""
+    assert config.schema is not None
+    schema = Schema.from_spec(config.schema)
+    path = segment_path(config.name, config.storage_dir)
+    needed = config.capacity * (schema.row_nbytes + 8)  # rows + one generation stamp each
+    free = _free_bytes(path)
+    if needed > free:
+        raise OutOfSpaceError(
+            f"buffer {config.name!r} needs {needed:,} bytes ({config.capacity:,} rows x "
+            f"{schema.row_nbytes + 8} bytes) but {path.parent} has only {free:,} bytes free; "
+            "lower --capacity or use a larger --storage-dir"
+        )
 
 
 def _i64(values: np.ndarray) -> bytes:
@@ -88,7 +131,15 @@ def _i64(values: np.ndarray) -> bytes:
 class BufferService:
     def __init__(self, config: DaemonConfig, segment: Segment | None = None) -> None:
         self.config = config
-        self.container = Container(config.capacity, mode=config.mode, unit=config.unit)
+        if segment is None and config.schema is not None:
+            _check_fits(config)  # before any per-row allocation below
+        try:
+            self.container = Container(config.capacity, mode=config.mode, unit=config.unit)
+        except MemoryError:
+            raise OutOfSpaceError(
+                f"capacity {config.capacity:,} rows: the daemon cannot allocate its per-row "
+                f"bookkeeping (about {12 * config.capacity:,} bytes of memory)"
+            ) from None
         self.leases = LeaseTable(config.lease_ttl)
         self.clients: dict[bytes, Client] = {}
         self.counters = Counters()
@@ -96,7 +147,10 @@ class BufferService:
         self._rng = np.random.default_rng(config.seed)
         self._next_client = 1
         self._rates: deque[tuple[float, int, int]] = deque(maxlen=11)
+        self._next_reap = 0.0  # monotonic time of the next dead/idle-client sweep
+        self._sweeps = 0
         self.segment = segment
+        self.journal: Journal | None = None  # metadata log for --resume; see journal.py
         self.generations = (
             np.zeros(config.capacity, dtype=np.int64) if segment is None else segment.generations
         )
@@ -117,8 +171,10 @@ class BufferService:
             storage_dir=self.config.storage_dir,
             exist_ok=True,
             extra={"unit": self.config.unit, "mode": self.config.mode, "daemon_pid": os.getpid()},
+            **segment_access(self.config.group),  # owner-only, or 0660 for --group
         )
         self.generations = self.segment.generations
+        self._start_journal()
         log.info(
             "allocated %s: %d rows x %d bytes = %.1f MB (%s)",
             self.segment.path,
@@ -147,6 +203,7 @@ class BufferService:
             "segment": self.segment_info(),
             "lease_ttl": self.config.lease_ttl,
             "reservation_ttl": self.config.reservation_ttl,
+            "max_payload_bytes": self.config.max_payload_bytes,
         }
 
     # -- dispatch ---------------------------------------------------------------------------
@@ -161,7 +218,10 @@ class BufferService:
             return {"pid": os.getpid(), "protocol": PROTOCOL_VERSION}, []
         client = self.clients.get(identity)
         if client is None:
-            raise ProtocolError(f"op {op!r} before 'hello': introduce the client first")
+            raise ProtocolError(
+                f"op {op!r} before 'hello': introduce the client first (a client that held "
+                f"nothing is forgotten after {self.config.client_idle_ttl:.0f}s of silence)"
+            )
         client.last_seen = now
         handler = getattr(self, f"op_{op}")
         result: tuple[dict[str, Any], Frames] = handler(client, fields, frames, now)
@@ -173,13 +233,24 @@ class BufferService:
         client = self.clients.get(identity)
         if client is None:
             if len(self.clients) >= self.config.max_clients:
-                raise LimitExceededError(f"too many clients ({self.config.max_clients})")
+                self._reap(now)  # make room from clients that died without a 'bye'
+            if len(self.clients) >= self.config.max_clients:
+                raise LimitExceededError(
+                    f"too many clients ({len(self.clients)} connected, limit max_clients="
+                    f"{self.config.max_clients}): close unused Writers/Readers or raise the limit"
+                )
             client = Client(
                 self._next_client,
                 fields["role"],
                 fields["pid"],
                 fields["host"],
                 fields.get("remote", False),
+            )
+            client.watch_pid = (
+                not client.remote
+                and client.host == socket.gethostname()
+                and os.getpid() != client.pid  # an in-process client: never "dead"
+                and _pid_alive(client.pid)  # else another pid namespace: rely on TTLs
             )
             self._next_client += 1
             self.clients[identity] = client
@@ -209,7 +280,10 @@ class BufferService:
     def op_define_schema(
         self, client: Client, fields: dict[str, Any], frames: Frames, now: float
     ) -> Any:
-        schema = Schema.from_spec(fields["schema"])
+        try:
+            schema = Schema.from_spec(fields["schema"])
+        except RecursionError:  # msgpack allows ~1000 levels; the spec walk does not
+            raise SchemaError("schema spec: keys nested too deeply") from None
         if self.schema is None:
             self._create_segment(schema)
         elif schema != self.schema:
@@ -251,6 +325,7 @@ class BufferService:
         if self.container.conflicts(evict):  # the ring lapped a writer that is still copying
             raise Deferred("rows are still being written by another writer", deadline)
         reservation = self.container.reserve(num_rows, num_sub, owner=client.id)
+        self._journal_reserve(evict)  # before the reply hands out the rows
         for start, stop in reservation.ranges:
             self.generations[start:stop] += 1
         reservation.deadline = now + self.config.reservation_ttl
@@ -273,6 +348,7 @@ class BufferService:
         client.reservations.discard(reservation.id)
         self.counters.rows_committed += reservation.num_rows
         self.counters.episodes_committed += len(ids)
+        self._journal_commit(ids, reservation.episodes)  # before the reply acknowledges it
         return ids
 
     def op_commit(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Any:
@@ -286,6 +362,15 @@ class BufferService:
 
     def op_write(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Any:
         """A remote writer's rows arrive as frames; the daemon does the copy."""
+        size = payload_sizes(frames)
+        expected = fields["rows"] * (0 if self.schema is None else self.schema.row_nbytes)
+        limit = self.config.max_payload_bytes
+        if max(size, expected) > limit:
+            raise LimitExceededError(
+                f"op 'write': a payload of {max(size, expected):,} bytes "
+                f"({fields['rows']:,} rows) exceeds the limit max_payload_bytes={limit:,}; "
+                "write fewer rows per call"
+            )
         leaves = self._leaves_from_frames(fields["rows"], frames)
         reservation = self._reserve(client, fields, now)
         assert self.segment is not None
@@ -327,25 +412,29 @@ class BufferService:
         registry = self.container.registry
         reply: dict[str, Any] = {}
         if kind == "rows":
+            self._check_sample_size(n, fields)
             physical = registry.sample_rows(n, self._rng)
             reply["rows"] = _i64(physical)
         elif kind == "slices":
             length = fields.get("length")
             if length is None:
                 raise ProtocolError("op 'sample': kind 'slices' needs field 'length'")
+            self._check_sample_size(n * length, fields)
             starts = registry.sample_slices(n, length, self._rng)
             physical = (starts[:, None] + np.arange(length)).reshape(-1)
             reply["starts"] = _i64(starts)
         else:
             ids, starts, ends = registry.sample_episodes(n, self._rng)
             lengths = ends - starts
+            self._check_sample_size(int(lengths.sum()), fields)
             physical = rows.episode_rows(starts, lengths)
             reply.update(ids=_i64(ids), starts=_i64(starts), lengths=_i64(lengths))
             if fields.get("lease", False) and not fields.get("payload", False):
-                if self.leases.count_owner(client.id) >= self.config.max_leases_per_client:
+                held = self.leases.count_owner(client.id)
+                if held >= self.config.max_leases_per_client:
                     raise LimitExceededError(
-                        f"client {client.id} holds too many leases "
-                        f"(limit {self.config.max_leases_per_client}); release some"
+                        f"client {client.id} holds {held} leases (limit max_leases_per_client="
+                        f"{self.config.max_leases_per_client}); release some"
                     )
                 reply["lease"] = self.leases.grant(client.id, ids.tolist(), now).id
         self.container.count_use(physical)
@@ -357,6 +446,19 @@ class BufferService:
             return reply, [rows.to_bytes(t, t.dtype) for t in data.values()]
         reply["gens"] = _i64(self.generations[physical])
         return reply, []
+
+    def _check_sample_size(self, num_rows: int, fields: dict[str, Any]) -> None:
+        """Refuse a sample whose reply would exceed ``max_payload_bytes`` before any of it is
+        built (rows travel as frames to a remote reader; as indices and stamps otherwise)."""
+        per_row = 16  # an index and a generation stamp
+        if fields.get("payload", False) and self.schema is not None:
+            per_row = self.schema.row_nbytes
+        size = num_rows * per_row
+        if size > self.config.max_payload_bytes:
+            raise LimitExceededError(
+                f"op 'sample': {num_rows:,} rows make a reply of {size:,} bytes, over the "
+                f"limit max_payload_bytes={self.config.max_payload_bytes:,}; sample fewer rows"
+            )
 
     def op_release(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Any:
         self.leases.release(fields["lease"], client.id)
@@ -371,6 +473,8 @@ class BufferService:
                 f"{len(self.container.reservations)} reservations are open"
             )
         self.container.clear()
+        if self.journal is not None:
+            self.journal.append_clear(self.container.pointer)
         return {}, []
 
     def op_shutdown(
@@ -379,6 +483,54 @@ class BufferService:
         if client.role != "admin":
             raise PermissionDeniedError("only an admin client may shut the daemon down")
         return {}, []
+
+    # -- persistence: journal (for --resume) and checkpoints --------------------------------
+
+    def _start_journal(self) -> None:
+        assert self.segment is not None
+        self.journal = Journal(self.segment.path)
+        self.journal.start(self.persistent_state())
+
+    def _journal_reserve(self, evicted: list[tuple[int, int]]) -> None:
+        if self.journal is not None:
+            c = self.container
+            self.journal.append_reserve(evicted, c.pointer, c.rows_written, c._next_reservation)
+
+    def _journal_commit(self, ids: list[int], bounds: list[tuple[int, int]]) -> None:
+        if self.journal is not None:
+            self.journal.append_commit(
+                [(i, s, e) for i, (s, e) in zip(ids, bounds, strict=True)],
+                self.counters.rows_committed,
+                self.counters.episodes_committed,
+            )
+
+    def persistent_state(self) -> dict[str, Any]:
+        """The container and counters as JSON (what the journal snapshots and checkpoints
+        store; open reservations are left out: their rows are never published)."""
+        return container_state(self.container, dict(self.counters.__dict__))
+
+    @classmethod
+    def from_state(
+        cls, config: DaemonConfig, segment: Segment, state: dict[str, Any]
+    ) -> BufferService:
+        """A service over an existing ``segment`` (resumed or restored) in ``state``; it
+        starts a new journal generation at once."""
+        service = cls(config, segment)
+        restore_container(state, service.container)
+        for key, value in state.get("counters", {}).items():
+            if hasattr(service.counters, key):
+                setattr(service.counters, key, int(value))
+        service._start_journal()
+        return service
+
+    def op_checkpoint(
+        self, client: Client, fields: dict[str, Any], frames: Frames, now: float
+    ) -> Any:
+        if client.role != "admin":
+            raise PermissionDeniedError("only an admin client may checkpoint the buffer")
+        from shmbuffer.daemon.checkpoint import write_checkpoint
+
+        return write_checkpoint(self, fields["to"]), []
 
     # -- time -------------------------------------------------------------------------------
 
@@ -395,6 +547,45 @@ class BufferService:
                 log.warning("reservation %d expired uncommitted; rows dropped", reservation.id)
         if not self._rates or now - self._rates[-1][0] >= 1.0:
             self._rates.append((now, self.counters.rows_committed, self.counters.rows_sampled))
+        if self.journal is not None and self.journal.needs_snapshot(self.container.num_episodes):
+            self.journal.snapshot(self.persistent_state())  # keeps a resume's replay short
+        if now >= self._next_reap:
+            self._next_reap = now + REAP_INTERVAL_S
+            self._reap(now)
+
+    def _reap(self, now: float) -> None:
+        """Forget clients that are gone, with what they hold (see :meth:`forget`).
+
+        A local client whose process died is found by its pid: at once if it holds
+        reservations or leases (a SIGKILLed writer's rows and a dead learner's leases come back
+        within ``REAP_INTERVAL_S``), on every ``FULL_SWEEP_EVERY``-th sweep otherwise. Remote
+        clients rely on the reservation and lease TTLs. A client that holds nothing and has
+        sent nothing for ``client_idle_ttl`` is dropped too, so the table cannot grow forever.
+        """
+        holders = self.leases.owners()
+        self._sweeps += 1
+        full = self._sweeps % FULL_SWEEP_EVERY == 0
+        idle_ttl = self.config.client_idle_ttl
+        for identity, client in list(self.clients.items()):
+            holds = bool(client.reservations) or client.id in holders
+            if client.watch_pid and (holds or full) and not _pid_alive(client.pid):
+                self.counters.clients_reaped += 1
+                log.warning(
+                    "client %d (%s, pid %d) died holding %d reservations and %d leases; "
+                    "its reservations are aborted, its leases released",
+                    client.id,
+                    client.role,
+                    client.pid,
+                    len(client.reservations),
+                    self.leases.count_owner(client.id) if holds else 0,
+                )
+                self.forget(identity)
+            elif not holds and now - client.last_seen > idle_ttl:
+                self.counters.clients_expired += 1
+                log.info(
+                    "client %d (pid %d) idle for %.0fs: forgotten", client.id, client.pid, idle_ttl
+                )
+                self.forget(identity)
 
     def stats(self, now: float) -> dict[str, Any]:
         # Rates over the last few seconds, up to this moment (bursts show at once).

@@ -54,7 +54,7 @@ def test_two_writers_one_learner(daemon, children):
 
 
 def test_small_ring_wraps_under_sampling(daemon, children):
-    episodes = 150  # 300 episodes through a ring of 10: wraps ~30 times
+    episodes = 100  # 200 episodes through a ring of 10: wraps ~20 times
     # a lapping writer waits for one still copying (regression: it got CapacityError)
     stats = _writers_and_learner(
         daemon, children, 10 * LENGTH, episodes, 3.0, learn="learn_tolerating_torn"
@@ -191,6 +191,8 @@ def test_killed_reader_lease_expires_after_ttl(daemon, children):
     waited = time.monotonic() - killed
     assert waited < ttl + 4.0, f"the writer waited {waited:.1f}s for a dead reader's lease"
     stats = d.stats()
-    assert stats["leases_expired"] >= 1, "the lease never blocked anything"
+    # released by its TTL, or earlier by the daemon noticing the dead pid (clients_reaped)
+    released = stats["leases_expired"] + stats.get("clients_reaped", 0)
+    assert released >= 1, "the lease was never released: it never blocked anything"
     assert stats["leases"] == 0
     assert stats["episodes_committed"] == 5

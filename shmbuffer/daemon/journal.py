@@ -1,0 +1,279 @@
+"""The daemon's metadata journal: what makes ``start --resume`` after a SIGKILL possible.
+
+Row data already survives a dead daemon (it lives in the tmpfs segment, whose page cache
+outlives every process); the registry, ring pointer and counters live only in the daemon's
+memory. So every change to them is appended to ``<segment dir>/journal.bin`` *before* the reply
+that acknowledges it, and a resumed daemon rebuilds them as ``state.json`` (the last snapshot)
+plus the journal records written after it.
+
+Record format (little endian)::
+
+    u32 body_length | u32 crc32(body) | body = int64[type, field, field, ...]
+
+Types: ``EPOCH [epoch]`` (first record of every journal generation), ``RESERVE [pointer,
+rows_written, next_reservation, n, (start, stop) * n]`` (the rows a reservation evicted and where
+the ring stands after it), ``COMMIT [rows_committed, episodes_committed, n, (id, start, end) *
+n]`` and ``CLEAR [pointer]``. Aborts need no record: an aborted reservation changed nothing but
+what its RESERVE record already holds (its rows were evicted and are never published). A crash
+in the middle of a write leaves a short or CRC-failing last record, which :meth:`Journal.load`
+ignores (its request was never acknowledged).
+
+Replay runs the records through :meth:`Container._evict` / :meth:`EpisodeRegistry.add`, the same
+code that produced them, so a replayed registry equals the live one (ids included).
+
+Snapshots bound replay time: :meth:`Journal.snapshot` writes ``state.json`` under a new epoch
+(temp file + ``os.replace``) and then truncates the journal and starts it with an ``EPOCH``
+record. A crash between the two leaves a journal of the previous epoch, whose records are already
+in the snapshot and are skipped. tmpfs needs no fsync: the files only have to outlive the
+process, not the machine (which takes the segment with it anyway).
+
+Per-row use counters are not journaled (one record per sample would cost more than the sample):
+after a resume every committed row counts 0 uses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shmbuffer.container import Container, Range
+from shmbuffer.errors import SegmentError
+from shmbuffer.registry import EpisodeRegistry
+
+JOURNAL_FILE = "journal.bin"
+STATE_FILE = "state.json"
+STATE_FORMAT = 1
+
+EPOCH, RESERVE, COMMIT, CLEAR = 0, 1, 2, 3
+_HEAD = struct.Struct("<II")
+#: Snapshot once the journal holds this many records (and more than twice the episodes).
+SNAPSHOT_EVERY = 20_000
+
+
+class JournalError(SegmentError):
+    """The journal or its snapshot cannot be replayed (missing, foreign or inconsistent)."""
+
+
+# -- container state --------------------------------------------------------------------------
+
+
+def container_state(container: Container, counters: dict[str, int] | None = None) -> dict[str, Any]:
+    """What a restart needs to rebuild ``container`` (JSON-able)."""
+    return {
+        "format": STATE_FORMAT,
+        "capacity": container.capacity,
+        "unit": container.unit,
+        "mode": container.mode,
+        "pointer": container.pointer,
+        "rows_written": container.rows_written,
+        "next_reservation": container._next_reservation,
+        "registry": container.registry.to_state(),
+        "counters": dict(counters or {}),
+    }
+
+
+def restore_container(state: dict[str, Any], container: Container | None = None) -> Container:
+    """A container (or ``container``, updated in place) in ``state``, with no open reservation;
+    use counters restart at 0 for every committed row."""
+    if state.get("format") != STATE_FORMAT:
+        raise JournalError(f"state format {state.get('format')!r}, expected {STATE_FORMAT}")
+    if container is None:
+        container = Container(int(state["capacity"]), mode=state["mode"], unit=state["unit"])
+    elif (container.capacity, container.unit, container.mode) != (
+        state["capacity"],
+        state["unit"],
+        state["mode"],
+    ):
+        raise JournalError(
+            f"saved state is capacity={state['capacity']} unit={state['unit']} "
+            f"mode={state['mode']}, the buffer is capacity={container.capacity} "
+            f"unit={container.unit} mode={container.mode}"
+        )
+    try:
+        container.registry = EpisodeRegistry.from_state(state["registry"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise JournalError(f"saved registry is inconsistent: {exc}") from exc
+    container.reservations.clear()
+    container.pointer = int(state["pointer"])
+    container.rows_written = int(state["rows_written"])
+    container._next_reservation = int(state["next_reservation"])
+    container.use_counts[:] = -1
+    for ep in container.registry:
+        container.use_counts[ep.start : ep.end] = 0
+    return container
+
+
+# -- records ----------------------------------------------------------------------------------
+
+
+def encode_record(kind: int, fields: Iterable[int]) -> bytes:
+    body = np.array([kind, *fields], dtype="<i8").tobytes()
+    return _HEAD.pack(len(body), zlib.crc32(body)) + body
+
+
+def iter_records(data: bytes) -> Iterator[tuple[int, np.ndarray, int]]:
+    """``(type, fields, end offset)`` of each whole record; stops at a torn or corrupt one."""
+    offset = 0
+    while offset + _HEAD.size <= len(data):
+        length, crc = _HEAD.unpack_from(data, offset)
+        start, end = offset + _HEAD.size, offset + _HEAD.size + length
+        if length < 8 or length % 8 or end > len(data):
+            return
+        body = data[start:end]
+        if zlib.crc32(body) != crc:
+            return
+        values = np.frombuffer(body, dtype="<i8")
+        yield int(values[0]), values[1:], end
+        offset = end
+
+
+def apply_record(container: Container, counters: dict[str, int], kind: int, f: np.ndarray) -> None:
+    """Redo one record on ``container`` (JournalError if it does not fit)."""
+    try:
+        if kind == RESERVE:
+            pointer, rows_written, next_reservation, n = (int(v) for v in f[:4])
+            for i in range(n):
+                container._evict(int(f[4 + 2 * i]), int(f[5 + 2 * i]))
+            container.pointer, container.rows_written = pointer, rows_written
+            container._next_reservation = next_reservation
+        elif kind == COMMIT:
+            counters["rows_committed"], counters["episodes_committed"] = int(f[0]), int(f[1])
+            for i in range(int(f[2])):
+                episode_id, start, end = (int(v) for v in f[3 + 3 * i : 6 + 3 * i])
+                got = container.registry.add(start, end)
+                if got != episode_id:
+                    raise JournalError(f"replayed episode got id {got}, journal says {episode_id}")
+                container.use_counts[start:end] = 0
+        elif kind == CLEAR:
+            container.registry.clear()
+            container.use_counts[:] = -1
+            container.pointer = int(f[0])
+        elif kind != EPOCH:
+            raise JournalError(f"unknown journal record type {kind}")
+    except (IndexError, ValueError) as exc:
+        raise JournalError(f"journal record {kind} does not apply: {exc}") from exc
+
+
+# -- the journal ------------------------------------------------------------------------------
+
+
+class Journal:
+    """Append-only record of a container's changes next to a snapshot; see the module docs.
+
+    ``Journal(folder)`` names the files; :meth:`start` begins a new generation from a state (a
+    fresh or resumed daemon), :meth:`load` reads what a dead daemon left.
+    """
+
+    def __init__(self, folder: str | Path, snapshot_every: int = SNAPSHOT_EVERY) -> None:
+        self.folder = Path(folder)
+        self.path = self.folder / JOURNAL_FILE
+        self.state_path = self.folder / STATE_FILE
+        self.snapshot_every = snapshot_every
+        self.epoch = 0
+        self.records = 0
+        self._fd: int | None = None
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def start(self, state: dict[str, Any]) -> None:
+        """Snapshot ``state`` and open an empty journal after it (for appends)."""
+        if self._fd is None:
+            self._fd = os.open(
+                self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
+            )
+        try:
+            previous = json.loads(self.state_path.read_text()).get("epoch", 0)
+        except (OSError, ValueError, AttributeError):
+            previous = 0
+        self.epoch = max(self.epoch, int(previous))
+        self.snapshot(state)
+
+    def snapshot(self, state: dict[str, Any]) -> None:
+        """Write ``state`` (which must include every journaled change) and reset the journal."""
+        if self._fd is None:
+            raise JournalError("journal is not open: call start() first")
+        epoch = self.epoch + 1
+        tmp = self.state_path.with_name(f".{STATE_FILE}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({**state, "epoch": epoch}, f, separators=(",", ":"))
+        os.replace(tmp, self.state_path)
+        # From here the snapshot holds everything; a journal of the old epoch is ignored.
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, encode_record(EPOCH, [epoch]))
+        self.epoch, self.records = epoch, 0
+
+    def needs_snapshot(self, num_episodes: int) -> bool:
+        return self._fd is not None and self.records >= max(self.snapshot_every, 2 * num_episodes)
+
+    def _append(self, kind: int, fields: list[int]) -> None:
+        if self._fd is None:
+            return
+        os.write(self._fd, encode_record(kind, fields))
+        self.records += 1
+
+    def append_reserve(
+        self, evicted: list[Range], pointer: int, rows_written: int, next_reservation: int
+    ) -> None:
+        flat = [v for r in evicted for v in r]
+        self._append(RESERVE, [pointer, rows_written, next_reservation, len(evicted), *flat])
+
+    def append_commit(
+        self,
+        episodes: list[tuple[int, int, int]],
+        rows_committed: int,
+        episodes_committed: int,
+    ) -> None:
+        flat = [v for ep in episodes for v in ep]
+        self._append(COMMIT, [rows_committed, episodes_committed, len(episodes), *flat])
+
+    def append_clear(self, pointer: int) -> None:
+        self._append(CLEAR, [pointer])
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def exists(self) -> bool:
+        return self.state_path.is_file()
+
+    def load(self) -> dict[str, Any]:
+        """The state a dead daemon left: its last snapshot plus every whole journal record of
+        the same epoch. The result has ``replayed`` (records) and ``torn`` (bytes ignored)."""
+        try:
+            state = json.loads(self.state_path.read_text())
+        except FileNotFoundError:
+            raise JournalError(f"nothing to resume: no {self.state_path}") from None
+        except (OSError, ValueError) as exc:
+            raise JournalError(f"unreadable {self.state_path}: {exc}") from exc
+        if not isinstance(state, dict):
+            raise JournalError(f"{self.state_path} is not a JSON object")
+        container = restore_container(state)
+        counters = dict(state.get("counters", {}))
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            data = b""
+        replayed, used = 0, 0
+        records = iter_records(data)
+        first = next(records, None)
+        if first is not None and first[0] == EPOCH and int(first[1][0]) == state.get("epoch"):
+            used = first[2]
+            for kind, fields, end in records:
+                apply_record(container, counters, kind, fields)
+                replayed, used = replayed + 1, end
+        elif first is not None:  # an older generation: already in the snapshot
+            used = len(data)
+        out = container_state(container, counters)
+        out.update(epoch=state.get("epoch", 0), replayed=replayed, torn=len(data) - used)
+        return out

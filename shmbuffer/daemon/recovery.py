@@ -1,0 +1,292 @@
+"""After a daemon is gone: ``start --resume``, ``start --restore``, ``cleanup``.
+
+* **resume** re-attaches the segment a SIGKILLed (or ``stop --keep``-ed) daemon left on tmpfs
+  and rebuilds its registry, ring pointer and counters from the journal (see ``journal.py``).
+  Reservations that were open at the crash are gone: their rows were evicted when reserved and
+  never committed, so they are never published.
+* **restore** creates a fresh segment from a checkpoint folder (see ``checkpoint.py``), copies
+  the rows in and rebuilds the same state, sampler RNG and use counters included.
+* **cleanup** removes every segment folder and runtime file whose daemon is gone, and nothing
+  else.
+
+Settings on ``start --resume/--restore``: capacity, unit, mode and schema come from what is
+resumed; values given on the command line or in the config file must agree with them (a clear
+error names the conflict).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shmbuffer.daemon import runtime
+from shmbuffer.daemon.config import DaemonConfig, runtime_dir
+from shmbuffer.daemon.journal import Journal, JournalError, restore_container
+from shmbuffer.errors import SegmentError
+from shmbuffer.schema import Schema
+from shmbuffer.segment import (
+    DATA_FILE,
+    MANIFEST,
+    Segment,
+    default_storage_dir,
+    segment_path,
+)
+
+if TYPE_CHECKING:
+    from shmbuffer.daemon.service import BufferService
+
+log = logging.getLogger("shmbuffer.daemon")
+
+SETTINGS = ("capacity", "unit", "mode", "schema")
+
+
+class RecoveryError(SegmentError):
+    """Nothing to resume or restore, or it does not match the requested settings."""
+
+
+# -- settings ---------------------------------------------------------------------------------
+
+
+def _saved_settings(manifest: dict[str, Any], state: dict[str, Any] | None) -> dict[str, Any]:
+    extra = manifest.get("extra") or {}
+    return {
+        "capacity": manifest["capacity"],
+        "unit": (state or {}).get("unit", extra.get("unit")),
+        "mode": (state or {}).get("mode", extra.get("mode")),
+        "schema": manifest["schema"],
+    }
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads((path / MANIFEST).read_text()))
+    except FileNotFoundError:
+        raise RecoveryError(f"nothing to resume: no segment manifest at {path}") from None
+    except (OSError, ValueError) as exc:
+        raise RecoveryError(f"unreadable manifest {path / MANIFEST}: {exc}") from exc
+
+
+def saved_settings(config: DaemonConfig, restore: str | None) -> dict[str, Any]:
+    """capacity/unit/mode/schema of what ``--resume`` (restore None) or ``--restore`` loads."""
+    if restore is not None:
+        from shmbuffer.daemon.checkpoint import read_checkpoint
+
+        _, manifest, state = read_checkpoint(restore)
+        return _saved_settings(manifest, state)
+    path = segment_path(config.name, _storage_dir(config))
+    return _saved_settings(_read_manifest(path), None)
+
+
+def adopt_settings(
+    config: DaemonConfig, args: argparse.Namespace, restore: str | None
+) -> DaemonConfig:
+    """``config`` with the saved capacity/unit/mode/schema; RecoveryError if a setting given
+    explicitly (command line or config file) disagrees."""
+    saved = saved_settings(config, restore)
+    from_file = DaemonConfig.load(args.config) if getattr(args, "config", None) else DaemonConfig()
+    defaults = DaemonConfig()
+    conflicts = []
+    for key in SETTINGS:
+        given = getattr(args, key, None) is not None or (
+            getattr(from_file, key) != getattr(defaults, key)
+        )
+        if not given or saved[key] is None:
+            continue
+        mine, theirs = getattr(config, key), saved[key]
+        if key == "schema":
+            mine, theirs = Schema.from_spec(mine), Schema.from_spec(theirs)
+        if mine != theirs:
+            conflicts.append(f"{key}: requested {mine}, saved {theirs}")
+    what = f"checkpoint {restore}" if restore is not None else f"segment of {config.name!r}"
+    if conflicts:
+        raise RecoveryError(f"settings conflict with the {what}: " + "; ".join(conflicts))
+    adopted = {k: v for k, v in saved.items() if v is not None}
+    if restore is None:  # resume: the segment stays where the dead daemon had it
+        adopted["storage_dir"] = _storage_dir(config)
+    return dataclasses.replace(config, **adopted)
+
+
+def _check_settings(config: DaemonConfig, saved: dict[str, Any], what: str) -> None:
+    for key in SETTINGS:
+        mine, theirs = getattr(config, key), saved[key]
+        if key == "schema":
+            mine = None if mine is None else Schema.from_spec(mine)
+            theirs = Schema.from_spec(theirs)
+            if mine is None:
+                continue
+        if theirs is not None and mine != theirs:
+            raise RecoveryError(f"{what}: {key} is {theirs}, the daemon is configured for {mine}")
+
+
+def _storage_dir(config: DaemonConfig) -> str | None:
+    if config.storage_dir is not None:
+        return config.storage_dir
+    info = runtime.read(config.name)
+    return None if info is None else info.get("storage_dir")
+
+
+# -- resume -----------------------------------------------------------------------------------
+
+
+def _owner_pid(manifest: dict[str, Any]) -> int:
+    extra = manifest.get("extra") or {}
+    return int(extra.get("daemon_pid", manifest.get("pid", 0)) or 0)
+
+
+def _rewrite_manifest(segment: Segment) -> None:
+    """Record this daemon as the segment's owner (atomically; attachers read it once)."""
+    manifest = {**segment.manifest}
+    manifest["extra"] = {**(manifest.get("extra") or {}), "daemon_pid": os.getpid()}
+    tmp = segment.path / f".{MANIFEST}.{os.getpid()}.tmp"
+    mode = (segment.path / MANIFEST).stat().st_mode & 0o777
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    with os.fdopen(fd, "w") as f:
+        json.dump(manifest, f, indent=2)
+    os.replace(tmp, segment.path / MANIFEST)
+    segment.manifest = manifest
+
+
+def resume_service(config: DaemonConfig) -> BufferService:
+    """A BufferService over the surviving segment of ``config.name``, in the state its journal
+    records. RecoveryError when there is nothing to resume or it is still in use."""
+    from shmbuffer.daemon.service import BufferService
+
+    t0 = time.perf_counter()
+    storage_dir = _storage_dir(config)
+    path = segment_path(config.name, storage_dir)
+    manifest = _read_manifest(path)
+    owner = _owner_pid(manifest)
+    here = manifest.get("host") == socket.gethostname()
+    if owner and owner != os.getpid() and here and runtime.pid_alive(owner):
+        raise RecoveryError(f"segment {path} still belongs to live pid {owner}")
+    journal = Journal(path)
+    if not journal.exists():
+        raise RecoveryError(f"nothing to resume: {path} has no journal (not a daemon's segment)")
+    _check_settings(config, _saved_settings(manifest, None), f"segment {path}")
+    try:
+        state = journal.load()
+    except JournalError as exc:
+        raise RecoveryError(f"cannot resume {path}: {exc}") from exc
+    segment = Segment.attach(config.name, storage_dir=storage_dir)
+    _rewrite_manifest(segment)
+    config = dataclasses.replace(config, storage_dir=storage_dir, schema=manifest["schema"])
+    service = BufferService.from_state(config, segment, state)
+    log.warning(
+        "resumed %s: %d episodes, %d rows, pointer %d (snapshot + %d journal records, %d torn "
+        "bytes ignored) in %.3fs",
+        path,
+        service.container.num_episodes,
+        service.container.num_rows,
+        service.container.pointer,
+        state["replayed"],
+        state["torn"],
+        time.perf_counter() - t0,
+    )
+    return service
+
+
+# -- restore ----------------------------------------------------------------------------------
+
+
+def restore_service(config: DaemonConfig, source: str | Path) -> BufferService:
+    """A BufferService with a fresh segment holding the checkpoint at ``source``."""
+    import numpy as np
+
+    from shmbuffer.daemon.checkpoint import USE_COUNTS, copy_data, read_checkpoint
+    from shmbuffer.daemon.service import BufferService
+
+    t0 = time.perf_counter()
+    folder, manifest, state = read_checkpoint(source)
+    _check_settings(config, _saved_settings(manifest, state), f"checkpoint {folder}")
+    config = dataclasses.replace(config, schema=manifest["schema"])
+    service = BufferService(config)  # creates the segment (and a journal) from the schema
+    segment = service.segment
+    assert segment is not None and service.journal is not None
+    if segment.nbytes != manifest["size"]:
+        raise RecoveryError(f"checkpoint {folder}: layout differs from this version's segment")
+    copy_data(folder / DATA_FILE, segment.path / segment.manifest["data_file"], segment.nbytes)
+    restore_container(state, service.container)
+    for key, value in state.get("counters", {}).items():
+        if hasattr(service.counters, key):
+            setattr(service.counters, key, int(value))
+    rng = (state.get("sampler") or {}).get("rng")
+    if rng is not None:
+        service._rng.bit_generator.state = rng
+    counts = folder / USE_COUNTS
+    if counts.is_file():
+        service.container.use_counts[:] = np.load(counts)
+    service.journal.snapshot(service.persistent_state())
+    log.warning(
+        "restored %s: %d episodes, %d rows, %.1f MB in %.3fs",
+        folder,
+        service.container.num_episodes,
+        service.container.num_rows,
+        segment.nbytes / 1e6,
+        time.perf_counter() - t0,
+    )
+    return service
+
+
+# -- cleanup ----------------------------------------------------------------------------------
+
+
+def cleanup(storage_dir: str | Path | None = None, dry_run: bool = False) -> list[str]:
+    """Remove the runtime files and segment folders of daemons that are gone; return what was
+    (or, with ``dry_run``, would be) removed. Live daemons' files, segments of other hosts and
+    folders that are not segments (no manifest) are left alone."""
+    removed: list[str] = []
+    host = socket.gethostname()
+    live: set[tuple[str, Path]] = set()
+    roots = {Path(storage_dir) if storage_dir is not None else default_storage_dir()}
+
+    def remove(path: Path) -> None:
+        removed.append(str(path))
+        if dry_run:
+            return
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+    rdir = runtime_dir()
+    for path in sorted(rdir.glob("*.json")):
+        info = runtime.read(path.stem)
+        if info is None:
+            continue
+        seg_root = Path(info.get("storage_dir") or default_storage_dir())
+        if not runtime.is_stale(info):
+            live.add((path.stem, seg_root.absolute()))
+            continue
+        remove(path)
+        for suffix in (".pid", ".sock"):
+            if (rdir / f"{path.stem}{suffix}").exists():
+                remove(rdir / f"{path.stem}{suffix}")
+        if storage_dir is None or seg_root.absolute() == Path(storage_dir).absolute():
+            roots.add(seg_root)
+    for root in sorted(roots):
+        if not root.is_dir():
+            continue
+        for seg in sorted(root.iterdir()):
+            if not seg.is_dir() or seg.is_symlink() or str(seg) in removed:
+                continue
+            try:
+                manifest = json.loads((seg / MANIFEST).read_text())
+            except (OSError, ValueError):
+                continue  # not a segment, or one being created right now
+            if not isinstance(manifest, dict) or manifest.get("host", host) != host:
+                continue
+            if (seg.name, root.absolute()) in live:
+                continue
+            pid = _owner_pid(manifest)
+            if pid and runtime.pid_alive(pid):
+                continue
+            remove(seg)
+    return removed

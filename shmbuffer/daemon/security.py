@@ -1,0 +1,308 @@
+"""Access control: who may open a buffer's segment, reach its socket, and talk to it over tcp.
+
+- **Local (default)**: segment files and the ipc socket are owner-only (``0600``; folders
+  ``0700``). Only processes of the daemon's user can map the rows or send requests.
+- **Group** (``--group NAME|GID``): the segment folder becomes ``0750`` and its files ``0660``
+  (writers *and* readers map the data file read-write: readers bump nothing, but the mapping is
+  shared and writable), the ipc socket ``0660``, all owned by that group. The runtime dir is
+  opened to the group too (``0750``, only when it is a private folder of the daemon's user), so
+  group members find the daemon by name by pointing ``SHMBUFFER_RUNTIME_DIR`` at it, or they
+  pass the ``ipc://`` endpoint explicitly.
+- **tcp** is opt-in. With ``--curve-secret`` the ROUTER is a ZeroMQ CURVE server: clients must
+  know its public key (and, with ``--curve-clients DIR``, hold a certificate whose public key
+  is in ``DIR``). Without keys, only a loopback address may be bound (with a warning: any local
+  user can connect), unless ``--insecure-tcp`` says otherwise.
+
+Everything here is small and side-effect free where it can be, so the policy is unit-tested
+without a daemon (``tests/test_security.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import ipaddress
+import logging
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.auth
+import zmq.utils.z85
+
+log = logging.getLogger("shmbuffer.daemon")
+
+ENV_CURVE_SERVER_KEY = "SHMBUFFER_CURVE_SERVER_KEY"
+ENV_CURVE_CLIENT_CERT = "SHMBUFFER_CURVE_CLIENT_CERT"
+Z85_KEY_LEN = 40  # a 32-byte CURVE key in Z85 text
+ZAP_DOMAIN = "shmbuffer"
+
+
+class InsecureEndpointError(ValueError):
+    """A tcp endpoint that would expose the buffer without authentication."""
+
+
+class KeyFileError(ValueError):
+    """A CURVE key or certificate that cannot be used as asked."""
+
+
+# -- tcp policy -------------------------------------------------------------------------------
+
+
+def tcp_host(endpoint: str) -> str | None:
+    """The host part of a ``tcp://HOST:PORT`` endpoint (brackets stripped), else None."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    rest = endpoint[len("tcp://") :]
+    if ";" in rest:  # tcp://SOURCE;DEST: what is bound/connected is DEST
+        rest = rest.rsplit(";", 1)[1]
+    host = rest.rsplit(":", 1)[0] if ":" in rest else rest
+    return host.strip("[]")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` is reachable from this machine only."""
+    if host.lower() in ("localhost", "lo"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a hostname, an interface name or "*": assume it is reachable
+
+
+def check_tcp_endpoint(endpoint: str, curve: bool, insecure: bool) -> list[str]:
+    """Warnings to log before binding ``endpoint``; raises :class:`InsecureEndpointError` when
+    a tcp endpoint would be reachable from other hosts without CURVE and ``insecure`` is False.
+    Non-tcp endpoints (ipc, inproc) need nothing."""
+    host = tcp_host(endpoint)
+    if host is None or curve:
+        return []
+    if is_loopback(host):
+        return [
+            f"{endpoint} has no CURVE authentication: any local user can connect to it "
+            "(the default ipc socket is owner-only); use --curve-secret to require keys"
+        ]
+    if not insecure:
+        raise InsecureEndpointError(
+            f"refusing to bind {endpoint} without authentication: anyone who can reach this "
+            "host could read and overwrite the buffer. Create keys with `shmbuffer-daemon "
+            "keygen` and pass --curve-secret (and --curve-clients), bind tcp://127.0.0.1:PORT, "
+            "or pass --insecure-tcp if the network is trusted"
+        )
+    return [
+        f"INSECURE: {endpoint} accepts unauthenticated clients from the network "
+        "(--insecure-tcp); anyone who can reach it can read and overwrite the buffer"
+    ]
+
+
+def check_daemon_access(config: Any) -> list[str]:
+    """Check a ``DaemonConfig`` before anything is created: the tcp policy, the group and the
+    key files. Returns the warnings to log; raises on a setting that cannot be honoured."""
+    resolve_group(config.group)
+    if config.curve_clients and not config.curve_secret:
+        raise KeyFileError("--curve-clients needs --curve-secret (the server's own keys)")
+    if config.curve_secret:
+        load_secret_cert(config.curve_secret)
+    if config.curve_clients and not Path(config.curve_clients).is_dir():
+        raise KeyFileError(f"--curve-clients {config.curve_clients} is not a folder")
+    return check_tcp_endpoint(
+        config.resolved_endpoint, bool(config.curve_secret), bool(config.insecure_tcp)
+    )
+
+
+# -- groups and file modes --------------------------------------------------------------------
+
+
+def resolve_group(group: str | int | None) -> int | None:
+    """A gid from a group name or number (None stays None); unknown groups are an error."""
+    if group is None or group == "":
+        return None
+    if isinstance(group, int) or str(group).isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(str(group)).gr_gid
+    except KeyError:
+        raise ValueError(f"unknown group {group!r}") from None
+
+
+def segment_access(group: str | int | None) -> dict[str, Any]:
+    """``Segment.create`` keyword arguments: owner-only, or read-write for ``group``."""
+    gid = resolve_group(group)
+    return {"file_mode": 0o600 if gid is None else 0o660, "group": gid}
+
+
+def secure_ipc_path(path: str | os.PathLike[str], gid: int | None) -> None:
+    """Set the final mode of a bound ipc socket file: ``0600``, or ``0660`` for ``gid``."""
+    if gid is None:
+        os.chmod(path, 0o600)
+    else:
+        os.chown(path, -1, gid)
+        os.chmod(path, 0o660)
+
+
+def share_with_group(path: str | os.PathLike[str], gid: int | None, mode: int) -> None:
+    """Open a runtime file or folder of ours to ``gid`` (``mode`` bits are added, never
+    removed). Left alone when ``gid`` is None, the path is someone else's, or it is already
+    open to other users (``/tmp`` and the like)."""
+    if gid is None:
+        return
+    st = os.stat(path)
+    if st.st_uid != os.getuid() or st.st_mode & 0o007:
+        return
+    os.chown(path, -1, gid)
+    os.chmod(path, stat.S_IMODE(st.st_mode) | mode)
+
+
+def share_runtime(config: Any) -> None:
+    """With a group: the runtime dir (``0750``) and the buffer's runtime and pid files
+    (``0640``) become readable by it, so its members can find the daemon by name with
+    ``SHMBUFFER_RUNTIME_DIR`` set to that folder."""
+    gid = resolve_group(config.group)
+    if gid is None:
+        return
+    from shmbuffer.daemon.config import runtime_dir
+
+    folder = runtime_dir()
+    share_with_group(folder, gid, 0o050)
+    for suffix in (".json", ".pid"):
+        with contextlib.suppress(FileNotFoundError):
+            share_with_group(folder / f"{config.name}{suffix}", gid, 0o040)
+
+
+# -- CURVE keys -------------------------------------------------------------------------------
+
+
+def keygen(
+    out_dir: str | os.PathLike[str], name: str = "server", force: bool = False
+) -> tuple[Path, Path]:
+    """Write a CURVE keypair: ``NAME.key`` (public, ``0644``) and ``NAME.key_secret``
+    (``0600``) in ``out_dir`` (created ``0700`` if missing). Refuses to overwrite unless
+    ``force``."""
+    if not name or "/" in name or name.startswith("."):
+        raise KeyFileError(f"invalid key name {name!r}")
+    out = Path(out_dir)
+    public, secret = out / f"{name}.key", out / f"{name}.key_secret"
+    if not force:
+        for p in (public, secret):
+            if p.exists():
+                raise KeyFileError(f"{p} exists; pass --force to replace it")
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
+    old = os.umask(0o077)  # the secret is never readable by others, not even for a moment
+    try:
+        for p in (public, secret):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+        pub_file, sec_file = zmq.auth.create_certificates(out, name)
+    finally:
+        os.umask(old)
+    os.chmod(sec_file, 0o600)
+    os.chmod(pub_file, 0o644)
+    return Path(pub_file), Path(sec_file)
+
+
+def _load(path: str | os.PathLike[str]) -> tuple[bytes, bytes | None]:
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise KeyFileError(f"cannot load a CURVE certificate from {path}: {exc}") from exc
+    if not public or len(public) != Z85_KEY_LEN:
+        raise KeyFileError(f"{path} holds no CURVE public key")
+    return public, secret
+
+
+def load_public_key(path_or_z85: str | bytes | os.PathLike[str]) -> bytes:
+    """A server's public key (Z85) from a certificate file, or the 40-character Z85 text."""
+    if isinstance(path_or_z85, bytes):
+        path_or_z85 = path_or_z85.decode("ascii")
+    text = os.fspath(path_or_z85)
+    if len(text) == Z85_KEY_LEN and not os.path.exists(text):
+        try:
+            zmq.utils.z85.decode(text)
+        except Exception as exc:
+            raise KeyFileError(f"{text!r} is neither a key file nor a Z85 key") from exc
+        return text.encode("ascii")
+    return _load(text)[0]
+
+
+def load_secret_cert(path: str | os.PathLike[str]) -> tuple[bytes, bytes]:
+    """``(public, secret)`` from a ``.key_secret`` certificate; a public-only file is an error."""
+    public, secret = _load(path)
+    if not secret:
+        raise KeyFileError(f"{path} has no secret key (pass the .key_secret file)")
+    return public, secret
+
+
+# -- sockets ----------------------------------------------------------------------------------
+
+
+@dataclass
+class ServerSecurity:
+    """What :meth:`Server._bind` set up; :meth:`close` stops the authenticator thread."""
+
+    curve: bool = False
+    authenticator: Any = None
+
+    def close(self) -> None:
+        if self.authenticator is not None:
+            with contextlib.suppress(Exception):
+                self.authenticator.stop()
+            self.authenticator = None
+
+
+def make_curve_server(
+    context: zmq.Context[Any],
+    socket: zmq.Socket[Any],
+    secret_file: str | os.PathLike[str],
+    clients_dir: str | os.PathLike[str] | None,
+) -> ServerSecurity:
+    """Make ``socket`` (not yet bound) a CURVE server with the keys in ``secret_file``.
+
+    With ``clients_dir``, a ZAP authenticator thread on ``context`` admits only clients whose
+    public key is one of the ``*.key`` files there; without it, any client that knows the
+    server's public key is admitted."""
+    public, secret = load_secret_cert(secret_file)
+    auth = None
+    if clients_dir is not None:
+        if not Path(clients_dir).is_dir():
+            raise KeyFileError(f"--curve-clients {clients_dir} is not a folder")
+        from zmq.auth.thread import ThreadAuthenticator
+
+        auth = ThreadAuthenticator(context, log=logging.getLogger("shmbuffer.daemon.auth"))
+        auth.start()
+        auth.configure_curve(domain=ZAP_DOMAIN, location=os.fspath(clients_dir))
+        socket.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
+    socket.setsockopt(zmq.CURVE_SERVER, 1)
+    socket.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    socket.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    return ServerSecurity(curve=True, authenticator=auth)
+
+
+def client_curve_options(
+    server_key: str | bytes | os.PathLike[str] | None = None,
+    client_cert: str | os.PathLike[str] | None = None,
+) -> dict[int, bytes]:
+    """Socket options for a CURVE client (empty when no server key is given or set in
+    ``$SHMBUFFER_CURVE_SERVER_KEY``). Without a client certificate (argument or
+    ``$SHMBUFFER_CURVE_CLIENT_CERT``) an ephemeral keypair is used: enough for a daemon that
+    checks only the server key."""
+    server_key = server_key or os.environ.get(ENV_CURVE_SERVER_KEY) or None
+    client_cert = client_cert or os.environ.get(ENV_CURVE_CLIENT_CERT) or None
+    if server_key is None:
+        if client_cert is not None:
+            raise KeyFileError(
+                "a CURVE client certificate needs the server's public key too "
+                f"(curve_server_key= or ${ENV_CURVE_SERVER_KEY})"
+            )
+        return {}
+    if client_cert is not None:
+        public, secret = load_secret_cert(client_cert)
+    else:
+        public, secret = zmq.curve_keypair()
+    return {
+        zmq.CURVE_SERVERKEY: load_public_key(server_key),
+        zmq.CURVE_PUBLICKEY: public,
+        zmq.CURVE_SECRETKEY: secret,
+    }

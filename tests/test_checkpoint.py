@@ -1,0 +1,274 @@
+"""Checkpoints at the service level: round trip, crash in the middle, refusals."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from shmbuffer.daemon import checkpoint as ckpt
+from shmbuffer.daemon.config import DaemonConfig
+from shmbuffer.daemon.recovery import RecoveryError, restore_service
+from shmbuffer.daemon.service import BufferService
+from shmbuffer.errors import NotFoundError, PermissionDeniedError, ShmBufferError
+from shmbuffer.protocol import request, validate_request
+
+SPEC = {"obs": {"dtype": "float32", "shape": [5]}, "act": {"dtype": "int64", "shape": []}}
+W, ADMIN = b"writer", b"admin"
+
+
+@pytest.fixture
+def storage() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="shmbuffer-ckpt-", dir="/dev/shm")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def make_service(storage: str, unit: str = "episode", **extra: Any) -> BufferService:
+    config = DaemonConfig(
+        name=f"ck-{uuid.uuid4().hex[:8]}",
+        capacity=64,
+        unit=unit,
+        schema=SPEC,
+        storage_dir=storage,
+        seed=1,
+        **extra,
+    )
+    return BufferService(config)
+
+
+def call(service: BufferService, who: bytes, op: str, **fields: Any) -> dict[str, Any]:
+    checked = validate_request(request(op, 1, **fields))
+    return service.handle(who, op, checked, [], 0.0)[0]
+
+
+def hello(service: BufferService) -> None:
+    for who, role in ((W, "writer"), (ADMIN, "admin")):
+        call(service, who, "hello", role=role, pid=os.getpid(), host="test-host")
+
+
+def write(service: BufferService, rows: int, value: float, episodes: int = 1) -> list[int]:
+    """Reserve, fill the rows like a local writer, commit."""
+    rep = call(service, W, "reserve", rows=rows, episodes=episodes)
+    assert service.segment is not None
+    for start, stop in rep["ranges"]:
+        service.segment.arrays[("obs",)][start:stop] = value
+        service.segment.arrays[("act",)][start:stop] = np.arange(start, stop)
+    return list(call(service, W, "commit", reservation=rep["reservation"])["episodes"])
+
+
+def rows_of(service: BufferService) -> dict[int, tuple[bytes, bytes]]:
+    assert service.segment is not None
+    arrays = service.segment.arrays
+    return {
+        ep.id: (
+            arrays[("obs",)][ep.start : ep.end].tobytes(),
+            arrays[("act",)][ep.start : ep.end].tobytes(),
+        )
+        for ep in service.container.registry
+    }
+
+
+def assert_same(a: BufferService, b: BufferService) -> None:
+    assert list(a.container.registry) == list(b.container.registry)
+    assert a.container.registry.next_id == b.container.registry.next_id
+    assert rows_of(a) == rows_of(b)
+    assert a.container.pointer == b.container.pointer
+    assert a.container.rows_written == b.container.rows_written
+    assert a.counters.rows_committed == b.counters.rows_committed
+    assert a.counters.episodes_committed == b.counters.episodes_committed
+    assert a.counters.samples == b.counters.samples
+    assert np.array_equal(a.container.use_counts, b.container.use_counts)
+    assert np.array_equal(a.generations, b.generations)
+
+
+def fill(service: BufferService) -> None:
+    hello(service)
+    for i in range(14):  # laps the 64-row ring: eviction, early wrap, ids > capacity / 5
+        write(service, 5 + i % 3, float(i))
+    write(service, 6, 99.0, episodes=3)
+    call(service, W, "sample", kind="episodes", n=4)
+    call(service, W, "sample", kind="rows", n=10)
+    call(service, W, "reserve", rows=4)  # open at checkpoint time: must not be restored
+
+
+def restore(storage: str, source: Path, name: str | None = None) -> BufferService:
+    config = DaemonConfig(
+        name=name or f"rs-{uuid.uuid4().hex[:8]}", capacity=64, unit="episode", storage_dir=storage
+    )
+    return restore_service(config, source)
+
+
+@pytest.mark.parametrize("unit", ["episode", "transition"])
+def test_round_trip(storage: str, tmp_path: Path, unit: str) -> None:
+    service = make_service(storage, unit=unit)
+    fill(service)
+    reply = call(service, ADMIN, "checkpoint", to=str(tmp_path))
+    assert reply["path"] == str(tmp_path / "checkpoint")
+    assert reply["bytes"] == service.segment.nbytes  # type: ignore[union-attr]
+    assert reply["seconds"] >= 0
+    assert (tmp_path / "checkpoint" / "COMPLETE").is_file()
+    assert not list(tmp_path.glob(".tmp-*"))
+
+    config = DaemonConfig(
+        name=f"rs-{uuid.uuid4().hex[:8]}", capacity=64, unit=unit, storage_dir=storage
+    )
+    restored = restore_service(config, tmp_path)
+    assert_same(service, restored)
+    assert restored.container.reservations == {}
+    # the sampler continues the same random stream
+    hello(restored)
+    a = call(service, W, "sample", kind="episodes", n=8)
+    b = call(restored, W, "sample", kind="episodes", n=8)
+    assert a["ids"] == b["ids"]
+    # the restored daemon journals from the restored state: a resume would see the same
+    from shmbuffer.daemon.journal import Journal
+
+    assert restored.segment is not None
+    loaded = Journal(restored.segment.path).load()
+    assert loaded["registry"] == restored.container.registry.to_state()
+
+
+def test_second_checkpoint_replaces_the_first(storage: str, tmp_path: Path) -> None:
+    service = make_service(storage)
+    fill(service)
+    call(service, ADMIN, "checkpoint", to=str(tmp_path))
+    call(service, W, "commit", reservation=service.container._next_reservation - 1)
+    write(service, 3, 7.0)
+    call(service, ADMIN, "checkpoint", to=str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "checkpoint"]
+    assert_same(service, restore(storage, tmp_path))
+
+
+def test_crash_while_copying_keeps_the_previous_checkpoint(
+    storage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = make_service(storage)
+    fill(service)
+    call(service, ADMIN, "checkpoint", to=str(tmp_path))
+    before = {k: v for k, v in rows_of(service).items()}
+    ids_before = list(service.container.registry)
+    write(service, 8, 42.0)  # changes that the failed checkpoint would have had
+
+    def boom(*args: Any) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "_copy_chunk", boom)
+    with pytest.raises(ShmBufferError, match="No space"):
+        call(service, ADMIN, "checkpoint", to=str(tmp_path))
+    monkeypatch.undo()
+    assert not list(tmp_path.glob(".tmp-*"))  # cleaned up
+    restored = restore(storage, tmp_path)
+    assert list(restored.container.registry) == ids_before
+    assert rows_of(restored) == before
+
+
+def _child_checkpoint(storage: str, dest: str, where: str, ready: Any) -> None:
+    """In a child: fill a buffer, checkpoint once, then die (SIGKILL) in the middle of the
+    second checkpoint at ``where``."""
+    service = make_service(storage)
+    fill(service)
+    call(service, ADMIN, "checkpoint", to=dest)
+    ready.send(sorted(ep.id for ep in service.container.registry))  # synchronous
+    write(service, 8, 42.0)
+    real_copy, real_replace = ckpt._copy_chunk, os.replace
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def copy(src: int, dst: int, offset: int, count: int) -> int:
+        n = real_copy(src, dst, offset, min(count, 4096))
+        if where == "copy" and offset >= 8192:
+            die()
+        return n
+
+    def replace(src: Any, dst: Any) -> None:
+        real_replace(src, dst)
+        if where == "between_renames" and str(dst).endswith("checkpoint.prev"):
+            die()
+        if where == "after_rename" and str(dst).endswith("/checkpoint"):
+            die()
+
+    patch = pytest.MonkeyPatch()  # in this doomed child process only
+    patch.setattr(ckpt, "_copy_chunk", copy)
+    patch.setattr(os, "replace", replace)
+    if where == "state":
+        patch.setattr(ckpt, "checkpoint_state", lambda s: die())
+    call(service, ADMIN, "checkpoint", to=dest)
+    ready.send("finished")  # not reached
+
+
+@pytest.mark.parametrize("where", ["state", "copy", "between_renames", "after_rename"])
+def test_killed_in_the_middle_of_a_checkpoint(storage: str, tmp_path: Path, where: str) -> None:
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child_checkpoint, args=(storage, str(tmp_path), where, theirs))
+    proc.start()
+    try:
+        assert mine.poll(60), "the child did not write its first checkpoint"
+        first_ids = mine.recv()
+        proc.join(60)
+        assert proc.exitcode == -signal.SIGKILL
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+    folder = ckpt.resolve_checkpoint(tmp_path)
+    restored = restore(storage, tmp_path)
+    ids = sorted(ep.id for ep in restored.container.registry)
+    if where == "after_rename":  # the new checkpoint was complete and in place
+        assert folder == tmp_path / "checkpoint"
+        assert ids != first_ids
+    else:
+        assert ids == first_ids
+        if where == "between_renames":
+            assert folder == tmp_path / "checkpoint.prev"
+    for ep in restored.container.registry:  # every restored row is a committed row
+        assert restored.segment is not None
+        assert (
+            restored.segment.arrays[("act",)][ep.start : ep.end] == np.arange(ep.start, ep.end)
+        ).all()
+    # the next checkpoint removes the leftovers and leaves one complete checkpoint
+    call(restored, ADMIN, "hello", role="admin", pid=os.getpid(), host="test-host")
+    call(restored, ADMIN, "checkpoint", to=str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "checkpoint"]
+    assert_same(restored, restore(storage, tmp_path))
+
+
+def test_refusals(storage: str, tmp_path: Path) -> None:
+    service = make_service(storage)
+    hello(service)
+    with pytest.raises(PermissionDeniedError):
+        call(service, W, "checkpoint", to=str(tmp_path))
+    with pytest.raises(NotFoundError, match="COMPLETE"):
+        ckpt.resolve_checkpoint(tmp_path)
+    call(service, ADMIN, "checkpoint", to=str(tmp_path))
+    (tmp_path / "checkpoint" / "COMPLETE").unlink()
+    with pytest.raises(NotFoundError, match="no complete checkpoint"):
+        restore(storage, tmp_path)
+    lazy = BufferService(DaemonConfig(name=f"lz-{uuid.uuid4().hex[:8]}", storage_dir=storage))
+    call(lazy, ADMIN, "hello", role="admin", pid=os.getpid(), host="h")
+    with pytest.raises(ShmBufferError, match="no schema"):
+        call(lazy, ADMIN, "checkpoint", to=str(tmp_path / "lazy"))
+    with pytest.raises(ShmBufferError, match="cannot create"):  # a file, not a folder
+        (tmp_path / "file").write_text("x")
+        call(service, ADMIN, "checkpoint", to=str(tmp_path / "file"))
+
+
+def test_restore_refuses_conflicting_settings(storage: str, tmp_path: Path) -> None:
+    service = make_service(storage)
+    hello(service)
+    write(service, 4, 1.0)
+    call(service, ADMIN, "checkpoint", to=str(tmp_path))
+    config = DaemonConfig(name="other", capacity=65, unit="episode", storage_dir=storage)
+    with pytest.raises(RecoveryError, match="capacity"):
+        restore_service(config, tmp_path)

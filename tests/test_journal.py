@@ -1,0 +1,215 @@
+"""The metadata journal: record codec, torn tails, epochs, and replay == live state."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from shmbuffer.container import Container
+from shmbuffer.daemon.journal import (
+    COMMIT,
+    EPOCH,
+    RESERVE,
+    Journal,
+    JournalError,
+    container_state,
+    encode_record,
+    iter_records,
+    restore_container,
+)
+from shmbuffer.errors import CapacityError
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path
+
+
+def records(data: bytes) -> list[tuple[int, list[int]]]:
+    return [(kind, fields.tolist()) for kind, fields, _ in iter_records(data)]
+
+
+def test_records_round_trip() -> None:
+    data = encode_record(EPOCH, [3]) + encode_record(RESERVE, [5, 10, 2, 1, 0, 5])
+    data += encode_record(COMMIT, [5, 1, 1, 0, 0, 5])
+    assert records(data) == [
+        (EPOCH, [3]),
+        (RESERVE, [5, 10, 2, 1, 0, 5]),
+        (COMMIT, [5, 1, 1, 0, 0, 5]),
+    ]
+
+
+def test_torn_or_corrupt_last_record_is_ignored() -> None:
+    good = encode_record(EPOCH, [1]) + encode_record(COMMIT, [3, 1, 1, 0, 0, 3])
+    last = encode_record(COMMIT, [6, 2, 1, 1, 3, 6])
+    for cut in range(1, len(last)):  # every way a crash can cut the last write short
+        assert records(good + last[:cut]) == records(good)
+    flipped = bytearray(good + last)
+    flipped[-3] ^= 0xFF  # a corrupt body fails its CRC
+    assert records(bytes(flipped)) == records(good)
+    assert len(records(good + last)) == 3
+
+
+def _live_equals_loaded(container: Container, loaded: dict[str, Any]) -> None:
+    restored = restore_container(loaded)
+    assert list(restored.registry) == list(container.registry)
+    assert restored.registry.next_id == container.registry.next_id
+    assert restored.pointer == container.pointer
+    assert restored.rows_written == container.rows_written
+    assert restored._next_reservation == container._next_reservation
+    committed = container.use_counts >= 0
+    assert np.array_equal(restored.use_counts >= 0, committed)
+
+
+def _drive(
+    container: Container, journal: Journal, rng: np.random.Generator, steps: int
+) -> dict[str, int]:
+    """A random mix of reserve/commit/abort/clear, journaled the way the service does."""
+    counters = {"rows_committed": 0, "episodes_committed": 0}
+    open_ids: list[int] = []
+    for _ in range(steps):
+        action = rng.choice(["reserve", "reserve", "commit", "commit", "abort", "clear", "snap"])
+        if action == "reserve":
+            sub = int(rng.integers(1, 3))
+            n = sub * int(rng.integers(1, 6))
+            try:
+                _, evict = container.plan(n, sub)
+                r = container.reserve(n, sub)
+            except CapacityError:
+                continue
+            journal.append_reserve(
+                evict, container.pointer, container.rows_written, container._next_reservation
+            )
+            open_ids.append(r.id)
+        elif action in ("commit", "abort") and open_ids:
+            rid = open_ids.pop(int(rng.integers(len(open_ids))))
+            if action == "abort":
+                container.abort(rid)
+                continue
+            bounds = container.reservations[rid].episodes
+            rows = container.reservations[rid].num_rows
+            ids = container.commit(rid)
+            counters["rows_committed"] += rows
+            counters["episodes_committed"] += len(ids)
+            journal.append_commit(
+                [(i, s, e) for i, (s, e) in zip(ids, bounds, strict=True)],
+                counters["rows_committed"],
+                counters["episodes_committed"],
+            )
+        elif action == "clear" and not open_ids:
+            container.clear()
+            journal.append_clear(container.pointer)
+        elif action == "snap" and rng.random() < 0.3:
+            journal.snapshot(container_state(container, counters))
+    return counters
+
+
+@pytest.mark.parametrize("unit", ["transition", "episode"])
+@pytest.mark.parametrize("mode", ["circular", "fixed"])
+@pytest.mark.parametrize("seed", range(6))
+def test_snapshot_plus_journal_replays_the_live_state(
+    folder: Path, unit: str, mode: str, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    container = Container(32, mode=mode, unit=unit)
+    journal = Journal(folder)
+    journal.start(container_state(container))
+    counters = _drive(container, journal, rng, 300)
+    loaded = Journal(folder).load()
+    _live_equals_loaded(container, loaded)
+    assert loaded["counters"].get("rows_committed", 0) == counters["rows_committed"]
+    journal.close()
+
+
+def test_open_reservations_are_never_published(folder: Path) -> None:
+    container = Container(10, unit="episode")
+    journal = Journal(folder)
+    journal.start(container_state(container))
+    _, evict = container.plan(4)
+    container.reserve(4)
+    journal.append_reserve(evict, container.pointer, container.rows_written, 2)
+    r1 = container.reservations[1]
+    ids = container.commit(1)
+    journal.append_commit([(ids[0], *r1.episodes[0])], 4, 1)
+    _, evict = container.plan(10)  # laps the ring: evicts episode 0; never committed
+    container.reserve(10)
+    journal.append_reserve(evict, container.pointer, container.rows_written, 3)
+    loaded = restore_container(Journal(folder).load())
+    assert len(loaded.registry) == 0
+    assert loaded.reservations == {}
+    assert loaded.pointer == 0  # where the crashed daemon's ring stood
+    assert loaded.rows_written == 14
+
+
+def test_crash_between_snapshot_and_truncate_does_not_replay_twice(folder: Path) -> None:
+    container = Container(16)
+    journal = Journal(folder)
+    journal.start(container_state(container))
+    for _ in range(3):
+        _, evict = container.plan(2)
+        r = container.reserve(2)
+        journal.append_reserve(evict, container.pointer, container.rows_written, r.id + 1)
+        bounds = r.episodes
+        ids = container.commit(r.id)
+        journal.append_commit([(ids[0], *bounds[0])], 2, 1)
+    old_journal = journal.path.read_bytes()
+    journal.snapshot(container_state(container))
+    journal.path.write_bytes(old_journal)  # as if the truncate never happened
+    loaded = Journal(folder).load()
+    assert loaded["replayed"] == 0
+    _live_equals_loaded(container, loaded)
+
+
+def test_torn_tail_in_the_file_is_ignored_and_reported(folder: Path) -> None:
+    container = Container(16)
+    journal = Journal(folder)
+    journal.start(container_state(container))
+    _, evict = container.plan(4)
+    r = container.reserve(4)
+    journal.append_reserve(evict, container.pointer, container.rows_written, 2)
+    ids = container.commit(r.id)
+    journal.append_commit([(ids[0], 0, 4)], 4, 1)
+    with open(journal.path, "ab") as f:
+        f.write(encode_record(COMMIT, [8, 2, 1, 1, 4, 8])[:-5])  # died mid-write
+    loaded = Journal(folder).load()
+    assert loaded["replayed"] == 2
+    assert loaded["torn"] > 0
+    _live_equals_loaded(container, loaded)
+
+
+def test_load_refuses_nothing_or_garbage(folder: Path) -> None:
+    with pytest.raises(JournalError, match="nothing to resume"):
+        Journal(folder).load()
+    (folder / "state.json").write_text("{not json")
+    with pytest.raises(JournalError, match="unreadable"):
+        Journal(folder).load()
+    (folder / "state.json").write_text(json.dumps({"format": 99}))
+    with pytest.raises(JournalError, match="format"):
+        Journal(folder).load()
+
+
+def test_replay_that_does_not_fit_is_an_error(folder: Path) -> None:
+    container = Container(16)
+    journal = Journal(folder)
+    journal.start(container_state(container))
+    journal.append_commit([(5, 0, 4)], 4, 1)  # id 5, but the registry hands out 0
+    with pytest.raises(JournalError, match="id"):
+        Journal(folder).load()
+
+
+def test_epochs_keep_increasing_across_restarts(folder: Path) -> None:
+    container = Container(8)
+    first = Journal(folder)
+    first.start(container_state(container))
+    first.close()
+    second = Journal(folder)
+    second.start(container_state(container))
+    assert second.epoch > first.epoch
+    assert os.stat(second.path).st_size > 0
+    second.close()

@@ -70,7 +70,7 @@ def test_float_into_int_column_is_refused_and_nothing_changes() -> None:
     # Seed: a float pushed into an int schema was silently truncated.
     buf = Buffer(10)
     buf.extend({"x": torch.arange(3)})
-    with pytest.raises(SchemaError, match="'x'.*float32.*int64"):
+    with pytest.raises(SchemaError, match=r"'x'.*float32.*int64"):
         buf.extend({"x": torch.tensor([1.5, 2.5])})
     assert buf[:]["x"].tolist() == [0, 1, 2] and len(buf) == 3
 

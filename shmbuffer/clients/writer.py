@@ -1,8 +1,10 @@
 """Writers: env-worker processes that put rows into a daemon's buffer.
 
 A local writer copies its rows straight into the shared segment: ``reserve`` (one round trip)
-→ copy → ``commit`` (sent without waiting; its acknowledgement is collected on the next call,
-by :meth:`Writer.flush` or :meth:`Writer.close`). The daemon never touches the bytes. A remote
+→ copy → ``commit``. The commit rides on the writer's next ``reserve`` (one message per
+episode), or is sent on its own once it has waited ``commit_delay`` seconds (checked on every
+``add_transition``), and at the latest by :meth:`Writer.flush` / :meth:`Writer.close`, which
+wait for every acknowledgement. The daemon never touches the bytes. A remote
 writer (``remote=True``, or a daemon on another host) sends the rows as raw frames instead and
 the daemon copies them in. Both have the same API as the in-process :class:`~shmbuffer.Buffer`.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -32,6 +35,7 @@ class Writer:
             ``tcp://`` endpoint on another host).
         timeout: seconds any single wait on the daemon may take.
         reserve_timeout: seconds a reservation may wait for readers' leases to end.
+        commit_delay: seconds a copied episode may wait for the next write to carry its commit.
         curve_server_key, curve_client_cert: CURVE keys for a daemon started with
             ``--curve-secret`` (see :class:`~shmbuffer.clients.connection.Connection`).
         The rest are the episode-assembly options of :class:`~shmbuffer.Buffer`.
@@ -50,6 +54,7 @@ class Writer:
         postprocess_fn: Callable[[dict[str, list[Any]]], Mapping[str, Any]] | None = None,
         curve_server_key: str | bytes | os.PathLike[str] | None = None,
         curve_client_cert: str | os.PathLike[str] | None = None,
+        commit_delay: float = 0.01,
     ) -> None:
         if remote is None:
             remote = _is_remote_target(target)
@@ -75,6 +80,10 @@ class Writer:
         self.schema: Schema | None = None
         self.segment: Segment | None = None
         self._in_flight: list[tuple[int, int]] = []  # (seq, rows) of unacknowledged commits
+        # A copied episode whose commit rides on this writer's next reserve (one message per
+        # episode instead of two), or goes alone once it has waited ``commit_delay`` seconds.
+        self.commit_delay = commit_delay
+        self._uncommitted: tuple[int, int, float] | None = None  # (reservation, rows, since)
         self.episodes_committed = 0
         self.rows_committed = 0
         self._adopt(self.conn.buffer)
@@ -100,6 +109,7 @@ class Writer:
             self._write(env_major(episode, num_envs), num_sub_episodes=num_envs)
 
     def add_transition(self, env_id: str, transition: Mapping[str, Any]) -> None:
+        self._commit_if_due()
         self._write_finished(self.assembler.add_transition(env_id, transition))
 
     def end_episode(self, env_id: str) -> None:
@@ -144,14 +154,17 @@ class Writer:
         self, leaves: dict[Any, Any], first_row: int, num_rows: int, num_sub: int
     ) -> None:
         assert self.segment is not None
-        timeout_ms = int(self.reserve_timeout * 1000)
+        fields: dict[str, Any] = {"rows": num_rows, "episodes": num_sub}
+        fields["timeout_ms"] = int(self.reserve_timeout * 1000)
+        previous, self._uncommitted = self._uncommitted, None
+        if previous is not None:
+            fields["commit"] = previous[0]
         reply = self.conn.call(
-            "reserve",
-            timeout=self.reserve_timeout + self.conn.timeout,
-            rows=num_rows,
-            episodes=num_sub,
-            timeout_ms=timeout_ms,
+            "reserve", timeout=self.reserve_timeout + self.conn.timeout, **fields
         )
+        if previous is not None:
+            self.episodes_committed += len(reply["committed"])
+            self.rows_committed += previous[1]
         self._collect_acks(block=False)
         reservation = reply["reservation"]
         ranges = [(int(s), int(e)) for s, e in reply["ranges"]]
@@ -160,7 +173,16 @@ class Writer:
         except BaseException:
             self.conn.send("abort", reservation=reservation)
             raise
-        self._in_flight.append((self.conn.send("commit", reservation=reservation), num_rows))
+        self._uncommitted = (reservation, num_rows, time.monotonic())
+
+    def _commit_if_due(self, now: bool = False) -> None:
+        """Send the pending commit on its own (without waiting for the reply) once it has
+        waited ``commit_delay`` seconds, or at once when ``now``."""
+        pending = self._uncommitted
+        if pending is None or not (now or time.monotonic() - pending[2] >= self.commit_delay):
+            return
+        self._uncommitted = None
+        self._in_flight.append((self.conn.send("commit", reservation=pending[0]), pending[1]))
 
     def _write_remote(
         self, leaves: dict[Any, Any], first_row: int, num_rows: int, num_sub: int
@@ -195,6 +217,7 @@ class Writer:
     def flush(self, timeout: float | None = None) -> None:
         """Wait until everything written so far is committed and visible to readers.
         Pending (unfinished) episodes are not written: end them first if you want them."""
+        self._commit_if_due(now=True)
         if self._in_flight:
             self.conn.wait_all([seq for seq, _ in self._in_flight], timeout)
             self._collect_acks(block=True)

@@ -444,7 +444,8 @@ class BufferService:
             assert self.segment is not None
             data = rows.gather_columns(self.segment.columns, physical)
             return reply, [rows.to_bytes(t, t.dtype) for t in data.values()]
-        reply["gens"] = _i64(self.generations[physical])
+        if kind != "episodes":  # leased episodes need no stamps: no writer can reach them
+            reply["gens"] = _i64(self.generations[physical])
         return reply, []
 
     def _check_sample_size(self, num_rows: int, fields: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -84,6 +85,9 @@ class Writer:
         # episode instead of two), or goes alone once it has waited ``commit_delay`` seconds.
         self.commit_delay = commit_delay
         self._uncommitted: tuple[int, int, float] | None = None  # (reservation, rows, since)
+        self._ticker: _Ticker | None = None
+        self._lock = threading.RLock()  # the ticker thread shares the socket
+        self._closed = False
         self.episodes_committed = 0
         self.rows_committed = 0
         self._adopt(self.conn.buffer)
@@ -100,20 +104,23 @@ class Writer:
 
     def extend(self, batch: Mapping[str, Any]) -> None:
         """Write a chunk of transitions (or, in episode unit, one whole episode)."""
-        self._write(batch)
+        with self._lock:
+            self._write(batch)
 
     def add_episode(self, episode: Mapping[str, Any], num_envs: int = 1) -> None:
-        if num_envs == 1:
-            self._write(episode)
-        else:
-            self._write(env_major(episode, num_envs), num_sub_episodes=num_envs)
+        with self._lock:
+            if num_envs == 1:
+                self._write(episode)
+            else:
+                self._write(env_major(episode, num_envs), num_sub_episodes=num_envs)
 
     def add_transition(self, env_id: str, transition: Mapping[str, Any]) -> None:
-        self._commit_if_due()
-        self._write_finished(self.assembler.add_transition(env_id, transition))
+        with self._lock:
+            self._write_finished(self.assembler.add_transition(env_id, transition))
 
     def end_episode(self, env_id: str) -> None:
-        self._write_finished(self.assembler.end_episode(env_id))
+        with self._lock:
+            self._write_finished(self.assembler.end_episode(env_id))
 
     def truncate_episodes(self, env_ids: Iterable[str]) -> None:
         for env_id in env_ids:
@@ -174,6 +181,10 @@ class Writer:
             self.conn.send("abort", reservation=reservation)
             raise
         self._uncommitted = (reservation, num_rows, time.monotonic())
+        if self.commit_delay <= 0:
+            self._commit_if_due(now=True)
+        elif self._ticker is None:
+            self._ticker = _Ticker(self.commit_delay / 2, self._commit_from_ticker)
 
     def _commit_if_due(self, now: bool = False) -> None:
         """Send the pending commit on its own (without waiting for the reply) once it has
@@ -183,6 +194,13 @@ class Writer:
             return
         self._uncommitted = None
         self._in_flight.append((self.conn.send("commit", reservation=pending[0]), pending[1]))
+
+    def _commit_from_ticker(self) -> None:
+        # An idle writer's last episode must not wait for a next write that may never come
+        # (its reservation would expire): the ticker sends the commit once it is due.
+        with self._lock:
+            if not self._closed:
+                self._commit_if_due()
 
     def _write_remote(
         self, leaves: dict[Any, Any], first_row: int, num_rows: int, num_sub: int
@@ -217,25 +235,55 @@ class Writer:
     def flush(self, timeout: float | None = None) -> None:
         """Wait until everything written so far is committed and visible to readers.
         Pending (unfinished) episodes are not written: end them first if you want them."""
+        with self._lock:
+            self._flush(timeout)
+
+    def _flush(self, timeout: float | None) -> None:
         self._commit_if_due(now=True)
         if self._in_flight:
             self.conn.wait_all([seq for seq, _ in self._in_flight], timeout)
             self._collect_acks(block=True)
 
     def close(self, timeout: float | None = None) -> None:
-        try:
-            self.flush(timeout)
-        finally:
-            if self.segment is not None:
-                self.segment.close()
-                self.segment = None
-            self.conn.close()
+        """Commit and wait for everything written, then disconnect. Safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self._flush(timeout)
+            finally:
+                self._closed = True
+                if self.segment is not None:
+                    self.segment.close()
+                    self.segment = None
+                self.conn.close()
+        if self._ticker is not None:  # outside the lock: its last tick may be waiting for it
+            self._ticker.stop()
 
     def __enter__(self) -> Writer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Ticker:
+    """Calls ``fn`` every ``interval`` seconds on a daemon thread until stopped."""
+
+    def __init__(self, interval: float, fn: Callable[[], None]) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(interval, fn), name="shmbuffer-commit", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, interval: float, fn: Callable[[], None]) -> None:
+        while not self._stop.wait(interval):
+            fn()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 def _is_remote_target(target: str) -> bool:

@@ -317,7 +317,7 @@ class BufferService:
             )
         _, evict = self.container.plan(num_rows, num_sub)
         deadline = now + fields.get("timeout_ms", 30_000) / 1000
-        leased = self.leases.pinned(
+        leased = len(self.leases) and self.leases.pinned(  # no lease, no lookup: the hot path
             ep.id for s, e in evict for ep in self.container.registry.overlapping(s, e)
         )
         if leased:

@@ -2,16 +2,53 @@
 
 Public names only. ``Buffer`` is the in-process engine; ``Writer`` and ``Reader`` talk to a
 ``shmbuffer-daemon``; ``Storage`` is the drop-in façade for code written against RLightning's
-storage backend.
+storage backend; ``checkpoint`` asks a daemon to write one.
+
+Imports are lazy so that ``shmbuffer-daemon status`` does not pay for importing torch.
 """
 
-from shmbuffer import errors
-from shmbuffer.clients.buffer import Buffer
-from shmbuffer.clients.reader import Reader
-from shmbuffer.clients.storage import Storage
-from shmbuffer.clients.writer import Writer
-from shmbuffer.errors import ShmBufferError
-from shmbuffer.schema import Schema
+from __future__ import annotations
 
-__all__ = ["Buffer", "Reader", "Schema", "ShmBufferError", "Storage", "Writer", "errors"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from shmbuffer import errors
+from shmbuffer.errors import ShmBufferError
+
+if TYPE_CHECKING:
+    from shmbuffer.clients.buffer import Buffer
+    from shmbuffer.clients.reader import Reader
+    from shmbuffer.clients.storage import Storage
+    from shmbuffer.clients.writer import Writer
+    from shmbuffer.daemon.checkpoint import checkpoint
+    from shmbuffer.schema import Schema
+
+_LAZY = {
+    "Buffer": "shmbuffer.clients.buffer",
+    "Reader": "shmbuffer.clients.reader",
+    "Storage": "shmbuffer.clients.storage",
+    "Writer": "shmbuffer.clients.writer",
+    "Schema": "shmbuffer.schema",
+    "checkpoint": "shmbuffer.daemon.checkpoint",
+}
+
+__all__ = [
+    "Buffer",
+    "Reader",
+    "Schema",
+    "ShmBufferError",
+    "Storage",
+    "Writer",
+    "checkpoint",
+    "errors",
+]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shmbuffer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -22,18 +22,16 @@ Not thread-safe: the owner (buffer or daemon loop) serialises calls.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from shmbuffer.errors import CapacityError, NotFoundError
+from shmbuffer.names import MODES, UNITS, check_choice
 from shmbuffer.registry import Episode, EpisodeRegistry
 
 _ONE = torch.ones((), dtype=torch.int32)
-MODES = ("circular", "fixed")
-UNITS = ("transition", "episode")
 
 Range = tuple[int, int]
 
@@ -54,13 +52,6 @@ class Reservation:
     @property
     def num_rows(self) -> int:
         return sum(stop - start for start, stop in self.ranges)
-
-
-def check_choice(what: str, value: str, allowed: Iterable[str]) -> str:
-    allowed = tuple(allowed)
-    if value not in allowed:
-        raise ValueError(f"unknown {what} {value!r}; expected one of {list(allowed)}")
-    return value
 
 
 class Container:

@@ -198,15 +198,3 @@ def cmd_demo(args: argparse.Namespace) -> int:
         except subprocess.TimeoutExpired:
             daemon.kill()
         shutil.rmtree(schema_file.parent, ignore_errors=True)
-
-
-def add_demo_parser(sub: Any) -> None:
-    demo = sub.add_parser("demo", help="a daemon, writers and learners on synthetic data")
-    demo.add_argument("--name", default=None)
-    demo.add_argument("--writers", type=int, default=4)
-    demo.add_argument("--learners", type=int, default=1)
-    demo.add_argument("--seconds", type=float, default=10.0)
-    demo.add_argument("--capacity", type=int, default=50_000)
-    demo.add_argument("--episode-len", type=int, default=200)
-    demo.add_argument("--obs-shape", default="4,84,84")
-    demo.set_defaults(func=cmd_demo)

@@ -23,7 +23,6 @@ import errno
 import json
 import mmap
 import os
-import re
 import shutil
 import socket
 import time
@@ -37,12 +36,12 @@ from tensordict import TensorDict
 from typing_extensions import Self
 
 from shmbuffer.errors import (
-    InvalidNameError,
     NotFoundError,
     OutOfSpaceError,
     SchemaError,
     SegmentError,
 )
+from shmbuffer.names import validate_name
 from shmbuffer.schema import Field, Key, Schema, key_str
 
 if TYPE_CHECKING:
@@ -54,7 +53,6 @@ DATA_FILE = "data.bin"
 MANIFEST = "manifest.json"
 ENV_STORAGE_DIR = "SHMBUFFER_STORAGE_DIR"
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap module lacks the name
-_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 class SegmentNotFoundError(SegmentError, NotFoundError):
@@ -65,16 +63,6 @@ class SegmentNotFoundError(SegmentError, NotFoundError):
 
 def default_storage_dir() -> Path:
     return Path(os.environ.get(ENV_STORAGE_DIR) or "/dev/shm/shmbuffer")
-
-
-def validate_name(name: str) -> str:
-    """Return ``name`` if it is safe as a single folder name under the storage dir."""
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name.startswith("."):
-        raise InvalidNameError(
-            f"invalid segment name {name!r}: use 1-64 characters of [A-Za-z0-9_.-], "
-            "not starting with '.'"
-        )
-    return name
 
 
 def segment_path(name: str, storage_dir: str | Path | None = None) -> Path:

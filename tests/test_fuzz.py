@@ -389,8 +389,6 @@ def _state(conn: Connection) -> dict[str, Any]:
     "count", [20_000, pytest.param(100_000, marks=pytest.mark.slow, id="100k")], ids=str
 )
 def test_fuzz_frames_are_refused_and_change_nothing(request, daemon, e2e_env, count):  # noqa: F811
-    if request.node.get_closest_marker("slow") and not request.config.option.markexpr:
-        pytest.skip("the 100k-frame run is slow: `pytest -m slow tests/test_fuzz.py`")
     count = FRAMES or count
     schema_file = e2e_env.runtime_dir / "schema.json"
     schema_file.write_text(json.dumps(SPEC))

@@ -30,7 +30,6 @@ from tensordict import TensorDict
 
 from shmbuffer.clients.buffer import Buffer, Index, normalize_index
 from shmbuffer.clients.writer import Writer
-from shmbuffer.container import MODES, UNITS, check_choice
 from shmbuffer.episodes import SEED_DONE_KEYS
 from shmbuffer.hooks import (
     PreprocessFn,
@@ -39,6 +38,7 @@ from shmbuffer.hooks import (
     env_id_of,
     is_env_ret,
 )
+from shmbuffer.names import MODES, UNITS, check_choice
 
 __all__ = ["Storage"]
 

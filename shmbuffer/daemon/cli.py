@@ -16,7 +16,6 @@ from shmbuffer.daemon import runtime, security
 from shmbuffer.daemon.config import DaemonConfig, load_schema_file, runtime_dir
 from shmbuffer.errors import ShmBufferError
 from shmbuffer.protocol import PROTOCOL_VERSION
-from shmbuffer.segment import Segment
 
 log = logging.getLogger("shmbuffer.daemon")
 
@@ -72,6 +71,8 @@ def _claim_name(config: DaemonConfig, keep_segment: bool = False) -> None:
     )
     runtime.remove(config.name)
     if not keep_segment:
+        from shmbuffer.segment import Segment
+
         Segment.unlink(config.name, info.get("storage_dir"))
 
 
@@ -123,6 +124,8 @@ def run_daemon(
         server.close()
         keep = keep or server.keep_segment
         if not keep:
+            from shmbuffer.segment import Segment
+
             Segment.unlink(config.name, config.storage_dir)
         runtime.remove(config.name, os.getpid())
         (runtime_dir() / f"{config.name}.pid").unlink(missing_ok=True)
@@ -273,6 +276,12 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from shmbuffer.demo import cmd_demo as run_demo  # torch is imported only when needed
+
+    return run_demo(args)
+
+
 # -- parser -------------------------------------------------------------------------------
 
 
@@ -349,9 +358,15 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout", type=float, default=5.0)
     status.set_defaults(func=cmd_status)
 
-    from shmbuffer.demo import add_demo_parser
-
-    add_demo_parser(sub)
+    demo = sub.add_parser("demo", help="a daemon, writers and learners on synthetic data")
+    demo.add_argument("--name", default=None)
+    demo.add_argument("--writers", type=int, default=4)
+    demo.add_argument("--learners", type=int, default=1)
+    demo.add_argument("--seconds", type=float, default=10.0)
+    demo.add_argument("--capacity", type=int, default=50_000)
+    demo.add_argument("--episode-len", type=int, default=200)
+    demo.add_argument("--obs-shape", default="4,84,84")
+    demo.set_defaults(func=cmd_demo)
     return parser
 
 

@@ -10,8 +10,7 @@ from typing import Any
 
 import tomllib
 
-from shmbuffer.container import MODES, UNITS, check_choice
-from shmbuffer.segment import validate_name
+from shmbuffer.names import MODES, UNITS, check_choice, validate_name
 
 
 def runtime_dir() -> Path:

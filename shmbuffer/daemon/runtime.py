@@ -16,7 +16,7 @@ from typing import Any
 
 from shmbuffer.daemon.config import runtime_dir
 from shmbuffer.errors import DaemonUnavailableError
-from shmbuffer.segment import validate_name
+from shmbuffer.names import validate_name
 
 
 def runtime_file(name: str) -> Path:

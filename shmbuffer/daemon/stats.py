@@ -1,0 +1,45 @@
+"""The daemon's counters and the insert/sample rates ``shmbuffer-daemon status`` shows."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+RATE_WINDOW_S = 3.0  # rates are averaged over the last few seconds, up to "now"
+
+
+@dataclass
+class Counters:
+    rows_committed: int = 0
+    episodes_committed: int = 0
+    rows_sampled: int = 0
+    samples: int = 0
+    messages: int = 0
+    errors: int = 0
+    reservations_expired: int = 0
+    leases_expired: int = 0
+    clients_reaped: int = 0  # local clients whose process died (found by the pid check)
+    clients_expired: int = 0  # clients dropped after client_idle_ttl with nothing open
+
+
+class RateMeter:
+    """Rows committed and sampled per second, from snapshots taken about once a second."""
+
+    def __init__(self) -> None:
+        self._snapshots: deque[tuple[float, int, int]] = deque(maxlen=11)
+
+    def tick(self, now: float, counters: Counters) -> None:
+        if not self._snapshots or now - self._snapshots[-1][0] >= 1.0:
+            self._snapshots.append((now, counters.rows_committed, counters.rows_sampled))
+
+    def rates(self, now: float, counters: Counters) -> tuple[float, float]:
+        """(insert, sample) rows per second since the oldest snapshot in the window, so a
+        burst shows at once and an idle buffer falls to zero."""
+        recent = [snap for snap in self._snapshots if now - snap[0] <= RATE_WINDOW_S]
+        if not recent or now <= recent[0][0]:
+            return 0.0, 0.0
+        t0, committed, sampled = recent[0]
+        return (
+            (counters.rows_committed - committed) / (now - t0),
+            (counters.rows_sampled - sampled) / (now - t0),
+        )

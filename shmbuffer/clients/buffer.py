@@ -154,21 +154,10 @@ class Buffer:
         if self.segment is None:
             self._allocate(Schema.from_batch(batch))
         assert self.segment is not None
-        (num_rows,), leaves = self.segment.schema.validate(batch)
-        if num_rows == 0:
-            warnings.warn("ignoring a write of zero rows", RuntimeWarning, stacklevel=3)
+        plan = plan_write(self.segment.schema, batch, num_sub_episodes, self.capacity, self.mode)
+        if plan is None:
             return []
-        first_row = 0
-        if num_rows > self.capacity and self.mode == "circular":
-            first_row, num_rows, num_sub_episodes = tail_that_fits(
-                num_rows, num_sub_episodes, self.capacity
-            )
-            warnings.warn(
-                f"{first_row + num_rows} rows exceed the capacity {self.capacity}; "
-                f"keeping the last {num_rows}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        leaves, first_row, num_rows, num_sub_episodes = plan
         reservation = self.container.reserve(num_rows, num_sub_episodes)
         try:
             rows.write(
@@ -290,6 +279,28 @@ def normalize_index(index: Index, size: int) -> tuple[np.ndarray, bool]:
             f"indices {positions[bad][:5].tolist()} are out of range for {size} stored items"
         )
     return positions % max(size, 1), False
+
+
+def plan_write(
+    schema: Schema, batch: Mapping[str, Any], num_sub: int, capacity: int, mode: str
+) -> tuple[dict[Any, Any], int, int, int] | None:
+    """Validate ``batch`` (nothing is written if it does not fit the schema) and decide what
+    to store: ``(leaves, first_row, rows, sub_episodes)``, or None for an empty batch. Shared
+    by :class:`Buffer` and the daemon's Writer so both keep the same rules."""
+    (num_rows,), leaves = schema.validate(batch)
+    if num_rows == 0:
+        warnings.warn("ignoring a write of zero rows", RuntimeWarning, stacklevel=4)
+        return None
+    first_row = 0
+    if num_rows > capacity and mode == "circular":
+        first_row, num_rows, num_sub = tail_that_fits(num_rows, num_sub, capacity)
+        warnings.warn(
+            f"{first_row + num_rows} rows exceed the capacity {capacity}; "
+            f"keeping the last {num_rows}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return leaves, first_row, num_rows, num_sub
 
 
 def tail_that_fits(num_rows: int, num_sub: int, capacity: int) -> tuple[int, int, int]:

@@ -53,7 +53,7 @@ class Connection:
         role: str,
         *,
         timeout: float = 10.0,
-        remote: bool = False,
+        remote: bool | None = None,
         curve_server_key: str | bytes | os.PathLike[str] | None = None,
         curve_client_cert: str | os.PathLike[str] | None = None,
     ) -> None:
@@ -62,6 +62,8 @@ class Connection:
         started with ``--curve-clients`` checks. Both default to ``$SHMBUFFER_CURVE_SERVER_KEY``
         and ``$SHMBUFFER_CURVE_CLIENT_CERT``."""
         self.endpoint = resolve_endpoint(target)
+        #: Rows travel over the socket (a daemon on another host, or asked for).
+        self.remote = is_remote_target(self.endpoint) if remote is None else remote
         self.timeout = timeout
         self._context = zmq.Context()  # per connection: safe across fork/spawn
         self.socket = self._context.socket(zmq.DEALER)
@@ -226,3 +228,12 @@ def _decode_reply(frame: memoryview) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise ProtocolError(f"reply header must be a msgpack map, got {type(header).__name__}")
     return header
+
+
+def is_remote_target(endpoint: str) -> bool:
+    """A ``tcp://`` endpoint on another host, whose shared memory cannot be mapped here."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    local = {"127.0.0.1", "localhost", "::1", "0.0.0.0", socket.gethostname()}
+    return host not in local

@@ -20,7 +20,6 @@ from tensordict import TensorDict
 
 from shmbuffer import rows
 from shmbuffer.clients.connection import Connection
-from shmbuffer.clients.writer import _is_remote_target
 from shmbuffer.errors import TornReadError
 from shmbuffer.schema import Schema
 from shmbuffer.segment import Segment
@@ -52,9 +51,6 @@ class Reader:
         curve_server_key: str | bytes | os.PathLike[str] | None = None,
         curve_client_cert: str | os.PathLike[str] | None = None,
     ) -> None:
-        if remote is None:
-            remote = _is_remote_target(target)
-        self.remote = remote
         self.conn = Connection(
             target,
             "reader",
@@ -63,6 +59,7 @@ class Reader:
             curve_server_key=curve_server_key,
             curve_client_cert=curve_client_cert,
         )
+        self.remote = self.conn.remote
         self.capacity: int = self.conn.buffer["capacity"]
         self.unit: str = self.conn.buffer["unit"]
         self.schema: Schema | None = None

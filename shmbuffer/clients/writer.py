@@ -12,15 +12,13 @@ the daemon copies them in. Both have the same API as the in-process :class:`~shm
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from shmbuffer import rows
-from shmbuffer.clients.buffer import env_major, tail_that_fits
+from shmbuffer.clients.buffer import env_major, plan_write
 from shmbuffer.clients.connection import Connection
 from shmbuffer.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
 from shmbuffer.schema import Schema
@@ -57,9 +55,6 @@ class Writer:
         curve_client_cert: str | os.PathLike[str] | None = None,
         commit_delay: float = 0.01,
     ) -> None:
-        if remote is None:
-            remote = _is_remote_target(target)
-        self.remote = remote
         self.conn = Connection(
             target,
             "writer",
@@ -68,6 +63,7 @@ class Writer:
             curve_server_key=curve_server_key,
             curve_client_cert=curve_client_cert,
         )
+        self.remote = self.conn.remote
         self.reserve_timeout = reserve_timeout
         self.assembler = EpisodeAssembler(
             num_envs=num_envs,
@@ -137,21 +133,11 @@ class Writer:
             reply = self.conn.call("define_schema", schema=Schema.from_batch(batch).to_spec())
             self._adopt(reply["buffer"])
         assert self.schema is not None
-        (num_rows,), leaves = self.schema.validate(batch)  # refused here, before any copy
-        if num_rows == 0:
-            warnings.warn("ignoring a write of zero rows", RuntimeWarning, stacklevel=3)
+        # Refused here, before any copy, if it does not fit the schema.
+        plan = plan_write(self.schema, batch, num_sub_episodes, self.capacity, self.mode)
+        if plan is None:
             return
-        first_row = 0
-        if num_rows > self.capacity and self.mode == "circular":
-            first_row, num_rows, num_sub_episodes = tail_that_fits(
-                num_rows, num_sub_episodes, self.capacity
-            )
-            warnings.warn(
-                f"{first_row + num_rows} rows exceed the capacity {self.capacity}; "
-                f"keeping the last {num_rows}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        leaves, first_row, num_rows, num_sub_episodes = plan
         if self.remote:
             self._write_remote(leaves, first_row, num_rows, num_sub_episodes)
         else:
@@ -284,11 +270,3 @@ class _Ticker:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-
-
-def _is_remote_target(target: str) -> bool:
-    if not target.startswith("tcp://"):
-        return False
-    host = target[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
-    local = {"127.0.0.1", "localhost", "::1", "0.0.0.0", socket.gethostname()}
-    return host not in local

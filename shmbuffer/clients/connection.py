@@ -83,7 +83,7 @@ class Connection:
         self._closed = False
         try:
             hello = self.call(
-                "hello", role=role, pid=os.getpid(), host=socket.gethostname(), remote=remote
+                "hello", role=role, pid=os.getpid(), host=socket.gethostname(), remote=self.remote
             )
         except BaseException:
             self._closed = True

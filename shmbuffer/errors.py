@@ -82,6 +82,13 @@ class DaemonUnavailableError(ShmBufferError, ConnectionError):
     code = "unavailable"
 
 
+class UnknownClientError(DaemonUnavailableError):
+    """The daemon does not know this client: it restarted (``--resume``), or it dropped the
+    client after ``client_idle_ttl`` of silence. Reconnect (a new Writer/Reader)."""
+
+    code = "unknown_client"
+
+
 class WaitTimeoutError(ShmBufferError, TimeoutError):
     """A bounded wait (for rows, for a lease to end, for a flush) ran out."""
 
@@ -116,6 +123,7 @@ _BY_CODE: dict[str, type[ShmBufferError]] = {
         PermissionDeniedError,
         LimitExceededError,
         DaemonUnavailableError,
+        UnknownClientError,
         WaitTimeoutError,
         EmptyBufferError,
         TornReadError,

@@ -23,6 +23,7 @@ from shmbuffer.errors import (
     PermissionDeniedError,
     ProtocolError,
     SchemaError,
+    UnknownClientError,
 )
 from shmbuffer.protocol import PROTOCOL_VERSION, validate_request
 from shmbuffer.protocol import request as make_request
@@ -140,7 +141,7 @@ def test_op_before_hello_is_refused(h: Harness, op: str) -> None:
         "sample": {"kind": "rows", "n": 1},
     }
     fields = by_op.get(op, {})
-    with pytest.raises(ProtocolError, match="hello"):
+    with pytest.raises(UnknownClientError, match="hello"):
         h(b"stranger", op, **fields)
 
 
@@ -158,7 +159,7 @@ def test_bye_forgets_client(h: Harness) -> None:
     h(W, "bye")
     assert W not in h.service.clients
     assert h.service.container.reservations == {}
-    with pytest.raises(ProtocolError):
+    with pytest.raises(UnknownClientError):
         h(W, "stats")
 
 

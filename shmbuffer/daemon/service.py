@@ -39,6 +39,7 @@ from shmbuffer.errors import (
     PermissionDeniedError,
     ProtocolError,
     SchemaError,
+    UnknownClientError,
 )
 from shmbuffer.protocol import PROTOCOL_VERSION, payload_sizes
 from shmbuffer.schema import Schema
@@ -174,9 +175,10 @@ class BufferService:
             return {"pid": os.getpid(), "protocol": PROTOCOL_VERSION}, []
         client = self.clients.get(identity)
         if client is None:
-            raise ProtocolError(
-                f"op {op!r} before 'hello': introduce the client first (a client that held "
-                f"nothing is forgotten after {self.config.client_idle_ttl:.0f}s of silence)"
+            raise UnknownClientError(
+                f"op {op!r} from a client this daemon does not know: say 'hello' first (the "
+                "daemon restarted, or forgot a client that held nothing after "
+                f"{self.config.client_idle_ttl:.0f}s of silence); reconnect"
             )
         client.last_seen = now
         handler = getattr(self, f"op_{op}")

@@ -103,8 +103,8 @@ def test_malformed_frames_are_refused(raw_daemon):
 def test_bad_fields_and_order_are_refused(raw_daemon):
     d, make = raw_daemon
     raw = make()
-    _error(raw.req("stats", seq=5), "protocol", "before 'hello'")
-    _error(raw.req("reserve", rows=10), "protocol", "before 'hello'")
+    _error(raw.req("stats", seq=5), "unknown_client", "say 'hello' first")
+    _error(raw.req("reserve", rows=10), "unknown_client", "say 'hello' first")
     raw.hello()
     reply = raw.req("reserve", seq=11, rows="x")
     _error(reply, "protocol", "'rows'")

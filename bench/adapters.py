@@ -92,7 +92,11 @@ class Shmbuffer(Adapter):
         super().__init__(capacity, spec, unit, tmpdir)
         self._cls = _import_buffer()
         self.seg = f"bench-{os.getpid()}-{next(_names)}" if self.shared else None
-        self.buf = self._cls(capacity, unit=unit, mode="circular", name=self.seg)
+        # The schema is declared, as a user who knows their rows would: the memory is then
+        # allocated and pre-faulted at creation (timed as "create", like cpprb's), not
+        # during the first pass of writes.
+        schema = {k: {"dtype": dt.name, "shape": list(shape)} for k, (shape, dt) in spec.items()}
+        self.buf = self._cls(capacity, unit=unit, mode="circular", name=self.seg, schema=schema)
         self.row_sampler = self.buf
         self._recent: deque[Any] = deque()
         self._recent_rows = 0

@@ -20,7 +20,7 @@ from tensordict import TensorDict
 
 from shmbuffer import rows
 from shmbuffer.clients.connection import Connection
-from shmbuffer.errors import TornReadError
+from shmbuffer.errors import EmptyBufferError, TornReadError
 from shmbuffer.schema import Schema
 from shmbuffer.segment import Segment
 
@@ -38,6 +38,8 @@ class Reader:
         target: a buffer name (found through its runtime file) or an endpoint.
         remote: receive rows over the socket instead of reading shared memory.
         timeout: seconds any single wait on the daemon may take.
+        prefetch: request the indices of the next ``sample``/``sample_slices`` (same size)
+            while the caller works on this one.
         curve_server_key, curve_client_cert: CURVE keys for a daemon started with
             ``--curve-secret`` (see :class:`~shmbuffer.clients.connection.Connection`).
     """
@@ -48,9 +50,12 @@ class Reader:
         *,
         remote: bool | None = None,
         timeout: float = 10.0,
+        prefetch: bool = True,
         curve_server_key: str | bytes | os.PathLike[str] | None = None,
         curve_client_cert: str | os.PathLike[str] | None = None,
     ) -> None:
+        self.prefetch = prefetch
+        self._ahead: tuple[Any, int] | None = None  # (request, seq) of a sample sent ahead
         self.conn = Connection(
             target,
             "reader",
@@ -82,18 +87,37 @@ class Reader:
         self._ready()
         return self.conn.wait(self.conn.send("sample", payload=self.remote, **fields))
 
+    def _sample_ahead(self, **fields: Any) -> tuple[dict[str, Any], Any]:
+        """Like :meth:`_sample`, but the reply was requested at the previous call (when it
+        asked the same) and the next one is requested now: the round trip overlaps the
+        learner's own work. Indices that went stale meanwhile are caught by the stamps."""
+        key = tuple(sorted(fields.items()))
+        ahead, self._ahead = self._ahead, None
+        reply = None
+        if ahead is not None:
+            try:
+                got = self.conn.wait(ahead[1])
+                reply = got if ahead[0] == key else None
+            except EmptyBufferError:  # stale: the buffer may have filled since
+                pass
+        if reply is None:
+            reply = self._sample(**fields)
+        if self.prefetch:
+            self._ahead = (key, self.conn.send("sample", payload=self.remote, **fields))
+        return reply
+
     # -- transitions --------------------------------------------------------------------------
 
     def sample(self, batch_size: int) -> TensorDict:
         """``batch_size`` transitions drawn uniformly from the committed rows (a copy)."""
-        reply, frames = self._sample(kind="rows", n=batch_size)
+        reply, frames = self._sample_ahead(kind="rows", n=batch_size)
         if self.remote:
             return self._from_frames(frames, [batch_size])
         return self._checked_gather(_i64(reply["rows"]), _i64(reply["gens"]), "rows", 1)
 
     def sample_slices(self, n: int, length: int) -> TensorDict:
         """``[n, length]`` runs of consecutive rows, each inside one episode (a copy)."""
-        reply, frames = self._sample(kind="slices", n=n, length=length)
+        reply, frames = self._sample_ahead(kind="slices", n=n, length=length)
         if self.remote:
             return self._from_frames(frames, [n, length])
         physical = (_i64(reply["starts"])[:, None] + np.arange(length)).reshape(-1)

@@ -22,6 +22,7 @@ Not thread-safe: the owner (buffer or daemon loop) serialises calls.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -89,15 +90,12 @@ class Container:
 
     # -- writing ----------------------------------------------------------------------------
 
-    def plan(self, num_rows: int, num_sub_episodes: int = 1) -> tuple[list[Range], list[Range]]:
+    def plan(
+        self, num_rows: int, episodes: int | Sequence[int] = 1
+    ) -> tuple[list[Range], list[Range]]:
         """The physical ranges a reservation of ``num_rows`` would get, and the ranges it would
         evict, without changing anything (the daemon checks leases against them first)."""
-        if num_rows < 1:
-            raise ValueError(f"a reservation needs at least one row, got {num_rows}")
-        if num_sub_episodes < 1 or num_rows % num_sub_episodes:
-            raise ValueError(
-                f"{num_rows} rows cannot be split into {num_sub_episodes} equal sub-episodes"
-            )
+        episode_lengths(num_rows, episodes)  # validates the split
         if num_rows > self.capacity:
             raise CapacityError(f"{num_rows} rows do not fit a buffer of capacity {self.capacity}")
         start, end = self.pointer, self.pointer + num_rows
@@ -114,9 +112,11 @@ class Container:
         return wrapped, wrapped
 
     def reserve(
-        self, num_rows: int, num_sub_episodes: int = 1, owner: object = None
+        self, num_rows: int, episodes: int | Sequence[int] = 1, owner: object = None
     ) -> Reservation:
-        ranges, evict = self.plan(num_rows, num_sub_episodes)
+        """Rows for ``episodes``: a count of equal sub-episodes, or their lengths (a writer
+        that batches several small episodes into one round trip)."""
+        ranges, evict = self.plan(num_rows, episodes)
         busy = self.conflicts(evict)
         if busy:
             raise CapacityError(
@@ -127,7 +127,7 @@ class Container:
         reservation = Reservation(
             id=self._next_reservation,
             ranges=ranges,
-            episodes=_episode_bounds(ranges, num_rows // num_sub_episodes, num_sub_episodes),
+            episodes=_episode_bounds(ranges, episode_lengths(num_rows, episodes)),
             owner=owner,
             evicted=evicted,
         )
@@ -198,11 +198,26 @@ class Container:
         self._use_counts_t.index_put_((index,), _ONE, accumulate=True)
 
 
-def _episode_bounds(ranges: list[Range], length: int, count: int) -> list[Range]:
-    """Physical bounds of ``count`` sub-episodes of ``length`` rows laid over ``ranges`` in
-    order; an episode that straddles the wrap of a transition chunk becomes two entries."""
+def episode_lengths(num_rows: int, episodes: int | Sequence[int]) -> list[int]:
+    """The length of each episode of a reservation; ValueError unless they add up."""
+    if num_rows < 1:
+        raise ValueError(f"a reservation needs at least one row, got {num_rows}")
+    if isinstance(episodes, int):
+        if episodes < 1 or num_rows % episodes:
+            raise ValueError(f"{num_rows} rows cannot be split into {episodes} equal episodes")
+        return [num_rows // episodes] * episodes
+    lengths = [int(n) for n in episodes]
+    if not lengths or min(lengths) < 1 or sum(lengths) != num_rows:
+        raise ValueError(f"episode lengths must be positive and add up to {num_rows} rows")
+    return lengths
+
+
+def _episode_bounds(ranges: list[Range], lengths: list[int]) -> list[Range]:
+    """Physical bounds of episodes of ``lengths`` rows laid over ``ranges`` in order; an
+    episode that straddles the wrap of a transition chunk becomes two entries."""
     bounds: list[Range] = []
-    logical = [(i * length, (i + 1) * length) for i in range(count)]
+    ends = np.cumsum(lengths).tolist()
+    logical = list(zip([0, *ends[:-1]], ends, strict=True))
     offset = 0
     for start, stop in ranges:
         span = (offset, offset + stop - start)

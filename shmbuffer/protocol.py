@@ -68,6 +68,8 @@ REQUESTS: dict[str, dict[str, Spec]] = {
     "reserve": {
         "rows": _int(1),
         "episodes": _int(1, required=False),
+        # Lengths of the episodes the rows hold, when they differ (a batch of small ones).
+        "lengths": Spec((list,), required=False),
         "commit": _int(1, required=False),
         "timeout_ms": _TIMEOUT,
     },

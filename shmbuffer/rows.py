@@ -53,6 +53,27 @@ def write(
             offset += n
 
 
+def owned_slice(value: Any, first: int, n: int) -> np.ndarray | torch.Tensor:
+    """A private copy of rows ``first:first + n`` (the caller may reuse its arrays)."""
+    array = as_numpy(value)
+    if array is not None:
+        return array[first : first + n].copy()
+    tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+    return tensor[first : first + n].detach().clone()
+
+
+def split_ranges(ranges: Sequence[Range], offset: int, n: int) -> list[Range]:
+    """The parts of ``ranges`` (filled in order) that hold rows ``offset:offset + n``."""
+    out: list[Range] = []
+    seen = 0
+    for start, stop in ranges:
+        lo, hi = max(offset, seen), min(offset + n, seen + stop - start)
+        if lo < hi:
+            out.append((start + lo - seen, start + hi - seen))
+        seen += stop - start
+    return out
+
+
 def nest(flat: Mapping[Key, torch.Tensor], batch_size: Sequence[int]) -> TensorDict:
     nested: dict[str, Any] = {}
     for key, tensor in flat.items():

@@ -10,6 +10,7 @@ accepted (Python scalars arrive as 64-bit), float → int, int → bool and comp
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -76,7 +77,7 @@ class Field:
 
     @property
     def row_nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def to_spec(self) -> dict[str, Any]:
         return {"dtype": dtype_name(self.dtype), "shape": list(self.shape)}
@@ -137,6 +138,7 @@ class Schema:
                 raise SchemaError(f"empty key component in {field.key!r}")
         self.fields: tuple[Field, ...] = tuple(ordered)
         self._by_key = {f.key: f for f in ordered}
+        self._row_nbytes = sum(f.row_nbytes for f in ordered)
 
     # -- construction -------------------------------------------------------------------
 
@@ -216,7 +218,7 @@ class Schema:
 
     @property
     def row_nbytes(self) -> int:
-        return sum(f.row_nbytes for f in self.fields)
+        return self._row_nbytes
 
     # -- validation -----------------------------------------------------------------------
 

@@ -222,6 +222,21 @@ def test_reserve_with_commit_piggyback(h: Harness) -> None:
         h(W, "reserve", rows=1, commit=first["reservation"])
 
 
+def test_episodes_of_unequal_lengths_in_one_reservation(h: Harness) -> None:
+    assert h.write(W, 6, 1.0, lengths=[1, 3, 2]) == [0, 1, 2]
+    assert [(e.start, e.end) for e in h.service.container.registry] == [(0, 1), (1, 4), (4, 6)]
+    for bad, match in [
+        ({"lengths": [2, 2]}, "adds up to 4"),
+        ({"lengths": [0, 6]}, "positive ints"),
+        ({"lengths": []}, "positive ints"),
+        ({"lengths": [3, 3], "episodes": 2}, "exclusive"),
+        ({"lengths": ["3", 3]}, "positive ints"),
+    ]:
+        with pytest.raises(ProtocolError, match=match):
+            h(W, "reserve", rows=6, **bad)
+    assert h.service.container.reservations == {}  # nothing reserved by a refused request
+
+
 def test_sub_episodes(h: Harness) -> None:
     assert h.write(W, 6, 1.0, episodes=3) == [0, 1, 2]
     out = h(R, "sample", kind="episodes", n=20)

@@ -34,7 +34,10 @@ class Writer:
             ``tcp://`` endpoint on another host).
         timeout: seconds any single wait on the daemon may take.
         reserve_timeout: seconds a reservation may wait for readers' leases to end.
-        commit_delay: seconds a copied episode may wait for the next write to carry its commit.
+        commit_delay: seconds a copied episode may wait for the next write to carry its commit,
+            and a small write may wait to share a round trip with the next ones.
+        batch_bytes: writes smaller than half this are gathered (copied) until this many bytes
+            are waiting, then stored with one reservation. 0 stores each write at once.
         curve_server_key, curve_client_cert: CURVE keys for a daemon started with
             ``--curve-secret`` (see :class:`~shmbuffer.clients.connection.Connection`).
         The rest are the episode-assembly options of :class:`~shmbuffer.Buffer`.
@@ -54,6 +57,7 @@ class Writer:
         curve_server_key: str | bytes | os.PathLike[str] | None = None,
         curve_client_cert: str | os.PathLike[str] | None = None,
         commit_delay: float = 0.01,
+        batch_bytes: int = 1 << 20,
     ) -> None:
         self.conn = Connection(
             target,
@@ -82,6 +86,13 @@ class Writer:
         self.commit_delay = commit_delay
         self._uncommitted: tuple[int, int, float] | None = None  # (reservation, rows, since)
         self._ticker: _Ticker | None = None
+        self._ticker_error: Exception | None = None
+        # Small writes (transitions of small rows) wait here to share one round trip.
+        self.batch_bytes = batch_bytes
+        self._staged: list[tuple[dict[Any, Any], int, int]] = []
+        self._staged_lengths: list[int] = []
+        self._staged_rows = 0
+        self._staged_since = 0.0
         self._lock = threading.RLock()  # the ticker thread shares the socket
         self._closed = False
         self.episodes_committed = 0
@@ -129,6 +140,7 @@ class Writer:
     # -- the write path -----------------------------------------------------------------------
 
     def _write(self, batch: Mapping[str, Any], num_sub_episodes: int = 1) -> None:
+        self._check_ticker()
         if self.schema is None:
             reply = self.conn.call("define_schema", schema=Schema.from_batch(batch).to_spec())
             self._adopt(reply["buffer"])
@@ -138,17 +150,51 @@ class Writer:
         if plan is None:
             return
         leaves, first_row, num_rows, num_sub_episodes = plan
+        lengths = [num_rows // num_sub_episodes] * num_sub_episodes
         if self.remote:
             self._write_remote(leaves, first_row, num_rows, num_sub_episodes)
+        elif num_rows * self.schema.row_nbytes * 2 <= self.batch_bytes:
+            self._stage(leaves, first_row, num_rows, lengths)
         else:
-            self._write_local(leaves, first_row, num_rows, num_sub_episodes)
+            self._write_staged()  # what came first is stored first
+            self._write_local([(leaves, first_row, num_rows)], lengths)
+
+    def _stage(
+        self, leaves: dict[Any, Any], first_row: int, num_rows: int, lengths: list[int]
+    ) -> None:
+        """Keep a copy of a small write, to store several in one round trip: at
+        ``batch_bytes``, once the oldest waited ``commit_delay``, or on flush."""
+        assert self.schema is not None
+        copy = {k: rows.owned_slice(v, first_row, num_rows) for k, v in leaves.items()}
+        if not self._staged:
+            self._staged_since = time.monotonic()
+        self._staged.append((copy, 0, num_rows))
+        self._staged_lengths.extend(lengths)
+        self._staged_rows += num_rows
+        full = self._staged_rows * self.schema.row_nbytes >= self.batch_bytes
+        if full or self._staged_rows * 8 >= self.capacity:
+            self._write_staged()
+        else:
+            self._start_ticker()
+
+    def _write_staged(self) -> None:
+        if self._staged:
+            pieces, lengths = self._staged, self._staged_lengths
+            self._staged, self._staged_lengths, self._staged_rows = [], [], 0
+            self._write_local(pieces, lengths)
 
     def _write_local(
-        self, leaves: dict[Any, Any], first_row: int, num_rows: int, num_sub: int
+        self, pieces: list[tuple[dict[Any, Any], int, int]], lengths: list[int]
     ) -> None:
+        """Reserve rows for ``pieces`` (laid out one after another), copy each into them, and
+        leave the commit to ride on the next reserve."""
         assert self.segment is not None
-        fields: dict[str, Any] = {"rows": num_rows, "episodes": num_sub}
-        fields["timeout_ms"] = int(self.reserve_timeout * 1000)
+        num_rows = sum(lengths)
+        fields: dict[str, Any] = {"rows": num_rows, "timeout_ms": int(self.reserve_timeout * 1000)}
+        if all(n == lengths[0] for n in lengths):
+            fields["episodes"] = len(lengths)
+        else:
+            fields["lengths"] = lengths
         previous, self._uncommitted = self._uncommitted, None
         if previous is not None:
             fields["commit"] = previous[0]
@@ -162,14 +208,22 @@ class Writer:
         reservation = reply["reservation"]
         ranges = [(int(s), int(e)) for s, e in reply["ranges"]]
         try:
-            rows.write(self.segment.columns, self.segment.arrays, ranges, leaves, first_row)
+            offset = 0
+            for leaves, first_row, n in pieces:
+                target = rows.split_ranges(ranges, offset, n)
+                rows.write(self.segment.columns, self.segment.arrays, target, leaves, first_row)
+                offset += n
         except BaseException:
             self.conn.send("abort", reservation=reservation)
             raise
         self._uncommitted = (reservation, num_rows, time.monotonic())
         if self.commit_delay <= 0:
             self._commit_if_due(now=True)
-        elif self._ticker is None:
+        else:
+            self._start_ticker()
+
+    def _start_ticker(self) -> None:
+        if self._ticker is None and self.commit_delay > 0:
             self._ticker = _Ticker(self.commit_delay / 2, self._commit_from_ticker)
 
     def _commit_if_due(self, now: bool = False) -> None:
@@ -183,10 +237,21 @@ class Writer:
 
     def _commit_from_ticker(self) -> None:
         # An idle writer's last episode must not wait for a next write that may never come
-        # (its reservation would expire): the ticker sends the commit once it is due.
+        # (its reservation would expire): the ticker stores and commits what is due.
         with self._lock:
-            if not self._closed:
+            if self._closed or self._ticker_error is not None:
+                return
+            try:
+                if self._staged and time.monotonic() - self._staged_since >= self.commit_delay:
+                    self._write_staged()
                 self._commit_if_due()
+            except Exception as exc:  # raised to the caller at its next call
+                self._ticker_error = exc
+
+    def _check_ticker(self) -> None:
+        error, self._ticker_error = self._ticker_error, None
+        if error is not None:
+            raise error
 
     def _write_remote(
         self, leaves: dict[Any, Any], first_row: int, num_rows: int, num_sub: int
@@ -225,6 +290,8 @@ class Writer:
             self._flush(timeout)
 
     def _flush(self, timeout: float | None) -> None:
+        self._check_ticker()
+        self._write_staged()
         self._commit_if_due(now=True)
         if self._in_flight:
             self.conn.wait_all([seq for seq, _ in self._in_flight], timeout)

@@ -82,6 +82,29 @@ def _i64(values: np.ndarray) -> bytes:
     return np.ascontiguousarray(values, dtype="<i8").tobytes()
 
 
+MAX_LENGTHS = 65_536
+
+
+def _episodes_field(fields: dict[str, Any]) -> int | list[int]:
+    """How the reserved rows split into episodes: ``episodes`` equal ones, or ``lengths``."""
+    num_rows = fields["rows"]
+    lengths = fields.get("lengths")
+    if lengths is None:
+        num_sub: int = fields.get("episodes", 1)
+        if num_rows % num_sub:
+            raise ProtocolError(
+                f"field 'rows'={num_rows} is not a multiple of field 'episodes'={num_sub}"
+            )
+        return num_sub
+    if "episodes" in fields:
+        raise ProtocolError("fields 'episodes' and 'lengths' are exclusive")
+    if not 0 < len(lengths) <= MAX_LENGTHS or not all(type(n) is int and n > 0 for n in lengths):
+        raise ProtocolError(f"field 'lengths': 1 to {MAX_LENGTHS} positive ints expected")
+    if sum(lengths) != num_rows:
+        raise ProtocolError(f"field 'lengths' adds up to {sum(lengths)}, not 'rows'={num_rows}")
+    return list(lengths)
+
+
 class BufferService:
     def __init__(self, config: DaemonConfig, segment: Segment | None = None) -> None:
         self.config = config
@@ -268,11 +291,7 @@ class BufferService:
                 f"client {client.id} holds {len(client.reservations)} open reservations "
                 f"(limit {self.config.max_reservations_per_client}); commit or abort some"
             )
-        num_rows, num_sub = fields["rows"], fields.get("episodes", 1)
-        if num_rows % num_sub:
-            raise ProtocolError(
-                f"field 'rows'={num_rows} is not a multiple of field 'episodes'={num_sub}"
-            )
+        num_rows, num_sub = fields["rows"], _episodes_field(fields)
         _, evict = self.container.plan(num_rows, num_sub)
         deadline = now + fields.get("timeout_ms", 30_000) / 1000
         leased = len(self.leases) and self.leases.pinned(  # no lease, no lookup: the hot path

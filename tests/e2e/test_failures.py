@@ -59,7 +59,11 @@ def test_flush_close_and_dead_daemon(daemon):
 
     calls = {
         "reader.stats": r.stats,
-        "writer.add_episode": lambda: w2.add_episode(make_episode(1, 1, LENGTH, OBS)),
+        # a small episode waits to share a round trip: the failure shows at the flush
+        "writer.add_episode+flush": lambda: (
+            w2.add_episode(make_episode(1, 1, LENGTH, OBS)),
+            w2.flush(),
+        ),
         "new Reader": lambda: Reader(d.name, timeout=2),
     }
     for what, call in calls.items():

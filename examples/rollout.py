@@ -77,7 +77,9 @@ def main() -> None:
     procs = [
         ctx.Process(target=env_worker, args=(args.name, w, args.seconds, args.obs_dim))
         for w in range(args.workers)
-    ] + [ctx.Process(target=learner, args=(args.name, r, args.seconds)) for r in range(args.learners)]
+    ] + [
+        ctx.Process(target=learner, args=(args.name, r, args.seconds)) for r in range(args.learners)
+    ]
     for p in procs:
         p.start()
     try:
@@ -89,8 +91,10 @@ def main() -> None:
                 p.kill()
     with shmbuffer.Reader(args.name) as reader:
         stats = reader.stats()
-    print(f"buffer {args.name!r}: {stats['rows']:,} rows, {stats['episodes']:,} episodes stored; "
-          f"{stats['rows_committed']:,} rows committed in all")
+    print(
+        f"buffer {args.name!r}: {stats['rows']:,} rows, {stats['episodes']:,} episodes stored; "
+        f"{stats['rows_committed']:,} rows committed in all"
+    )
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from shmbuffer import Reader, Writer
 from shmbuffer.demo import check_episode, check_rows, make_episode
 from shmbuffer.errors import DaemonUnavailableError
 from shmbuffer.protocol import PROTOCOL_VERSION
+from tests.e2e._watchdog import run_with_watchdog
 from tests.e2e.conftest import wait_for
 
 LENGTH = 10
@@ -105,25 +106,6 @@ def fill(name: str, writer_id: int, episodes: int) -> None:
     with Writer(name, timeout=5) as w:
         for e in range(episodes):
             w.add_episode(make_episode(writer_id, e, LENGTH, OBS))
-
-
-def run_with_watchdog(fn: Any, limit: float) -> tuple[BaseException | None, float]:
-    """Run ``fn`` in a thread; fail the test if it still blocks after ``limit`` seconds."""
-    box: dict[str, BaseException] = {}
-
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as exc:
-            box["exc"] = exc
-
-    start = time.monotonic()
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(limit)
-    if thread.is_alive():
-        pytest.fail(f"a client call still blocked after {limit}s")
-    return box.get("exc"), time.monotonic() - start
 
 
 def test_killed_writer_loses_only_its_uncommitted_episode(daemon):

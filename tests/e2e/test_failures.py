@@ -3,37 +3,14 @@
 from __future__ import annotations
 
 import signal
-import threading
-import time
-from typing import Any
-
-import pytest
 
 from shmbuffer import Reader, Writer
 from shmbuffer.demo import make_episode
 from shmbuffer.errors import DaemonUnavailableError
+from tests.e2e._watchdog import run_with_watchdog
 
 LENGTH = 10
 OBS = (2, 3)
-
-
-def _fails_fast(fn: Any, limit: float) -> tuple[BaseException | None, float]:
-    """Run ``fn`` in a thread; fail the test if it has not returned after ``limit`` seconds."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as exc:
-            box["exc"] = exc
-
-    start = time.monotonic()
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(limit)
-    if thread.is_alive():
-        pytest.fail(f"a client call still blocked after {limit}s against a dead daemon")
-    return box.get("exc"), time.monotonic() - start
 
 
 def test_flush_close_and_dead_daemon(daemon):
@@ -67,10 +44,10 @@ def test_flush_close_and_dead_daemon(daemon):
         "new Reader": lambda: Reader(d.name, timeout=2),
     }
     for what, call in calls.items():
-        exc, took = _fails_fast(call, 10)
+        exc, took = run_with_watchdog(call, 10)
         assert isinstance(exc, DaemonUnavailableError), (what, exc)
         assert took < 2 + 1.5, f"{what} took {took:.1f}s"
-    exc, took = _fails_fast(w2.close, 10)  # closing against a dead daemon must not hang
+    exc, took = run_with_watchdog(w2.close, 10)  # closing against a dead daemon must not hang
     assert took < 2 + 1.5
-    exc, took = _fails_fast(r.close, 10)
+    exc, took = run_with_watchdog(r.close, 10)
     assert exc is None and took < 2 + 1.5

@@ -28,12 +28,11 @@ import socket
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Self
 
 import numpy as np
 import torch
 from tensordict import TensorDict
-from typing_extensions import Self
 
 from shmbuffer.errors import (
     NotFoundError,
@@ -43,9 +42,6 @@ from shmbuffer.errors import (
 )
 from shmbuffer.names import validate_name
 from shmbuffer.schema import Field, Key, Schema, key_str
-
-if TYPE_CHECKING:
-    from typing_extensions import Self
 
 FORMAT_VERSION = 1
 ALIGN = 4096

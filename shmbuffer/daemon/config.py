@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 import tempfile
+import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from shmbuffer.names import MODES, UNITS, check_choice, validate_name
 

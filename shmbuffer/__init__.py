@@ -16,20 +16,20 @@ from shmbuffer import errors
 from shmbuffer.errors import ShmBufferError
 
 if TYPE_CHECKING:
-    from shmbuffer.clients.buffer import Buffer
+    from shmbuffer.buffer import Buffer
+    from shmbuffer.clients.admin import checkpoint
     from shmbuffer.clients.reader import Reader
     from shmbuffer.clients.storage import Storage
     from shmbuffer.clients.writer import Writer
-    from shmbuffer.daemon.checkpoint import checkpoint
     from shmbuffer.schema import Schema
 
 _LAZY = {
-    "Buffer": "shmbuffer.clients.buffer",
+    "Buffer": "shmbuffer.buffer",
     "Reader": "shmbuffer.clients.reader",
     "Storage": "shmbuffer.clients.storage",
     "Writer": "shmbuffer.clients.writer",
     "Schema": "shmbuffer.schema",
-    "checkpoint": "shmbuffer.daemon.checkpoint",
+    "checkpoint": "shmbuffer.clients.admin",
 }
 
 __all__ = [

@@ -128,8 +128,8 @@ def _learner_proc(target: str, secs: float, out: Any) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from shmbuffer.daemon.cli import format_status
-    from shmbuffer.daemon.runtime import read
+    from shmbuffer.runtime import read
+    from shmbuffer.statusview import format_status
 
     shape = tuple(int(x) for x in args.obs_shape.split(","))
     name = args.name or f"demo-{os.getpid()}"
@@ -138,7 +138,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     spec = Schema.from_batch(make_episode(0, 0, 1, shape)).to_spec()
     schema_file = Path(tempfile.mkdtemp(prefix="shmbuffer-demo-")) / "schema.json"
     schema_file.write_text(json.dumps(spec))
-    cli = [sys.executable, "-m", "shmbuffer.daemon.cli", "--log-level", "WARNING", "start"]
+    cli = [sys.executable, "-m", "shmbuffer.cli", "--log-level", "WARNING", "start"]
     options = ["--capacity", str(args.capacity), "--unit", "episode", "--schema", str(schema_file)]
     daemon = subprocess.Popen([*cli, "--name", name, *options])
     ctx = mp.get_context("spawn")

@@ -1,16 +1,33 @@
 """The exception hierarchy. Each class carries the wire code the daemon sends for it.
 
 A client turns an error reply back into the same class with :func:`error_from_code`, so
-callers catch types, never match strings.
+callers catch types, never match strings. A class that sets its own ``code`` registers it by
+being defined (``__init_subclass__``); one that inherits its parent's code travels as the
+parent. Every error class of the package is defined here, whichever module raises it.
 """
 
 from __future__ import annotations
+
+from typing import Any, ClassVar
+
+_BY_CODE: dict[str, type[ShmBufferError]] = {}
 
 
 class ShmBufferError(Exception):
     """Base of every error shmbuffer raises on purpose."""
 
-    code: str = "internal"
+    code: ClassVar[str] = "internal"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        inherited = any(cls.code == getattr(base, "code", None) for base in cls.__mro__[1:])
+        if "code" in cls.__dict__ and not inherited:
+            if cls.code in _BY_CODE:
+                raise TypeError(f"wire code {cls.code!r} is taken by {_BY_CODE[cls.code]}")
+            _BY_CODE[cls.code] = cls
+
+
+_BY_CODE[ShmBufferError.code] = ShmBufferError
 
 
 class SchemaError(ShmBufferError, ValueError):
@@ -43,6 +60,33 @@ class OutOfSpaceError(SegmentError):
     code = "out_of_space"
 
 
+class JournalError(SegmentError):
+    """The journal or its snapshot cannot be replayed (missing, foreign or inconsistent)."""
+
+
+class CheckpointError(SegmentError):
+    """A checkpoint cannot be written, or a folder holds no complete checkpoint."""
+
+
+class RecoveryError(SegmentError):
+    """Nothing to resume or restore, or it does not match the requested settings."""
+
+
+class ConfigError(ShmBufferError, ValueError):
+    """A setting that cannot be used as given (daemon options, key files); raised before
+    anything starts."""
+
+    code = "config"
+
+
+class InsecureEndpointError(ConfigError):
+    """A tcp endpoint that would expose the buffer without authentication."""
+
+
+class KeyFileError(ConfigError):
+    """A CURVE key or certificate that cannot be used as asked."""
+
+
 class ProtocolError(ShmBufferError):
     """A message that is malformed, of an unknown op, or with a wrong field."""
 
@@ -62,6 +106,12 @@ class NotFoundError(ShmBufferError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its message; we do not want that
         return str(self.args[0]) if self.args else ""
+
+
+class SegmentNotFoundError(SegmentError, NotFoundError):
+    """No segment of that name: catchable as either SegmentError or NotFoundError."""
+
+    code = "not_found"  # travels as NotFoundError
 
 
 class PermissionDeniedError(ShmBufferError, PermissionError):
@@ -106,29 +156,6 @@ class TornReadError(ShmBufferError):
     for the write rate)."""
 
     code = "torn"
-
-
-_BY_CODE: dict[str, type[ShmBufferError]] = {
-    cls.code: cls
-    for cls in (
-        ShmBufferError,
-        SchemaError,
-        CapacityError,
-        SegmentError,
-        InvalidNameError,
-        OutOfSpaceError,
-        ProtocolError,
-        VersionMismatchError,
-        NotFoundError,
-        PermissionDeniedError,
-        LimitExceededError,
-        DaemonUnavailableError,
-        UnknownClientError,
-        WaitTimeoutError,
-        EmptyBufferError,
-        TornReadError,
-    )
-}
 
 
 def error_from_code(code: str, message: str) -> ShmBufferError:

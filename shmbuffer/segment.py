@@ -35,10 +35,10 @@ import torch
 from tensordict import TensorDict
 
 from shmbuffer.errors import (
-    NotFoundError,
     OutOfSpaceError,
     SchemaError,
     SegmentError,
+    SegmentNotFoundError,
 )
 from shmbuffer.names import validate_name
 from shmbuffer.schema import Field, Key, Schema, key_str
@@ -65,12 +65,6 @@ def check_fits(
             f"{schema.row_nbytes + 8} bytes) but {path.parent} has only {free:,} bytes free; "
             "lower --capacity or use a larger --storage-dir"
         )
-
-
-class SegmentNotFoundError(SegmentError, NotFoundError):
-    """No segment of that name: catchable as either SegmentError or NotFoundError."""
-
-    code = "not_found"
 
 
 def default_storage_dir() -> Path:

@@ -202,7 +202,7 @@ def _child_checkpoint(storage: str, dest: str, where: str, ready: Any) -> None:
     patch.setattr(ckpt, "_copy_chunk", copy)
     patch.setattr(os, "replace", replace)
     if where == "state":
-        patch.setattr(ckpt, "checkpoint_state", lambda s: die())
+        patch.setattr(ckpt, "copy_data", lambda *a: die())
     call(service, ADMIN, "checkpoint", to=dest)
     ready.send("finished")  # not reached
 

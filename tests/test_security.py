@@ -12,19 +12,22 @@ import pytest
 import zmq
 import zmq.auth
 
-from shmbuffer.daemon import security
-from shmbuffer.daemon.cli import main
-from shmbuffer.daemon.config import DaemonConfig
-from shmbuffer.daemon.security import (
-    InsecureEndpointError,
+from shmbuffer import curve
+from shmbuffer.cli import main
+from shmbuffer.curve import (
     KeyFileError,
-    check_daemon_access,
-    check_tcp_endpoint,
     client_curve_options,
-    is_loopback,
     keygen,
     load_public_key,
     load_secret_cert,
+)
+from shmbuffer.daemon import security
+from shmbuffer.daemon.config import DaemonConfig
+from shmbuffer.daemon.security import (
+    InsecureEndpointError,
+    check_daemon_access,
+    check_tcp_endpoint,
+    is_loopback,
     resolve_group,
     segment_access,
     tcp_host,
@@ -221,8 +224,8 @@ def test_load_keys(tmp_path):
 
 
 def test_client_curve_options(tmp_path, monkeypatch):
-    monkeypatch.delenv(security.ENV_CURVE_SERVER_KEY, raising=False)
-    monkeypatch.delenv(security.ENV_CURVE_CLIENT_CERT, raising=False)
+    monkeypatch.delenv(curve.ENV_CURVE_SERVER_KEY, raising=False)
+    monkeypatch.delenv(curve.ENV_CURVE_CLIENT_CERT, raising=False)
     server_pub, _ = keygen(tmp_path, "server")
     _, client_sec = keygen(tmp_path, "client")
     assert client_curve_options() == {}
@@ -236,8 +239,8 @@ def test_client_curve_options(tmp_path, monkeypatch):
     opts = client_curve_options(server_pub, client_sec)
     assert (opts[zmq.CURVE_PUBLICKEY], opts[zmq.CURVE_SECRETKEY]) == load_secret_cert(client_sec)
 
-    monkeypatch.setenv(security.ENV_CURVE_SERVER_KEY, str(server_pub))
-    monkeypatch.setenv(security.ENV_CURVE_CLIENT_CERT, str(client_sec))
+    monkeypatch.setenv(curve.ENV_CURVE_SERVER_KEY, str(server_pub))
+    monkeypatch.setenv(curve.ENV_CURVE_CLIENT_CERT, str(client_sec))
     assert client_curve_options() == opts
 
 

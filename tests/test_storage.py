@@ -12,8 +12,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from shmbuffer.buffer import Buffer
 from shmbuffer.clients import storage as storage_module
-from shmbuffer.clients.buffer import Buffer
 from shmbuffer.clients.storage import Storage
 from shmbuffer.errors import CapacityError
 from shmbuffer.hooks import default_preprocess_fn

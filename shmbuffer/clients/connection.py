@@ -21,8 +21,7 @@ import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from shmbuffer.daemon.runtime import resolve_endpoint
-from shmbuffer.daemon.security import (
+from shmbuffer.curve import (
     ENV_CURVE_CLIENT_CERT,
     ENV_CURVE_SERVER_KEY,
     client_curve_options,
@@ -35,6 +34,7 @@ from shmbuffer.errors import (
 )
 from shmbuffer.protocol import check_version, encode, request
 from shmbuffer.protocol_zmq import send_frames
+from shmbuffer.runtime import resolve_endpoint
 
 Reply = tuple[dict[str, Any], list[zmq.Frame]]
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from shmbuffer.clients.buffer import Buffer, Index, normalize_index
+from shmbuffer.buffer import Buffer, Index, normalize_index
 from shmbuffer.clients.writer import Writer
 from shmbuffer.episodes import SEED_DONE_KEYS
 from shmbuffer.hooks import (
@@ -46,20 +46,24 @@ logger = logging.getLogger(__name__)
 
 PostprocessFn = Callable[[dict[str, list[Any]]], Mapping[str, Any]]
 
+#: Rows of the in-process buffer when no capacity is given.
+DEFAULT_CAPACITY = 100_000
+
 
 class Storage:
     """The seed's storage API over a :class:`~shmbuffer.Buffer` (or a daemon's Writer).
 
     Args:
-        capacity: rows the buffer holds (ignored with ``daemon``: the daemon's is used).
-        mode: ``"circular"`` or ``"fixed"``; anything else raises :class:`ValueError`.
-        unit: ``"transition"`` or ``"episode"``.
+        capacity: rows the buffer holds (None: 100,000).
+        mode: ``"circular"`` or ``"fixed"`` (None: circular); anything else raises
+            :class:`ValueError`.
+        unit: ``"transition"`` or ``"episode"`` (None: transition).
         env_meta_list: objects with ``env_id`` and ``num_envs`` (vector envs); None: all single.
         device: where read results are put (rows are stored in host memory).
         obs_preprocessor, reward_preprocessor, env_ret_preprocess_fn,
         policy_resp_preprocess_fn, preprocess_fn: the seed's preprocess hooks
-            (:mod:`shmbuffer.hooks`); a custom ``preprocess_fn`` together with a custom
-            env_ret/policy_resp fn is refused.
+            (:mod:`shmbuffer.hooks`), any combination, as the seed: ``preprocess_fn`` gets
+            the other four as arguments on every call.
         postprocess_fn: turns a finished episode's ``{key: [per-step values]}`` into rows;
             :func:`~shmbuffer.hooks.default_postprocess_fn` by default.
         auto_truncate_episode: end an env's episode when ``last_terminated`` or
@@ -67,14 +71,17 @@ class Storage:
             :meth:`truncate_episodes` / :meth:`truncate_one_episode`.
         name: with the in-process buffer, a shared-memory segment name (None: private memory).
         daemon: a daemon's buffer name or endpoint to write to instead of an in-process buffer.
+            The daemon's buffer is already configured, so ``capacity``, ``mode`` and ``unit``
+            given here must match it (:class:`ValueError` naming each that differs); leave
+            them None to take whatever the daemon has.
         seed: seeds the in-process buffer's sampler.
     """
 
     def __init__(
         self,
-        capacity: int = 100_000,
-        mode: str = "circular",
-        unit: str = "transition",
+        capacity: int | None = None,
+        mode: str | None = None,
+        unit: str | None = None,
         env_meta_list: Iterable[Any] | None = None,
         device: str | torch.device = "cpu",
         obs_preprocessor: Callable[[Any], Any] | None = None,
@@ -89,8 +96,7 @@ class Storage:
         daemon: str | None = None,
         seed: int | None = None,
     ) -> None:
-        check_choice("mode", mode, MODES)
-        check_choice("unit", unit, UNITS)
+        requested = _requested_config(capacity, mode, unit)
         self.device = torch.device(device)
         self.auto_truncate_episode = auto_truncate_episode
         self.env_meta_list = None if env_meta_list is None else list(env_meta_list)
@@ -107,9 +113,9 @@ class Storage:
         self.backend: Buffer | Writer
         if daemon is None:
             self.backend = Buffer(
-                capacity,
-                unit=unit,
-                mode=mode,
+                requested.get("capacity", DEFAULT_CAPACITY),
+                unit=requested.get("unit", "transition"),
+                mode=requested.get("mode", "circular"),
                 name=name,
                 num_envs=num_envs,
                 auto_truncate=auto_truncate_episode,
@@ -125,20 +131,11 @@ class Storage:
                 done_keys=SEED_DONE_KEYS,
                 postprocess_fn=postprocess,
             )
-            served = self.backend
-            differ = {
-                what: (asked, got)
-                for what, asked, got in (
-                    ("capacity", capacity, served.capacity),
-                    ("mode", mode, served.mode),
-                    ("unit", unit, served.unit),
-                )
-                if asked != got
-            }
-            if differ:  # the daemon's configuration wins
-                logger.info(
-                    "daemon %r is configured differently (asked, served): %s", daemon, differ
-                )
+            try:
+                _check_daemon_config(daemon, requested, self.backend)
+            except BaseException:
+                self.backend.close()  # an unclosed Writer would hold its socket and context
+                raise
         self.daemon = daemon
         self._closed = False
 
@@ -302,11 +299,12 @@ class Storage:
             stats["avg"] = stats["total"] / stats["count"]
 
     def print_timing_summary(self, reset: bool = False) -> None:
-        """Log (at debug level) call counts and times of the write methods."""
-        logger.debug("Storage timing:")
-        for name, stats in self.timing_raw.items():
+        """Log (at debug level) call counts and times of the write methods, in the seed's
+        format: log scrapers and tests match on its header and lines."""
+        logger.debug("Buffer storage timing:")
+        for name, stats in dict(self.timing_raw).items():  # a snapshot, as the seed
             logger.debug(
-                "%-22s count=%-6d total=%.6fs avg=%.6fs",
+                "%-28s count=%-3d total=%.6fs avg=%.6fs",
                 name,
                 stats["count"],
                 stats["total"],
@@ -314,6 +312,38 @@ class Storage:
             )
         if reset:
             self.timing_raw = {}
+
+
+def _requested_config(capacity: Any, mode: Any, unit: Any) -> dict[str, Any]:
+    """The settings the caller gave (None: not given), validated before anything is built."""
+    requested: dict[str, Any] = {}
+    if capacity is not None:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
+        requested["capacity"] = capacity
+    if mode is not None:
+        requested["mode"] = check_choice("mode", mode, MODES)
+    if unit is not None:
+        requested["unit"] = check_choice("unit", unit, UNITS)
+    return requested
+
+
+def _check_daemon_config(daemon: str, requested: Mapping[str, Any], served: Writer) -> None:
+    """Refuse a daemon whose buffer differs from what the caller asked for, naming each
+    setting (the wording of ``start --resume``): a silent difference would have the program
+    run on, say, 200 rows in transition unit where it asked for 10**6 episodes' worth."""
+    conflicts = [
+        f"{key}: requested {want}, daemon has {got}"
+        for key, want in requested.items()
+        if want != (got := getattr(served, key))
+    ]
+    if conflicts:
+        flags = " ".join(f"--{key} {want}" for key, want in requested.items())
+        raise ValueError(
+            f"Storage(daemon={daemon!r}) does not match the daemon's buffer: "
+            f"{'; '.join(conflicts)}. Pass None for a setting to take the daemon's, or start "
+            f"the daemon with {flags}."
+        )
 
 
 def _num_envs_of(env_meta_list: Sequence[Any] | None) -> dict[str, int] | None:

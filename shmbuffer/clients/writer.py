@@ -18,11 +18,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from shmbuffer import rows
-from shmbuffer.clients.buffer import env_major, plan_write
 from shmbuffer.clients.connection import Connection
 from shmbuffer.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
 from shmbuffer.schema import Schema
 from shmbuffer.segment import Segment
+from shmbuffer.writeplan import env_major, plan_write
 
 
 class Writer:

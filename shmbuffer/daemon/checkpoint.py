@@ -38,11 +38,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shmbuffer.errors import NotFoundError, SegmentError
+from shmbuffer.errors import CheckpointError, NotFoundError
 from shmbuffer.segment import DATA_FILE, MANIFEST
 
 if TYPE_CHECKING:
-    from shmbuffer.daemon.service import BufferService
+    from shmbuffer.segment import Segment
 
 CURRENT = "checkpoint"
 PREVIOUS = "checkpoint.prev"
@@ -51,10 +51,6 @@ STATE = "state.json"
 USE_COUNTS = "use_counts.npy"
 CHUNK = 64 << 20
 CHECKPOINT_FORMAT = 1
-
-
-class CheckpointError(SegmentError):
-    """A checkpoint cannot be written, or a folder holds no complete checkpoint."""
 
 
 # -- writing ----------------------------------------------------------------------------------
@@ -126,30 +122,26 @@ def _locked(dest: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def checkpoint_state(service: BufferService) -> dict[str, Any]:
-    return {
-        **service.persistent_state(),
-        "checkpoint_format": CHECKPOINT_FORMAT,
-        "name": service.config.name,
-        "created": time.time(),
-        "sampler": {"kind": "uniform", "rng": service._rng.bit_generator.state},
-        "rate_limiter": {"kind": "none"},
-    }
-
-
-def write_checkpoint(service: BufferService, to: str | Path) -> dict[str, Any]:
-    """Write the service's buffer to ``<to>/checkpoint`` (see the module docstring); returns
+def write_checkpoint(
+    segment: Segment | None,
+    state: dict[str, Any],
+    use_counts: np.ndarray,
+    to: str | Path,
+) -> dict[str, Any]:
+    """Write ``segment``'s rows with the daemon's persistent ``state`` (container, counters,
+    sampler) and ``use_counts`` to ``<to>/checkpoint`` (see the module docstring); returns
     ``{"path", "bytes", "seconds"}``. CheckpointError (code ``segment``) on any failure, with
     the previous checkpoint untouched."""
     try:
-        return _write_checkpoint(service, to)
+        return _write_checkpoint(segment, state, use_counts, to)
     except OSError as exc:
         raise CheckpointError(f"checkpoint to {to} failed: {exc}") from exc
 
 
-def _write_checkpoint(service: BufferService, to: str | Path) -> dict[str, Any]:
+def _write_checkpoint(
+    segment: Segment | None, state: dict[str, Any], use_counts: np.ndarray, to: str | Path
+) -> dict[str, Any]:
     t0 = time.perf_counter()
-    segment = service.segment
     if segment is None:
         raise CheckpointError("the buffer has no schema yet: nothing to checkpoint")
     dest = Path(to).expanduser().absolute()
@@ -163,12 +155,12 @@ def _write_checkpoint(service: BufferService, to: str | Path) -> dict[str, Any]:
         tmp = dest / f".tmp-{uuid.uuid4().hex}"
         tmp.mkdir(mode=0o700)
         try:
-            state = checkpoint_state(service)
+            state = {**state, "checkpoint_format": CHECKPOINT_FORMAT, "created": time.time()}
             _write_json(tmp / MANIFEST, segment.manifest)
             copy_data(segment.path / segment.manifest["data_file"], tmp / DATA_FILE, segment.nbytes)
-            np.save(tmp / USE_COUNTS, service.container.use_counts)
+            np.save(tmp / USE_COUNTS, use_counts)
             _write_json(tmp / STATE, state)
-            summary = {"bytes": segment.nbytes, "episodes": service.container.num_episodes}
+            summary = {"bytes": segment.nbytes, "episodes": len(state["registry"]["episodes"])}
             _write_json(tmp / COMPLETE, summary)
             _fsync_dir(tmp)
             current, previous = dest / CURRENT, dest / PREVIOUS
@@ -212,19 +204,3 @@ def read_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any], dict[str, A
     if size < manifest["size"]:
         raise CheckpointError(f"{folder / DATA_FILE}: {size} bytes, expected {manifest['size']}")
     return folder, manifest, state
-
-
-# -- client call ------------------------------------------------------------------------------
-
-
-def checkpoint(name: str, to: str | Path, *, timeout: float = 600.0) -> dict[str, Any]:
-    """Ask the daemon serving ``name`` to checkpoint to ``to`` (a folder the daemon can write);
-    returns ``{"path", "bytes", "seconds"}``."""
-    from shmbuffer.clients.connection import Connection
-
-    conn = Connection(name, "admin", timeout=min(timeout, 10.0))
-    try:
-        reply = conn.call("checkpoint", timeout=timeout, to=str(to))
-        return {k: reply[k] for k in ("path", "bytes", "seconds")}
-    finally:
-        conn.close()

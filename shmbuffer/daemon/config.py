@@ -2,28 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from shmbuffer.names import MODES, UNITS, check_choice, validate_name
-
-
-def runtime_dir() -> Path:
-    """Where runtime files and ipc sockets live: ``$XDG_RUNTIME_DIR/shmbuffer`` if set, else a
-    per-user folder in the temp dir. Created owner-only."""
-    base = os.environ.get("SHMBUFFER_RUNTIME_DIR")
-    if base:
-        path = Path(base)
-    elif os.environ.get("XDG_RUNTIME_DIR"):
-        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "shmbuffer"
-    else:
-        path = Path(tempfile.gettempdir()) / f"shmbuffer-{os.getuid()}"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return path
+from shmbuffer.runtime import runtime_dir
 
 
 @dataclass

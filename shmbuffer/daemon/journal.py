@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from shmbuffer.container import Container, Range
-from shmbuffer.errors import SegmentError
+from shmbuffer.errors import JournalError
 from shmbuffer.registry import EpisodeRegistry
 
 JOURNAL_FILE = "journal.bin"
@@ -55,10 +55,6 @@ EPOCH, RESERVE, COMMIT, CLEAR = 0, 1, 2, 3
 _HEAD = struct.Struct("<II")
 #: Snapshot once the journal holds this many records (and more than twice the episodes).
 SNAPSHOT_EVERY = 20_000
-
-
-class JournalError(SegmentError):
-    """The journal or its snapshot cannot be replayed (missing, foreign or inconsistent)."""
 
 
 # -- container state --------------------------------------------------------------------------

@@ -27,10 +27,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shmbuffer.daemon import runtime
-from shmbuffer.daemon.config import DaemonConfig, runtime_dir
+from shmbuffer import runtime
+from shmbuffer.daemon.config import DaemonConfig
 from shmbuffer.daemon.journal import Journal, JournalError, restore_container
-from shmbuffer.errors import SegmentError
+from shmbuffer.errors import RecoveryError
+from shmbuffer.runtime import runtime_dir
 from shmbuffer.schema import Schema
 from shmbuffer.segment import (
     DATA_FILE,
@@ -46,10 +47,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("shmbuffer.daemon")
 
 SETTINGS = ("capacity", "unit", "mode", "schema")
-
-
-class RecoveryError(SegmentError):
-    """Nothing to resume or restore, or it does not match the requested settings."""
 
 
 # -- settings ---------------------------------------------------------------------------------

@@ -29,7 +29,6 @@ from shmbuffer.container import Container, Reservation
 from shmbuffer.daemon.config import DaemonConfig
 from shmbuffer.daemon.journal import Journal, container_state, restore_container
 from shmbuffer.daemon.leases import LeaseTable
-from shmbuffer.daemon.runtime import pid_alive
 from shmbuffer.daemon.security import segment_access
 from shmbuffer.daemon.stats import Counters, RateMeter
 from shmbuffer.errors import (
@@ -42,6 +41,7 @@ from shmbuffer.errors import (
     UnknownClientError,
 )
 from shmbuffer.protocol import PROTOCOL_VERSION, payload_sizes
+from shmbuffer.runtime import pid_alive
 from shmbuffer.schema import Schema
 from shmbuffer.segment import Segment, check_fits
 
@@ -508,7 +508,14 @@ class BufferService:
             raise PermissionDeniedError("only an admin client may checkpoint the buffer")
         from shmbuffer.daemon.checkpoint import write_checkpoint
 
-        return write_checkpoint(self, fields["to"]), []
+        state = {
+            **self.persistent_state(),
+            "name": self.config.name,
+            "sampler": {"kind": "uniform", "rng": self._rng.bit_generator.state},
+            "rate_limiter": {"kind": "none"},
+        }
+        use_counts = self.container.use_counts
+        return write_checkpoint(self.segment, state, use_counts, fields["to"]), []
 
     # -- time -------------------------------------------------------------------------------
 

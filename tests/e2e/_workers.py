@@ -106,7 +106,7 @@ def _close_in_background(client: Any) -> None:
 
 def _wait_for_daemon(name: str, stop_file: str, limit: float) -> None:
     """Until the buffer's runtime file names a live daemon (or the test says stop)."""
-    from shmbuffer.daemon.runtime import is_stale, read
+    from shmbuffer.runtime import is_stale, read
 
     deadline = time.monotonic() + limit
     while not os.path.exists(stop_file):

@@ -30,7 +30,7 @@ from tests.e2e import _workers
 
 START_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 10.0
-CLI = [sys.executable, "-m", "shmbuffer.daemon.cli"]
+CLI = [sys.executable, "-m", "shmbuffer.cli"]
 
 
 def wait_for(predicate: Any, timeout: float, interval: float = 0.02, what: str = "") -> Any:

@@ -20,7 +20,7 @@ import zmq
 
 from shmbuffer import Reader, Writer
 from shmbuffer.clients.connection import Connection
-from shmbuffer.daemon.security import ENV_CURVE_CLIENT_CERT, ENV_CURVE_SERVER_KEY, keygen
+from shmbuffer.curve import ENV_CURVE_CLIENT_CERT, ENV_CURVE_SERVER_KEY, keygen
 from shmbuffer.demo import make_episode
 from shmbuffer.errors import DaemonUnavailableError
 from shmbuffer.protocol import decode, encode, request
@@ -278,7 +278,7 @@ def test_curve_server_key_required(daemon, keys, monkeypatch):
         conn.close()
 
     # the Z85 text works as well as the file
-    from shmbuffer.daemon.security import load_public_key
+    from shmbuffer.curve import load_public_key
 
     z85 = load_public_key(keys["server_key"]).decode()
     conn = Connection(d.endpoint, "admin", timeout=5.0, curve_server_key=z85)

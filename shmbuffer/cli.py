@@ -1,4 +1,7 @@
-"""``shmbuffer-daemon``: start, stop, status, demo."""
+"""``shmbuffer-daemon``: start, stop, status, demo.
+
+The command line sits above both sides: it launches the daemon and talks to it as a client.
+"""
 
 from __future__ import annotations
 
@@ -12,10 +15,13 @@ import sys
 import time
 from typing import Any
 
-from shmbuffer.daemon import runtime, security
-from shmbuffer.daemon.config import DaemonConfig, load_schema_file, runtime_dir
+from shmbuffer import curve, runtime
+from shmbuffer.daemon import security
+from shmbuffer.daemon.config import DaemonConfig, load_schema_file
 from shmbuffer.errors import ShmBufferError
 from shmbuffer.protocol import PROTOCOL_VERSION
+from shmbuffer.runtime import runtime_dir
+from shmbuffer.statusview import format_status
 
 log = logging.getLogger("shmbuffer.daemon")
 
@@ -138,7 +144,7 @@ def _detach(args: argparse.Namespace, config: DaemonConfig) -> int:
     logfile = runtime_dir() / f"{config.name}.log"
     with open(logfile, "ab") as out:
         child = subprocess.Popen(
-            [sys.executable, "-m", "shmbuffer.daemon.cli", *argv],
+            [sys.executable, "-m", "shmbuffer.cli", *argv],
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -164,7 +170,7 @@ def _detach(args: argparse.Namespace, config: DaemonConfig) -> int:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
-    public, secret = security.keygen(args.out, args.name, force=args.force)
+    public, secret = curve.keygen(args.out, args.name, force=args.force)
     print(f"public key:  {public}  (give to the other side)")
     print(f"secret key:  {secret}  (mode 0600; keep private)")
     return 0
@@ -199,31 +205,6 @@ def cmd_stop(args: argparse.Namespace) -> int:
 # -- status -------------------------------------------------------------------------------
 
 
-def format_status(s: dict[str, Any]) -> str:
-    def rate(x: float) -> str:
-        return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
-
-    schema = s["schema"] or "(lazy: set by the first writer)"
-    return "\n".join(
-        [
-            f"buffer      {s['name']}  (pid {s['pid']}, protocol {s['protocol']}, "
-            f"up {s['uptime_s']:.0f}s)",
-            f"capacity    {s['capacity']:,} rows  unit={s['unit']}  mode={s['mode']}",
-            f"stored      {s['rows']:,} rows, {s['episodes']:,} episodes  "
-            f"fill {100 * s['fill']:.1f}%",
-            f"rates       insert {rate(s['insert_rows_per_s'])} rows/s   "
-            f"sample {rate(s['sample_rows_per_s'])} rows/s",
-            f"clients     {s['writers']} writers, {s['readers']} readers",
-            f"in flight   {s['reservations']} reservations ({s['reserved_rows']:,} rows), "
-            f"{s['leases']} leases",
-            f"totals      {s['rows_committed']:,} rows / {s['episodes_committed']:,} episodes "
-            f"committed, {s['samples']:,} samples, {s['errors']:,} refused requests",
-            f"limiter     {s['rate_limiter']}",
-            f"schema      {schema}",
-        ]
-    )
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     try:
         conn = _admin(args.name, timeout=args.timeout)
@@ -254,7 +235,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
-    from shmbuffer.daemon.checkpoint import checkpoint
+    from shmbuffer.clients.admin import checkpoint
 
     reply = checkpoint(args.name, os.path.abspath(args.to), timeout=args.timeout)
     print(

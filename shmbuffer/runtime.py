@@ -1,5 +1,7 @@
 """Runtime files: how clients find a daemon by buffer name, and how a dead one is detected.
 
+Shared by both sides: the daemon writes these files, clients and the command line read them.
+
 ``<runtime dir>/<name>.json`` holds the endpoint, pid, segment path and protocol version of
 the daemon serving ``name``. It is written atomically once the daemon listens and removed when
 it stops; one left behind by a daemon that died is *stale* (its pid is gone) and is replaced.
@@ -10,13 +12,27 @@ from __future__ import annotations
 import json
 import os
 import socket
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from shmbuffer.daemon.config import runtime_dir
 from shmbuffer.errors import DaemonUnavailableError
 from shmbuffer.names import validate_name
+
+
+def runtime_dir() -> Path:
+    """Where runtime files and ipc sockets live: ``$XDG_RUNTIME_DIR/shmbuffer`` if set, else a
+    per-user folder in the temp dir. Created owner-only."""
+    base = os.environ.get("SHMBUFFER_RUNTIME_DIR")
+    if base:
+        path = Path(base)
+    elif os.environ.get("XDG_RUNTIME_DIR"):
+        path = Path(os.environ["XDG_RUNTIME_DIR"]) / "shmbuffer"
+    else:
+        path = Path(tempfile.gettempdir()) / f"shmbuffer-{os.getuid()}"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
 
 
 def runtime_file(name: str) -> Path:

@@ -14,7 +14,6 @@ views with a lease that holds off writers are the daemon Reader's job.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,9 +25,9 @@ from tensordict import TensorDict
 from shmbuffer import rows
 from shmbuffer.container import Container
 from shmbuffer.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
-from shmbuffer.errors import SchemaError
 from shmbuffer.schema import Schema
 from shmbuffer.segment import LocalSegment, Segment
+from shmbuffer.writeplan import env_major, plan_write
 
 Index = int | np.integer | slice | Sequence[int] | np.ndarray | torch.Tensor
 
@@ -279,52 +278,3 @@ def normalize_index(index: Index, size: int) -> tuple[np.ndarray, bool]:
             f"indices {positions[bad][:5].tolist()} are out of range for {size} stored items"
         )
     return positions % max(size, 1), False
-
-
-def plan_write(
-    schema: Schema, batch: Mapping[str, Any], num_sub: int, capacity: int, mode: str
-) -> tuple[dict[Any, Any], int, int, int] | None:
-    """Validate ``batch`` (nothing is written if it does not fit the schema) and decide what
-    to store: ``(leaves, first_row, rows, sub_episodes)``, or None for an empty batch. Shared
-    by :class:`Buffer` and the daemon's Writer so both keep the same rules."""
-    (num_rows,), leaves = schema.validate(batch)
-    if num_rows == 0:
-        warnings.warn("ignoring a write of zero rows", RuntimeWarning, stacklevel=4)
-        return None
-    first_row = 0
-    if num_rows > capacity and mode == "circular":
-        first_row, num_rows, num_sub = tail_that_fits(num_rows, num_sub, capacity)
-        warnings.warn(
-            f"{first_row + num_rows} rows exceed the capacity {capacity}; "
-            f"keeping the last {num_rows}",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-    return leaves, first_row, num_rows, num_sub
-
-
-def tail_that_fits(num_rows: int, num_sub: int, capacity: int) -> tuple[int, int, int]:
-    """(first_row, rows, sub_episodes) of the newest data that fits ``capacity``: whole
-    trailing sub-episodes when one fits, else the tail of the last one."""
-    length = num_rows // num_sub
-    if length <= capacity:
-        keep = capacity // length
-        return (num_sub - keep) * length, keep * length, keep
-    return num_rows - capacity, capacity, 1
-
-
-def env_major(batch: Mapping[str, Any], num_envs: int) -> dict[str, Any]:
-    """``[L, num_envs, ...]`` leaves → ``[num_envs * L, ...]``, sub-env 0's steps first."""
-
-    def convert(value: Any, key: str) -> Any:
-        if isinstance(value, Mapping) or hasattr(value, "batch_size"):
-            return {str(k): convert(value[k], f"{key}.{k}".lstrip(".")) for k in value.keys()}
-        tensor = torch.as_tensor(value)
-        if tensor.dim() < 2 or tensor.shape[1] != num_envs:
-            raise SchemaError(
-                f"key {key!r}: with num_envs={num_envs} every value must be "
-                f"[L, {num_envs}, ...], got shape {list(tensor.shape)}"
-            )
-        return tensor.transpose(0, 1).reshape(-1, *tensor.shape[2:])
-
-    return convert(batch, "")  # type: ignore[no-any-return]

@@ -1,0 +1,104 @@
+"""The package's import directions (``docs/architecture.md``), checked by an AST scan.
+
+- core (every module directly under ``shmbuffer/`` and ``shmbuffer/samplers/``, except the
+  layers above both sides) imports neither ``shmbuffer.daemon`` nor ``shmbuffer.clients``;
+- ``daemon/`` never imports ``clients/`` and ``clients/`` never imports ``daemon/``;
+- no import circle anywhere, counting lazy imports and ``TYPE_CHECKING`` ones alike.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "shmbuffer"
+#: Modules above both sides: the command line launches the daemon and is its client; the demo
+#: runs both; the package root only hands names on, lazily.
+ABOVE_BOTH = {"shmbuffer", "shmbuffer.cli", "shmbuffer.demo"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
+    """Package modules ``path`` imports anywhere in its body (functions included)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from shmbuffer import rows` imports the module shmbuffer.rows
+            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        else:
+            continue
+        for name in names:
+            known = name
+            while known and known not in modules:
+                known = known.rpartition(".")[0]
+            if known:
+                found.add(known)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    modules = set(paths)
+    graph = {m: imports_of(p, modules) - {m} for m, p in paths.items()}
+    # A package's __init__ is imported with any of its modules; the root is lazy on purpose.
+    return {m: {d for d in deps if d != "shmbuffer"} for m, deps in graph.items()}
+
+
+def side(module: str) -> str:
+    if module in ABOVE_BOTH:
+        return "above"
+    for name in ("daemon", "clients"):
+        if module == f"shmbuffer.{name}" or module.startswith(f"shmbuffer.{name}."):
+            return name
+    return "core"
+
+
+GRAPH = import_graph()
+
+
+@pytest.mark.parametrize("module", sorted(GRAPH))
+def test_import_direction(module: str) -> None:
+    allowed = {
+        "core": {"core"},
+        "daemon": {"core", "daemon"},
+        "clients": {"core", "clients"},
+        "above": {"core", "daemon", "clients", "above"},
+    }[side(module)]
+    wrong = sorted(dep for dep in GRAPH[module] if side(dep) not in allowed)
+    assert not wrong, f"{module} ({side(module)}) must not import {wrong}"
+
+
+def test_no_import_circles() -> None:
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(module: str) -> None:
+        if module in path:
+            cycle = [*path[path.index(module) :], module]
+            pytest.fail("import circle: " + " -> ".join(cycle))
+        if module in done:
+            return
+        path.append(module)
+        for dep in sorted(GRAPH[module]):
+            visit(dep)
+        path.pop()
+        done.add(module)
+
+    for module in sorted(GRAPH):
+        visit(module)
+
+
+def test_the_scan_sees_imports() -> None:
+    # guards the test itself: a scanner that found nothing would pass everything above
+    assert "shmbuffer.daemon.service" in GRAPH["shmbuffer.daemon.server"]
+    assert "shmbuffer.clients.connection" in GRAPH["shmbuffer.clients.admin"]
+    assert side("shmbuffer.daemon.service") == "daemon"
+    assert side("shmbuffer.registry") == "core"

@@ -180,34 +180,32 @@ def resolve_preprocess(
 ) -> PreprocessFn:
     """The preprocess to use: ``preprocess_fn``, or :func:`default_preprocess_fn` when None.
 
-    A custom ``preprocess_fn`` with a custom env_ret/policy_resp preprocess fn is refused: only
-    the default preprocess calls those, so a custom one would silently bypass them.
+    Any combination with the lower-level fns is accepted, as in the seed: every call passes
+    ``obs_preprocessor``, ``reward_preprocessor``, ``env_ret_preprocess_fn`` and
+    ``policy_resp_preprocess_fn`` to ``preprocess_fn`` as arguments, so a custom one decides
+    how to use them and nothing is bypassed behind its back (RLightning's buffer gives all
+    six hooks). A hook that is neither callable nor None raises :class:`TypeError` naming it.
     """
-    if preprocess_fn is None:
-        return default_preprocess_fn
-    lower = [
-        name
-        for name, fn in (
-            ("env_ret_preprocess_fn", env_ret_preprocess_fn),
-            ("policy_resp_preprocess_fn", policy_resp_preprocess_fn),
-        )
-        if fn is not None
-    ]
-    if lower and preprocess_fn is not default_preprocess_fn:
-        raise ValueError(
-            f"a custom preprocess_fn bypasses {' and '.join(lower)}: only the default "
-            "preprocess calls them. Give either preprocess_fn or the lower-level fns, not both "
-            "(or call them from your preprocess_fn, which receives them as arguments)."
-        )
-    return preprocess_fn
+    _check_callable(
+        preprocess_fn=preprocess_fn,
+        env_ret_preprocess_fn=env_ret_preprocess_fn,
+        policy_resp_preprocess_fn=policy_resp_preprocess_fn,
+    )
+    return default_preprocess_fn if preprocess_fn is None else preprocess_fn
+
+
+def _check_callable(**hooks: object) -> None:
+    for name, fn in hooks.items():
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
 
 
 class TransitionPairer:
     """Builds transitions from EnvRet/PolicyResponse pairs, synchronously or one at a time.
 
     Every transition returned is a fresh dict, returned once; nothing it returned is touched
-    again. ``preprocess=None`` means :func:`default_preprocess_fn`; a custom one together with
-    lower-level fns is refused (:func:`resolve_preprocess`).
+    again. ``preprocess=None`` means :func:`default_preprocess_fn`; whichever it is, it gets
+    the four lower-level fns as arguments on every call (:func:`resolve_preprocess`).
     """
 
     def __init__(
@@ -218,6 +216,7 @@ class TransitionPairer:
         env_ret_preprocess_fn: Fn = None,
         policy_resp_preprocess_fn: Fn = None,
     ) -> None:
+        _check_callable(obs_preprocessor=obs_preprocessor, reward_preprocessor=reward_preprocessor)
         self._preprocess = resolve_preprocess(
             preprocess, env_ret_preprocess_fn, policy_resp_preprocess_fn
         )

@@ -201,15 +201,43 @@ def test_resolve_preprocess() -> None:
     assert resolve_preprocess(None, lambda x: x, lambda x: x) is default_preprocess_fn
     assert resolve_preprocess(custom, None, None) is custom
     assert resolve_preprocess(default_preprocess_fn, lambda x: x, None) is default_preprocess_fn
+    assert resolve_preprocess(custom, lambda x: x, lambda x: x) is custom  # as the seed
 
 
-@pytest.mark.parametrize("which", ["env_ret", "policy_resp"])
-def test_custom_preprocess_with_lower_level_fns_is_refused(which: str) -> None:
-    fns = {"env_ret": (lambda x: x, None), "policy_resp": (None, lambda x: x)}[which]
-    with pytest.raises(ValueError, match=rf"bypasses {which}_preprocess_fn"):
-        resolve_preprocess(custom, *fns)
-    with pytest.raises(ValueError, match="bypasses"):
-        TransitionPairer(custom, None, None, *fns)
+def test_custom_preprocess_gets_every_lower_level_fn_as_the_seed_passes_them() -> None:
+    """Issue 7 item 11: a custom preprocess_fn with env_ret/policy_resp fns was refused; the
+    seed passes all four fns to it as arguments, in this order, sync and async alike."""
+    fns = (lambda o: o, lambda r: r, lambda e: e.to_dict(), lambda p: p.to_dict())
+    seen: list[tuple[Any, ...]] = []
+
+    def preprocess(buf: Any, er: Any, pr: Any, *rest: Any) -> dict[str, Any]:
+        seen.append((dict(buf), er, pr, *rest))
+        return default_preprocess_fn(buf, er, pr, *rest)
+
+    pairer = TransitionPairer(preprocess, *fns)
+    er, pr = env_ret(1), policy(1)
+    out = pairer.pair(er, pr)
+    assert seen[-1] == ({}, er, pr, *fns)
+    assert out["observation"].tolist() == [1.0, 1.0] and out["action"].tolist() == [1]
+    assert pairer.add_async(er, is_env_ret=True) is None
+    assert seen[-1] == ({}, er, None, *fns)
+    done = pairer.add_async(pr, is_env_ret=False)
+    opened = seen[-1][0]
+    assert seen[-1][1:] == (None, pr, *fns) and opened["env_id"] == "e"  # the EnvRet's dict
+    assert done is not None and done.keys() == out.keys()
+
+
+@pytest.mark.parametrize(
+    "which", ["obs_preprocessor", "reward_preprocessor", "env_ret", "policy_resp"]
+)
+def test_a_hook_that_is_not_callable_is_refused_by_name(which: str) -> None:
+    names = ["obs_preprocessor", "reward_preprocessor", "env_ret", "policy_resp"]
+    fns: list[Any] = [None] * 4
+    fns[names.index(which)] = 3
+    with pytest.raises(TypeError, match=rf"{which}\w* must be callable or None, got int"):
+        TransitionPairer(None, *fns)
+    with pytest.raises(TypeError, match="preprocess_fn must be callable"):
+        TransitionPairer(3)  # type: ignore[arg-type]
 
 
 # -- TransitionPairer ----------------------------------------------------------------------------

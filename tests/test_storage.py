@@ -16,7 +16,7 @@ from shmbuffer.buffer import Buffer
 from shmbuffer.clients import storage as storage_module
 from shmbuffer.clients.storage import Storage
 from shmbuffer.errors import CapacityError
-from shmbuffer.hooks import default_preprocess_fn
+from shmbuffer.hooks import default_postprocess_fn, default_preprocess_fn
 
 # -- fakes of the seed framework's messages -----------------------------------------------------
 
@@ -215,14 +215,62 @@ def test_custom_preprocess_fn_is_used() -> None:
     assert len(calls) == 2 and s[0]["flag"].item() == 1
 
 
-def test_custom_preprocess_fn_with_lower_level_fn_is_refused() -> None:
-    def preprocess(*args: Any) -> dict[str, Any]:
-        return {}
+def test_constructed_as_rlightning_constructs_it_with_every_hook() -> None:
+    """Issue 7 item 11: the seed's positional constructor with all six hooks was refused at
+    construction. The seed calls ``preprocess_fn(transition_buffer, env_ret, policy_resp,
+    obs_preprocessor, reward_preprocessor, env_ret_preprocess_fn, policy_resp_preprocess_fn)``;
+    a preprocess_fn of one's own decides how to use the other four."""
+    calls: list[tuple[Any, ...]] = []
 
-    with pytest.raises(ValueError, match="env_ret_preprocess_fn"):
-        Storage(preprocess_fn=preprocess, env_ret_preprocess_fn=lambda e: e.to_dict())
-    with pytest.raises(ValueError, match="policy_resp_preprocess_fn"):
-        Storage(preprocess_fn=preprocess, policy_resp_preprocess_fn=lambda p: p.to_dict())
+    def obs_pre(o: Any) -> Any:
+        return o * 2
+
+    def reward_pre(r: Any) -> Any:
+        return r + 1.0
+
+    def env_ret_fn(e: Any) -> dict[str, Any]:
+        return {**e.to_dict(), "extra": 7}
+
+    def policy_fn(p: Any) -> dict[str, Any]:
+        return {"action": p.action * 3}
+
+    def preprocess(buf: Any, er: Any, pr: Any, *fns: Any) -> dict[str, Any]:
+        calls.append((er, pr, *fns))
+        out = default_preprocess_fn(buf, er, pr, *fns)
+        out["mine"] = 1
+        return out
+
+    def postprocess(episode: dict[str, list[Any]]) -> dict[str, Any]:
+        out = default_postprocess_fn(episode)
+        out["post"] = torch.ones(len(out["reward"]))
+        return out
+
+    s = Storage(
+        50,  # capacity, mode, unit, env_meta_list, device: the seed's order, all positional
+        "circular",
+        "transition",
+        [FakeEnvMeta("e", 1)],
+        "cpu",
+        obs_pre,
+        reward_pre,
+        env_ret_fn,
+        policy_fn,
+        preprocess,
+        postprocess,
+        True,
+    )
+    run_episode(s, 3)
+    run_episode_async(s, 3, start=10)
+    assert len(s) == 4 and len(calls) == 3 + 2 * 3
+    hooks = (obs_pre, reward_pre, env_ret_fn, policy_fn)
+    assert all(call[2:] == hooks for call in calls)  # every call got all four, in order
+    assert [(er is None, pr is None) for er, pr, *_ in calls[3:5]] == [(False, True), (True, False)]
+    data = s.get_data()
+    assert torch.equal(data["observation"][0], obs(0) * 2)  # obs_preprocessor
+    assert data["reward"].tolist() == [11.0, 21.0, 111.0, 121.0]  # reward_preprocessor
+    assert data["extra"].tolist() == [7] * 4  # env_ret_preprocess_fn
+    assert data["action"].tolist() == [[0, 0], [3, -3], [30, -30], [33, -33]]  # policy_resp fn
+    assert data["mine"].tolist() == [1] * 4 and data["post"].tolist() == [1.0] * 4
 
 
 def test_custom_postprocess_fn_is_used() -> None:
@@ -554,9 +602,16 @@ def test_print_timing_summary(caplog: pytest.LogCaptureFixture) -> None:
     s.add_data_async(env_ret(0, "x"))
     assert s.timing_raw["add_transition"]["count"] == 3
     assert s.timing_raw["add_data_async"]["count"] == 1
+    stats = s.timing_raw["add_transition"]
     with caplog.at_level(logging.DEBUG, logger="shmbuffer.clients.storage"):
         s.print_timing_summary(reset=True)
-    assert "add_transition" in caplog.text
+    # Issue 7 item 11: the seed's header and line format, which log scrapers match on.
+    lines = caplog.messages
+    assert lines[0] == "Buffer storage timing:"
+    assert lines[1] == (
+        f"{'add_transition':28} count={3:<3} total={stats['total']:.6f}s avg={stats['avg']:.6f}s"
+    )
+    assert lines[2].startswith(f"{'add_data_async':28} count=1   total=")
     assert s.timing_raw == {}
     s.print_timing_summary()
 
@@ -622,3 +677,104 @@ def test_daemon_backend_writes_through_a_writer_and_refuses_reads(
     s.close()
     assert writer.calls[-1] == ("close", None)
     assert writer.calls.count(("close", None)) == 1
+
+
+def test_daemon_backend_refuses_settings_the_daemon_does_not_have(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 7 item 14: a capacity/unit/mode the daemon does not have ran on silently with the
+    daemon's; now each difference is named, and the Writer is closed, not leaked."""
+    monkeypatch.setattr(storage_module, "Writer", FakeWriter)  # 64 rows, episode, circular
+    with pytest.raises(ValueError) as info:
+        Storage(capacity=10**6, mode="fixed", unit="transition", daemon="mybuf")
+    message = str(info.value)
+    assert "capacity: requested 1000000, daemon has 64" in message
+    assert "mode: requested fixed, daemon has circular" in message
+    assert "unit: requested transition, daemon has episode" in message
+    assert "--capacity 1000000 --mode fixed --unit transition" in message  # how to match it
+    assert FakeWriter.instances[-1].calls == [("close", None)]
+    with pytest.raises(ValueError, match=r"^Storage\(daemon='mybuf'\).*: capacity: .*64\. "):
+        Storage(capacity=10, mode="circular", unit="episode", daemon="mybuf")  # only capacity
+    with Storage(64, "circular", "episode", daemon="mybuf") as s:  # the same settings: fine
+        assert (s.capacity, s.mode, s.unit) == (64, "circular", "episode")
+    with Storage(unit="episode", daemon="mybuf") as s:  # None: whatever the daemon has
+        assert s.capacity == 64
+
+
+@pytest.mark.parametrize("capacity", [0, -5, 2.5, "100", True])
+def test_a_bad_capacity_is_refused_before_connecting(
+    monkeypatch: pytest.MonkeyPatch, capacity: Any
+) -> None:
+    monkeypatch.setattr(storage_module, "Writer", FakeWriter)
+    before = len(FakeWriter.instances)
+    with pytest.raises(ValueError, match=r"capacity must be a positive int or None, got"):
+        Storage(capacity=capacity, daemon="mybuf")
+    with pytest.raises(ValueError, match=r"capacity must be a positive int or None, got"):
+        Storage(capacity=capacity)
+    assert len(FakeWriter.instances) == before
+
+
+# -- transition unit: what the ring keeps of an episode --------------------------------------
+
+
+def _steps(episode: int, length: int) -> dict[str, torch.Tensor]:
+    return {"ep": torch.full((length,), episode), "t": torch.arange(length)}
+
+
+def test_transition_unit_keeps_fragments_as_the_readme_says() -> None:
+    """Issue 7 item 15, the issue's own example: three 10-row episodes in 25 rows. Transition
+    unit overwrites row by row, so the oldest episode keeps its last 5 rows and the third one,
+    which wrapped around the ring's end, is two 5-row entries; ``sample_episodes`` returns
+    these entries. Episode unit keeps whole episodes only (README: "Units")."""
+    s = Storage(capacity=25, unit="transition", seed=0)
+    for e in range(3):
+        s.add_episode(_steps(e, 10))
+    buf = s.buffer
+    assert len(s) == 25 and buf.num_episodes == 4
+    entries = [(ep.start, ep.end) for ep in buf.container.registry]
+    assert entries == [(5, 10), (10, 20), (20, 25), (0, 5)]
+    sampled = buf.sample_episodes(64)
+    assert isinstance(sampled, list)  # unequal lengths
+    kinds = {(int(ep["ep"][0]), tuple(ep["t"].tolist())) for ep in sampled}
+    assert kinds == {
+        (0, (5, 6, 7, 8, 9)),  # the surviving tail of episode 0
+        (1, tuple(range(10))),  # the only whole one
+        (2, (0, 1, 2, 3, 4)),  # episode 2 before the ring's end ...
+        (2, (5, 6, 7, 8, 9)),  # ... and after it
+    }
+    whole = Storage(capacity=25, unit="episode", seed=0)
+    for e in range(3):
+        whole.add_episode(_steps(e, 10))
+    assert len(whole) == 2
+    assert {tuple(ep["t"].tolist()) for ep in whole.buffer.sample_episodes(16)} == {
+        tuple(range(10))
+    }
+
+
+def test_transition_unit_fragments_are_few_and_never_mix_episodes() -> None:
+    """The README's bound, over random lengths: every entry is consecutive steps of one
+    episode; at most three are not whole — the two pieces of the newest episode that wrapped
+    (one ends at the ring's end, one starts at row 0) and the entry the ring is part-way
+    through overwriting (it starts at the write pointer)."""
+    rng = np.random.default_rng(7)
+    capacity = 25
+    s = Storage(capacity=capacity, unit="transition")
+    buf = s.buffer
+    lengths: dict[int, int] = {}
+    for e in range(400):
+        lengths[e] = int(rng.integers(1, 13))
+        s.add_episode(_steps(e, lengths[e]))
+        assert buf.segment is not None
+        ep_col = buf.segment.columns[("ep",)].numpy()
+        t_col = buf.segment.columns[("t",)].numpy()
+        fragments = []
+        for entry in buf.container.registry:
+            eps, ts = ep_col[entry.start : entry.end], t_col[entry.start : entry.end]
+            assert (eps == eps[0]).all(), f"entry {entry} mixes episodes {set(eps.tolist())}"
+            assert (np.diff(ts) == 1).all(), f"entry {entry} is not consecutive steps"
+            if entry.length != lengths[int(eps[0])]:
+                fragments.append(entry)
+        assert len(fragments) <= 3, fragments
+        pointer = buf.container.pointer
+        for entry in fragments:
+            assert entry.end == capacity or entry.start in (0, pointer), (entry, pointer)

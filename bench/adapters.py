@@ -1,4 +1,6 @@
-"""The common adapter interface every implementation is driven through, and shmbuffer's adapter.
+"""The common adapter interface every implementation is driven through, and shmbuffer's adapters:
+the in-process ``Buffer`` (private or shared memory) and a daemon filled by a ``Writer`` and
+sampled by a ``Reader``.
 
 An adapter owns one buffer of ``capacity`` rows. ``convert`` turns a numpy batch into the
 implementation's native input once, outside the timed regions; the scenario then times
@@ -13,12 +15,23 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
 
-from bench.data import Batch, Spec
+from bench.data import Batch, Spec, schema
+from bench.harness import running_daemon
 from bench.registry import Context, Row
+
+
+def missing_module(module: str) -> str | None:
+    """Why ``module`` cannot be imported here, or None."""
+    try:
+        __import__(module)
+    except Exception as exc:  # ImportError, or a broken compiled extension
+        return f"{module} is not importable ({type(exc).__name__}: {exc})"
+    return None
 
 
 class Unsupported(Exception):
@@ -95,8 +108,9 @@ class Shmbuffer(Adapter):
         # The schema is declared, as a user who knows their rows would: the memory is then
         # allocated and pre-faulted at creation (timed as "create", like cpprb's), not
         # during the first pass of writes.
-        schema = {k: {"dtype": dt.name, "shape": list(shape)} for k, (shape, dt) in spec.items()}
-        self.buf = self._cls(capacity, unit=unit, mode="circular", name=self.seg, schema=schema)
+        self.buf = self._cls(
+            capacity, unit=unit, mode="circular", name=self.seg, schema=schema(spec)
+        )
         self.row_sampler = self.buf
         self._recent: deque[Any] = deque()
         self._recent_rows = 0
@@ -158,6 +172,53 @@ class ShmbufferShared(Shmbuffer):
 
     name = "shmbuffer-shm"
     shared = True
+
+
+class DaemonBuffer(Adapter):
+    """A daemon subprocess holding the buffer; filled by a ``Writer`` and sampled by a
+    ``Reader`` in this process (shared memory both ways)."""
+
+    name = "shmbuffer-daemon"
+
+    @classmethod
+    def missing(cls) -> str | None:
+        return missing_module("shmbuffer.clients.reader")
+
+    def __init__(self, capacity: int, spec: Spec, unit: str, tmpdir: str) -> None:
+        super().__init__(capacity, spec, unit, tmpdir)
+        from shmbuffer import Reader, Writer
+
+        # Closed in reverse (reader, writer, daemon) by close(), or here if a step fails.
+        with ExitStack() as stack:
+            self.target = stack.enter_context(running_daemon(tmpdir, capacity, unit, spec))
+            self.writer = stack.enter_context(Writer(self.target))
+            self.reader = stack.enter_context(Reader(self.target))
+            self._stack = stack.pop_all()
+
+    def write(self, native: Batch) -> None:
+        if self.unit == "episode":
+            self.writer.add_episode(native)
+        else:
+            self.writer.extend(native)
+
+    def prepare_sampling(self) -> None:
+        self.writer.flush()
+        self.reader.sample(2)  # attaches the segment
+
+    def sample(self, n: int) -> Any:
+        return self.reader.sample(n)
+
+    def sample_episodes(self, n: int, length: int) -> Any:
+        with self.reader.sample_episodes(n) as episodes:
+            for ep in episodes:  # touch one element of each view
+                ep["obs"].flatten()[0].item()
+        return len(episodes)
+
+    def sample_slices(self, n: int, length: int) -> Any:
+        return self.reader.sample_slices(n, length)
+
+    def close(self) -> None:
+        self._stack.close()
 
 
 def run_each(

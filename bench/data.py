@@ -1,4 +1,5 @@
-"""Deterministic data for the scenarios (``np.random.default_rng(0)``), as numpy batches."""
+"""Deterministic data for the scenarios (``np.random.default_rng(0)``), as numpy batches, and the
+specs that describe it."""
 
 from __future__ import annotations
 
@@ -61,3 +62,22 @@ def episodes(count: int, length: int, seed: int = 0) -> list[Batch]:
         }
         for _ in range(count)
     ]
+
+
+SPECS: dict[str, Spec] = {"images": ATARI_SPEC, "small": TRANSITION_SPEC}  # by kind name
+
+
+def pool(kind: str, count: int, length: int, seed: int = 0) -> list[Batch]:
+    """``count`` distinct episodes of ``length`` steps of the ``kind`` spec (see :data:`SPECS`),
+    each ending with ``done``."""
+    if kind == "images":
+        return episodes(count, length, seed=seed)
+    batch = transitions(count * length, seed=seed)
+    batch["done"][:] = False
+    batch["done"][length - 1 :: length] = True
+    return chunks(batch, length)
+
+
+def schema(spec: Spec) -> dict[str, dict[str, object]]:
+    """``spec`` as the JSON schema shmbuffer takes (``Buffer(schema=)``, ``start --schema``)."""
+    return {k: {"dtype": dt.name, "shape": list(shape)} for k, (shape, dt) in spec.items()}

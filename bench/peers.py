@@ -12,16 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from bench.adapters import Adapter, Unsupported
+from bench.adapters import Adapter, Unsupported, missing_module
 from bench.data import Batch, Spec
 
 
-def _missing(module: str) -> str | None:
-    try:
-        __import__(module)
-    except Exception as exc:  # ImportError, or a broken compiled extension
-        return f"{module} is not importable ({type(exc).__name__}: {exc})"
-    return None
+def cpprb_env(spec: Spec) -> dict[str, dict[str, Any]]:
+    """``spec`` as cpprb's ``env_dict`` (a scalar as ``shape=1``, cpprb's default)."""
+    return {k: {"shape": shape or 1, "dtype": dtype} for k, (shape, dtype) in spec.items()}
 
 
 class _TorchRL(Adapter):
@@ -31,7 +28,7 @@ class _TorchRL(Adapter):
 
     @classmethod
     def missing(cls) -> str | None:
-        return _missing("torchrl")
+        return missing_module("torchrl")
 
     def __init__(self, capacity: int, spec: Spec, unit: str, tmpdir: str) -> None:
         super().__init__(capacity, spec, unit, tmpdir)
@@ -113,14 +110,13 @@ class Cpprb(Adapter):
 
     @classmethod
     def missing(cls) -> str | None:
-        return _missing("cpprb")
+        return missing_module("cpprb")
 
     def __init__(self, capacity: int, spec: Spec, unit: str, tmpdir: str) -> None:
         super().__init__(capacity, spec, unit, tmpdir)
         import cpprb
 
-        env = {k: {"shape": shape or 1, "dtype": dtype} for k, (shape, dtype) in spec.items()}
-        self.rb = cpprb.ReplayBuffer(capacity, env)
+        self.rb = cpprb.ReplayBuffer(capacity, cpprb_env(spec))
 
     def write(self, native: Any) -> None:
         self.rb.add(**native)

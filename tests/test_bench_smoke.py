@@ -1,15 +1,59 @@
-"""Smoke test of the benchmark runner: ``python -m bench core daemon --quick`` in a subprocess."""
+"""Smoke test of the benchmark runner (``python -m bench core daemon --quick`` in a subprocess),
+and the teardown of the bench's process harness with real spawned children."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from bench.harness import Body, Children
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextmanager
+def _sleeper_role(seconds: float) -> Iterator[Body]:
+    def body(_: int) -> tuple[int, bool]:
+        time.sleep(seconds)
+        return 1, True
+
+    yield body
+
+
+@contextmanager
+def _broken_role() -> Iterator[Body]:
+    raise ValueError("no such field 'obs'")
+    yield  # unreachable: makes this a generator
+
+
+@pytest.mark.timeout(60)
+def test_children_failed_block_kills_running_children() -> None:
+    with pytest.raises(KeyError), Children(passes=1) as kids:
+        kids.start(_sleeper_role, seconds=600.0)
+        kids.wait_ready()
+        kids.go[0].set()  # the child is now in a pass it will not finish for 10 minutes
+        procs = list(kids.procs)
+        t0 = time.monotonic()
+        raise KeyError("the scenario failed")
+    assert time.monotonic() - t0 < 10  # killed, not joined for JOIN_TIMEOUT
+    assert [p.exitcode for p in procs] == [-9]
+
+
+@pytest.mark.timeout(60)
+def test_children_report_a_failing_role_by_name() -> None:
+    with pytest.raises(RuntimeError) as info, Children(passes=1) as kids:
+        kids.start(_broken_role)
+        kids.run_passes()
+    assert "bench-_broken-0 failed" in str(info.value)
+    assert "ValueError: no such field 'obs'" in str(info.value)
+    assert all(not p.is_alive() for p in kids.procs)
 
 
 @pytest.mark.slow

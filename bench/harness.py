@@ -1,0 +1,219 @@
+"""The process harness of the daemon scenarios: bench-owned folders, real daemon subprocesses
+started through ``python -m shmbuffer.cli start``, and spawned children released pass by pass.
+
+Child processes are spawned, build their data and connect *before* a start event, and report
+their own clock readings through a queue (``time.perf_counter`` is CLOCK_MONOTONIC on Linux: one
+clock for every process). A pass is timed from the parent's release of the start event to the
+last *final* report (a role says whether its end is the pass's end). Every wait has a finite
+timeout, and every child and every daemon is stopped when its ``with`` block ends, whatever
+happened inside it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from types import TracebackType
+from typing import Any
+
+from bench.data import Spec, schema
+from bench.registry import Context
+
+PASSES = ("first", "steady")  # every multi-process run: a fresh buffer, then a second pass
+READY_TIMEOUT = 180.0  # children import torch and build data on a busy 2-core machine
+PASS_TIMEOUT = 180.0
+JOIN_TIMEOUT = 30.0
+DAEMON_START_TIMEOUT = 60.0
+DAEMON_STOP_TIMEOUT = 15.0
+RUNTIME_ENV = "SHMBUFFER_RUNTIME_DIR"
+
+Body = Callable[[int], tuple[int, bool]]
+"""One pass of a child: ``body(pass_index) -> (rows, final)``; ``final`` means its end time is
+a candidate for the pass's end (a Queue producer's is not: its consumer's is)."""
+Role = Callable[..., AbstractContextManager[Body]]
+"""What a child does: a module-level context manager (it is pickled by reference into the
+spawned child) that prepares, yields the pass body, and cleans up on the way out."""
+
+_names = itertools.count()
+
+
+@contextmanager
+def bench_dirs(ctx: Context) -> Iterator[str]:
+    """A bench-owned folder for segments and scratch files (on /dev/shm when there is one),
+    with its own runtime dir (``SHMBUFFER_RUNTIME_DIR``, inherited by the daemons and children
+    started meanwhile) so nothing else that cleans the default one can pull a name from under
+    a run. Both are removed, and the variable restored, afterwards."""
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else ctx.tmpdir
+    root = tempfile.mkdtemp(prefix="bench-daemon-", dir=base)
+    run_dir = os.path.join(root, "run")
+    os.mkdir(run_dir, 0o700)
+    old = os.environ.get(RUNTIME_ENV)
+    os.environ[RUNTIME_ENV] = run_dir
+    try:
+        yield root
+    finally:
+        if old is None:
+            os.environ.pop(RUNTIME_ENV, None)
+        else:
+            os.environ[RUNTIME_ENV] = old
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@contextmanager
+def running_daemon(
+    storage_dir: str, capacity: int, unit: str, spec: Spec | None = None
+) -> Iterator[str]:
+    """A daemon subprocess serving a fresh buffer; yields its name once it is ready.
+
+    With ``spec`` the schema is declared up front, so the daemon creates (and prefaults) its
+    segment before it listens: nothing of that is left for the first timed write."""
+    from shmbuffer import runtime
+
+    name = f"bench-{os.getpid()}-{next(_names)}"
+    cmd = [sys.executable, "-m", "shmbuffer.cli", "--log-level", "WARNING", "start"]
+    cmd += ["--name", name, "--capacity", str(capacity), "--unit", unit]
+    cmd += ["--storage-dir", storage_dir]
+    if spec is not None:
+        path = os.path.join(storage_dir, f"{name}.schema.json")
+        with open(path, "w") as f:
+            json.dump(schema(spec), f)
+        cmd += ["--schema", path]
+    log_path = os.path.join(storage_dir, f"{name}.log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + DAEMON_START_TIMEOUT
+        # Ready = its runtime file names this very process (a stale file from an earlier
+        # daemon of the same name must not count).
+        while (runtime.read(name) or {}).get("pid") != proc.pid:
+            if proc.poll() is not None:
+                with open(log_path, errors="replace") as f:
+                    tail = f.read()[-800:].strip()
+                raise RuntimeError(
+                    f"the daemon exited with {proc.returncode} before it was ready: {tail}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the daemon was not ready in {DAEMON_START_TIMEOUT:g} s")
+            time.sleep(0.02)
+        yield name
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=DAEMON_STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=DAEMON_STOP_TIMEOUT)
+
+
+def _child_main(results: Any, go: list[Any], cid: int, role: Role, params: dict[str, Any]) -> None:
+    """Entry point of every spawned child: prepare, report ready, then one body per pass."""
+    try:
+        with role(**params) as body:
+            results.put(("ready", cid))
+            for p, event in enumerate(go):
+                if not event.wait(PASS_TIMEOUT):
+                    raise TimeoutError(f"no start signal for pass {p} in {PASS_TIMEOUT:g} s")
+                t0 = time.perf_counter()
+                rows, final = body(p)
+                results.put(("pass", cid, p, t0, time.perf_counter(), rows, final))
+    except BaseException:
+        results.put(("error", cid, traceback.format_exc(limit=8)))
+        raise
+
+
+class Children:
+    """Spawned child processes that report on one queue, released together pass by pass.
+
+    Use it as a context manager: on the way out the children are joined (each given
+    ``JOIN_TIMEOUT`` to finish) and killed if need be; when the block failed, no one waits for
+    stragglers: the live ones are killed at once."""
+
+    def __init__(self, passes: int = len(PASSES)) -> None:
+        self.mp = mp.get_context("spawn")
+        self.results = self.mp.Queue()
+        self.go = [self.mp.Event() for _ in range(passes)]
+        self.procs: list[Any] = []
+
+    def __enter__(self) -> Children:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is not None:
+            for proc in self.procs:
+                if proc.is_alive():
+                    proc.kill()
+        self.close()
+
+    def start(self, role: Role, **params: Any) -> None:
+        """Spawn one child running ``role(**params)`` (the params are pickled)."""
+        cid = len(self.procs)
+        proc = self.mp.Process(
+            target=_child_main,
+            args=(self.results, self.go, cid, role, params),
+            name=f"bench-{role.__name__.removesuffix('_role')}-{cid}",
+            daemon=True,
+        )
+        proc.start()
+        self.procs.append(proc)
+
+    def _get(self, deadline: float) -> tuple[Any, ...]:
+        while True:
+            try:
+                msg: tuple[Any, ...] = self.results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [p for p in self.procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"{dead[0].name} exited with {dead[0].exitcode}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError("a child did not report in time") from None
+                continue
+            if msg[0] == "error":
+                raise RuntimeError(f"{self.procs[msg[1]].name} failed:\n{msg[2]}")
+            return msg
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT
+        for _ in self.procs:
+            self._get(deadline)
+
+    def run_pass(self, p: int) -> tuple[int, float]:
+        """Release pass ``p``; ``(rows, seconds)`` from the release to the last final report."""
+        t_release = time.perf_counter()
+        self.go[p].set()
+        deadline = time.monotonic() + PASS_TIMEOUT
+        msgs = [self._get(deadline) for _ in self.procs]
+        finals = [m for m in msgs if m[6]]
+        return sum(m[5] for m in finals), max(m[4] for m in finals) - t_release
+
+    def run_passes(self) -> list[tuple[int, float]]:
+        """Wait until every child is ready, then run every pass in turn."""
+        self.wait_ready()
+        return [self.run_pass(p) for p in range(len(self.go))]
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.join(timeout=JOIN_TIMEOUT if proc.exitcode is None else 0)
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self.results.cancel_join_thread()
+        self.results.close()

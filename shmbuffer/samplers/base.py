@@ -1,0 +1,277 @@
+"""The sampler contract: told about commits and evictions, asked for rows, episodes or slices.
+
+One :class:`Sampler` belongs to one container. Locking rule: every method is called by the
+container's owner with calls serialised — the daemon loop, or the caller of an in-process
+``Buffer`` — so a sampler takes no locks, never blocks and never sleeps. When it cannot serve a
+request now it raises :class:`~shmbuffer.errors.EmptyBufferError` and changes nothing; the daemon
+turns that into a wait (and, for writers, asks :meth:`Sampler.blocks_overwrite` first).
+
+Positions are physical rows of the ring. An *item* is what priorities, epochs and
+``max_times_sampled`` count: a row in transition unit, an episode in episode unit.
+
+Costs (n draws, k rows changed, C capacity, E live episodes): ``on_commit`` and ``on_evict``
+O(k) numpy work plus O(log E) per episode touched (the same order as the row copy itself);
+``sample_*`` O(n log C); ``update_priorities`` O(k log C). Samplers count a sample when they
+return it, so the owner validates a request (sizes, limits) *before* calling ``sample_*``.
+
+Bad input raises ``ValueError`` naming the argument (``priority``, ``max_times_sampled``, ...)
+or ``IndexError`` naming ``index``, and changes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from shmbuffer.names import UNITS, check_choice
+from shmbuffer.registry import Episode, EpisodeRegistry
+from shmbuffer.samplers.index import EpisodeIndex
+
+__all__ = ["Draw", "EpisodeDraw", "Sampler", "SliceDraw", "check_priority"]
+
+F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+Priority = float | npt.ArrayLike | None
+
+
+@dataclass(frozen=True, slots=True)
+class Draw:
+    """``n`` physical rows and the probability with which each was drawn."""
+
+    rows: I64
+    probability: F64
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeDraw:
+    """``n`` episodes: ids, physical bounds ``[starts, ends)`` and their probabilities."""
+
+    ids: I64
+    starts: I64
+    ends: I64
+    probability: F64
+
+
+@dataclass(frozen=True, slots=True)
+class SliceDraw:
+    """``n`` slices: physical first rows and real lengths (``< length`` only when not strict)."""
+
+    starts: I64
+    lengths: I64
+    probability: F64
+
+
+def check_priority(priority: npt.ArrayLike, count: int, what: str = "priority") -> F64:
+    """``priority`` as ``count`` float64 values (a scalar is repeated); ValueError unless every
+    value is finite and >= 0 and an array has exactly ``count`` entries."""
+    arr = np.asarray(priority, dtype=np.float64)
+    if arr.ndim == 0:
+        arr = np.full(count, float(arr))
+    elif arr.ndim != 1 or arr.size != count:
+        raise ValueError(f"{what} needs {count} values (one per item), got shape {arr.shape}")
+    bad = ~np.isfinite(arr) | (arr < 0)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"{what}[{i}] = {arr[i]!r}: priorities must be finite and >= 0")
+    return arr
+
+
+def check_update(rows: npt.ArrayLike, priority: npt.ArrayLike, capacity: int) -> tuple[I64, F64]:
+    """Validated ``(rows, priority)`` of an ``update_priorities`` call."""
+    idx = np.asarray(rows)
+    if idx.ndim != 1 or (idx.dtype.kind not in "iu" and idx.size):
+        raise ValueError(f"index must be a 1-D integer array, got {idx.dtype} {idx.shape}")
+    idx = idx.astype(np.int64, copy=False)
+    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= capacity):
+        bad = int(idx[(idx < 0) | (idx >= capacity)][0])
+        raise IndexError(f"index {bad} out of range for a buffer of capacity {capacity}")
+    return idx, check_priority(priority, idx.size)
+
+
+def check_count(value: int, what: str) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, got {value!r}")
+    value = operator.index(value)
+    if value < 1:
+        raise ValueError(f"{what} must be >= 1, got {value}")
+    return value
+
+
+class Sampler(ABC):
+    """Which committed rows, episodes or slices a read gets; see the module docstring."""
+
+    name: ClassVar[str]
+    #: Whether ``update_priorities`` and a ``priority`` on commit mean anything here.
+    has_priorities: ClassVar[bool] = False
+
+    def __init__(self, *, max_times_sampled: int | None = None) -> None:
+        if max_times_sampled is not None:
+            max_times_sampled = check_count(max_times_sampled, "max_times_sampled")
+        self.max_times_sampled: int | None = max_times_sampled
+        self.unit = "transition"
+        self.capacity = 0
+        self._registry: EpisodeRegistry | None = None
+        self.index = EpisodeIndex(1)
+
+    # -- lifecycle (called by the container) ----------------------------------------------
+
+    def attach(self, registry: EpisodeRegistry, unit: str, capacity: int) -> None:
+        """Bind to the container's registry; existing episodes count as just committed.
+
+        Called once by the container, and again whenever it rebuilds its registry from a
+        checkpoint or a journal (``load_state_dict`` comes after it). An abort's
+        ``Container.restore`` calls :meth:`on_restore` instead, which keeps sampler state.
+        """
+        self.unit = check_choice("unit", unit, UNITS)
+        if capacity != registry.capacity:
+            raise ValueError(f"capacity {capacity} != registry capacity {registry.capacity}")
+        self._registry = registry
+        self.capacity = capacity
+        self.index = EpisodeIndex(capacity)
+        self._reset()
+        existing = list(registry)
+        if existing:
+            self.on_commit(existing)
+
+    @property
+    def registry(self) -> EpisodeRegistry:
+        if self._registry is None:
+            raise RuntimeError(f"the {self.name} sampler is not attached to a container")
+        return self._registry
+
+    @abstractmethod
+    def _reset(self) -> None:
+        """Empty state for the current unit and capacity (``index`` is already empty)."""
+
+    @abstractmethod
+    def on_commit(self, episodes: Sequence[Episode], priority: Priority = None) -> None:
+        """``episodes`` were just published (physical bounds, ids increasing).
+
+        ``priority``: None (new data gets the largest priority seen so far), a scalar, or one
+        value per row (transition unit, rows of all ``episodes`` in order) or per episode
+        (episode unit). Validate it first with :meth:`check_commit_priority`.
+        """
+
+    @abstractmethod
+    def on_evict(self, start: int, stop: int) -> None:
+        """Rows ``[start, stop)`` no longer hold committed data; the registry already changed.
+
+        Called for every evicted or trimmed range. Episodes the registry dropped whole
+        (including rows outside the range) and trimmed tails are found through the registry,
+        so calling it once per range the container passed to its eviction is enough.
+        """
+
+    @abstractmethod
+    def on_restore(self, episodes: Sequence[Episode], registry: EpisodeRegistry) -> None:
+        """``episodes`` are published again under their old ids (an aborted reservation gave
+        back what it evicted or trimmed; a trimmed chunk gets its front rows back).
+
+        ``registry`` is the container's registry now (``Container.restore`` rebuilds it). The
+        rows come back with the state they had when evicted (priorities, counts, consumed
+        marks, epoch membership) as long as the sampler still remembers it — the last
+        ``capacity`` rows evicted — else as new data. O(rows restored), plus an O(C) slice
+        normaliser rebuild on the next ``sample_slices``.
+        """
+
+    @abstractmethod
+    def on_clear(self) -> None:
+        """Every committed row is gone (the registry was cleared)."""
+
+    # -- sampling ----------------------------------------------------------------------------
+
+    @abstractmethod
+    def sample_rows(self, n: int, rng: np.random.Generator) -> Draw: ...
+
+    @abstractmethod
+    def sample_episodes(self, n: int, rng: np.random.Generator) -> EpisodeDraw: ...
+
+    @abstractmethod
+    def sample_slices(
+        self, n: int, length: int, rng: np.random.Generator, strict: bool = True
+    ) -> SliceDraw:
+        """``n`` slices of ``length`` rows, each inside one episode.
+
+        With ``strict=False`` an episode shorter than ``length`` is admitted too: its slice
+        starts at its first row and ``lengths[i]`` is its length (the caller pads).
+        """
+
+    # -- priorities and weights --------------------------------------------------------------
+
+    def check_commit_priority(self, episodes: Sequence[Episode], priority: Priority) -> F64 | None:
+        """The per-item priorities ``on_commit`` would store; ValueError for a bad ``priority``.
+
+        The owner may call it before publishing, so a bad value is refused with nothing done.
+        """
+        if priority is None:
+            return None
+        if not self.has_priorities:
+            raise ValueError(f"priority given, but the {self.name} sampler keeps no priorities")
+        count = len(episodes) if self.unit == "episode" else sum(ep.length for ep in episodes)
+        return check_priority(priority, count)
+
+    def update_priorities(self, rows: npt.ArrayLike, priority: npt.ArrayLike) -> int:
+        """Set the priority of the items holding physical ``rows``; return how many were set.
+
+        Rows holding no committed data are skipped. Only prioritized samplers keep priorities.
+        """
+        raise ValueError(
+            f"update_priorities needs --sampler prioritized; this buffer's sampler is {self.name!r}"
+        )
+
+    def weights(self, probability: npt.ArrayLike, beta: float | None = None) -> F64:
+        """Importance weights for draws of ``probability`` (``beta`` None: the sampler's
+        default exponent); ones unless the sampler keeps priorities."""
+        if beta is not None:
+            check_beta(beta)
+        return np.ones(np.shape(probability), dtype=np.float64)
+
+    def blocks_overwrite(self, start: int, stop: int) -> bool:
+        """True while rows ``[start, stop)`` hold data a reader has not consumed yet."""
+        return False
+
+    # -- state -------------------------------------------------------------------------------
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """msgpack-able state (ints, floats, str, lists, bytes); the index is rebuilt on attach."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` after :meth:`attach` to the same data."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """A small dict for ``status``."""
+
+    def _check_state(self, state: dict[str, Any]) -> None:
+        for key, want in (("sampler", self.name), ("unit", self.unit), ("capacity", self.capacity)):
+            if state.get(key) != want:
+                raise ValueError(f"sampler state has {key}={state.get(key)!r}, expected {want!r}")
+
+    def _header(self) -> dict[str, Any]:
+        return {"sampler": self.name, "unit": self.unit, "capacity": self.capacity}
+
+
+def check_beta(beta: float) -> float:
+    beta = float(beta)
+    if not math.isfinite(beta) or beta < 0:
+        raise ValueError(f"importance exponent beta must be finite and >= 0, got {beta!r}")
+    return beta
+
+
+def to_bytes(array: npt.NDArray[Any]) -> bytes:
+    return np.ascontiguousarray(array).tobytes()
+
+
+def from_bytes(data: bytes, dtype: type[np.generic], size: int, what: str) -> npt.NDArray[Any]:
+    arr = np.frombuffer(data, dtype=dtype)
+    if arr.size != size:
+        raise ValueError(f"sampler state {what!r} has {arr.size} entries, expected {size}")
+    return arr.copy()

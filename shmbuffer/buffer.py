@@ -25,6 +25,7 @@ from tensordict import TensorDict
 from shmbuffer import rows
 from shmbuffer.container import Container
 from shmbuffer.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
+from shmbuffer.errors import ClosedError
 from shmbuffer.schema import Schema
 from shmbuffer.segment import LocalSegment, Segment
 from shmbuffer.writeplan import env_major, plan_write
@@ -76,6 +77,7 @@ class Buffer:
         self._storage_dir = storage_dir
         self._rng = np.random.default_rng(seed)
         self.segment: Segment | LocalSegment | None = None
+        self._closed = False
         if schema is not None:
             self._allocate(schema if isinstance(schema, Schema) else Schema.from_spec(schema))
 
@@ -124,21 +126,25 @@ class Buffer:
     def extend(self, batch: Mapping[str, Any]) -> list[int]:
         """Write rows straight in: a chunk of transitions, or one whole episode in episode
         unit. Returns the ids of the (single) registry entry written."""
+        self._check_open()
         return self._write(batch)
 
     def add_episode(self, episode: Mapping[str, Any], num_envs: int = 1) -> list[int]:
         """Write a finished episode; with ``num_envs > 1`` its leaves are ``[L, num_envs, ...]``
         and each sub-env becomes its own episode. Returns the new episode ids."""
+        self._check_open()
         if num_envs == 1:
             return self._write(episode)
         return self._write(env_major(episode, num_envs), num_sub_episodes=num_envs)
 
     def add_transition(self, env_id: str, transition: Mapping[str, Any]) -> list[int]:
         """Append one step of ``env_id``; returns ids of episodes it finished (if any)."""
+        self._check_open()
         return self._write_finished(self.assembler.add_transition(env_id, transition))
 
     def end_episode(self, env_id: str) -> list[int]:
         """End ``env_id``'s pending episode now (a no-op when nothing is pending)."""
+        self._check_open()
         return self._write_finished(self.assembler.end_episode(env_id))
 
     def truncate_episodes(self, env_ids: Iterable[str]) -> list[int]:
@@ -158,12 +164,19 @@ class Buffer:
             return []
         leaves, first_row, num_rows, num_sub_episodes = plan
         reservation = self.container.reserve(num_rows, num_sub_episodes)
+        progress = rows.Progress()
         try:
             rows.write(
-                self.segment.columns, self.segment.arrays, reservation.ranges, leaves, first_row
+                self.segment.columns,
+                self.segment.arrays,
+                reservation.ranges,
+                leaves,
+                first_row,
+                progress,
             )
-        except BaseException:
-            self.container.abort(reservation.id)
+        except BaseException:  # validation decided every cast: an interrupt, a device error
+            # What the reservation evicted comes back wherever the copy had not reached.
+            self.container.abort(reservation.id, written=progress.rows)
             raise
         return self.container.commit(reservation.id)
 
@@ -179,6 +192,7 @@ class Buffer:
 
     def __getitem__(self, index: Index) -> TensorDict | list[TensorDict]:
         """Logical (chronological) indexing: 0 is the oldest, -1 the newest row or episode."""
+        self._check_open()
         positions, scalar = normalize_index(index, len(self))
         if self.unit == "episode":
             _, starts, ends = self.container.registry.at_many(positions)
@@ -200,15 +214,18 @@ class Buffer:
 
     def sample(self, batch_size: int) -> TensorDict:
         """``batch_size`` rows drawn uniformly from all committed rows, with replacement."""
+        self._check_open()
         return self._read(self.container.registry.sample_rows(batch_size, self._rng))
 
     def sample_episodes(self, n: int) -> TensorDict | list[TensorDict]:
         """``n`` whole episodes drawn uniformly: ``[n, L]`` if their lengths agree, else a list."""
+        self._check_open()
         _, starts, ends = self.container.registry.sample_episodes(n, self._rng)
         return self._episodes(starts, ends, scalar=False)
 
     def sample_slices(self, n: int, length: int) -> TensorDict:
         """``[n, length]`` runs of consecutive rows, each inside one episode."""
+        self._check_open()
         starts = self.container.registry.sample_slices(n, length, self._rng)
         physical = (starts[:, None] + np.arange(length)).reshape(-1)
         return self._read(physical).reshape(n, length)
@@ -236,16 +253,25 @@ class Buffer:
 
     def clear(self) -> None:
         """Drop every stored row and pending step; keeps the schema and the memory."""
+        self._check_open()
         self.container.clear()
         self.assembler.clear()
 
     def close(self, unlink: bool = True) -> None:
-        """Release the memory; a named segment this buffer created is unlinked by default."""
+        """Release the memory; a named segment this buffer created is unlinked by default.
+        Safe to call twice; any other use afterwards raises :class:`ClosedError`."""
+        self._closed = True
         if self.segment is not None:
             self.segment.close()
             if unlink and self.name is not None:
                 Segment.unlink(self.name, self._storage_dir)
             self.segment = None
+
+    def _check_open(self) -> None:
+        # Without it a closed buffer read as empty and a write allocated fresh, zeroed memory
+        # under the old rows' registry entries (issue 7).
+        if self._closed:
+            raise ClosedError("this Buffer is closed (close() was called); create a new one")
 
     def __enter__(self) -> Buffer:
         return self

@@ -26,7 +26,7 @@ import msgpack
 from shmbuffer.errors import ProtocolError, ShmBufferError, VersionMismatchError
 
 #: Versioned separately from the package. Minor bumps add optional fields or ops only.
-PROTOCOL_VERSION = "1.0"
+PROTOCOL_VERSION = "1.1"
 PROTOCOL_MAJOR = int(PROTOCOL_VERSION.split(".", maxsplit=1)[0])
 
 #: Largest header accepted, in bytes; payload frames are bounded by the daemon's own limit.
@@ -74,7 +74,9 @@ REQUESTS: dict[str, dict[str, Spec]] = {
         "timeout_ms": _TIMEOUT,
     },
     "commit": {"reservation": _ID},
-    "abort": {"reservation": _ID},
+    # written: rows the writer's copy may have touched; what the reservation evicted from the
+    # others is published again (since 1.1).
+    "abort": {"reservation": _ID, "written": _int(0, required=False)},
     # Remote writers: rows travel as payload frames, one per schema column, in schema order.
     "write": {"rows": _int(1), "episodes": _int(1, required=False), "timeout_ms": _TIMEOUT},
     "sample": {
@@ -86,6 +88,8 @@ REQUESTS: dict[str, dict[str, Spec]] = {
         "release": _int(1, required=False),
     },
     "release": {"lease": _ID},
+    # A reader's heartbeat: the lease lasts another lease_ttl (since 1.1).
+    "renew": {"lease": _ID},
     "clear": {},
     "shutdown": {"keep": Spec((bool,), required=False)},
     # Write data, registry and sampler state to <to>/checkpoint (admin only).

@@ -31,35 +31,69 @@ def as_numpy(value: Any) -> np.ndarray | None:
     return np.asarray(value)
 
 
+class Progress:
+    """How far a :func:`write` got: rows ``[0, rows)`` of the reservation (in fill order) may
+    have been touched, the rest were not. An aborted reservation gives back what it evicted
+    from the untouched rows (:meth:`~shmbuffer.container.Container.abort`)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self) -> None:
+        self.rows = 0
+
+
 def write(
     columns: Mapping[Key, torch.Tensor],
     arrays: Mapping[Key, np.ndarray],
     ranges: Sequence[Range],
     leaves: Mapping[Key, Any],
     first_row: int = 0,
+    progress: Progress | None = None,
 ) -> None:
-    """Copy rows ``first_row:`` of each validated leaf into the physical ``ranges`` in order."""
-    for key, value in leaves.items():
-        src_np = as_numpy(value)
-        dst_np = arrays.get(key)
-        offset = first_row
-        for start, stop in ranges:
-            n = stop - start
+    """Copy rows ``first_row:`` of each validated leaf into the physical ``ranges`` in order.
+
+    Casting is ``unsafe`` on purpose: :meth:`Schema.validate` already decided every cast (the
+    dtype kind, and that the values fit), and numpy's own ``same_kind`` rule differs from
+    torch's (it refuses int64 -> uint8 even for values that fit), which made a validated write
+    fail halfway. Range by range, every key per range, so ``progress`` can tell which rows a
+    failure left untouched.
+    """
+    offset = first_row
+    for start, stop in ranges:
+        n = stop - start
+        # Every source slice first: one that cannot be read fails before a byte of the range.
+        copies: list[tuple[Any, Any]] = []
+        for key, value in leaves.items():
+            src_np = as_numpy(value)
+            # bfloat16 columns are uint16 bits to numpy: an unsafe cast would store garbage
+            dst_np = arrays.get(key) if columns[key].dtype != torch.bfloat16 else None
             if src_np is not None and dst_np is not None:
-                np.copyto(dst_np[start:stop], src_np[offset : offset + n], casting="same_kind")
+                copies.append((dst_np[start:stop], src_np[offset : offset + n]))
             else:
-                src = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-                columns[key][start:stop].copy_(src[offset : offset + n])
-            offset += n
+                tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+                copies.append((columns[key][start:stop], tensor[offset : offset + n]))
+        if progress is not None:  # from here rows of this range may change
+            progress.rows = offset - first_row + n
+        for dst, src in copies:
+            if isinstance(dst, np.ndarray):
+                np.copyto(dst, src, casting="unsafe")
+            else:
+                dst.copy_(src)
+        offset += n
 
 
-def owned_slice(value: Any, first: int, n: int) -> np.ndarray | torch.Tensor:
-    """A private copy of rows ``first:first + n`` (the caller may reuse its arrays)."""
+def owned_slice(
+    value: Any, first: int, n: int, dtype: torch.dtype | None = None
+) -> np.ndarray | torch.Tensor:
+    """A private copy of rows ``first:first + n`` (the caller may reuse its arrays), converted
+    to the column's ``dtype`` if given (validated: the values fit), so copying it later into
+    shared memory is a plain memcpy that cannot fail."""
     array = as_numpy(value)
-    if array is not None:
-        return array[first : first + n].copy()
+    if array is not None and dtype != torch.bfloat16:
+        target = array.dtype if dtype is None else _numpy_dtype(dtype)
+        return array[first : first + n].astype(target, copy=True)
     tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-    return tensor[first : first + n].detach().clone()
+    return tensor[first : first + n].detach().to("cpu", dtype, copy=True)
 
 
 def split_ranges(ranges: Sequence[Range], offset: int, n: int) -> list[Range]:

@@ -52,7 +52,14 @@ def env_major(batch: Mapping[str, Any], num_envs: int) -> dict[str, Any]:
     def convert(value: Any, key: str) -> Any:
         if isinstance(value, Mapping) or hasattr(value, "batch_size"):
             return {str(k): convert(value[k], f"{key}.{k}".lstrip(".")) for k in value.keys()}
-        tensor = torch.as_tensor(value)
+        if not key:
+            raise SchemaError(
+                f"a batch must be a mapping of key -> array, got a {type(value).__name__}"
+            )
+        try:
+            tensor = torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError) as exc:  # str, None, ragged lists
+            raise SchemaError(f"key {key!r}: not an array of numbers ({exc})") from None
         if tensor.dim() < 2 or tensor.shape[1] != num_envs:
             raise SchemaError(
                 f"key {key!r}: with num_envs={num_envs} every value must be "

@@ -176,3 +176,38 @@ def test_named_buffer_is_shared_memory_another_mapping_sees() -> None:
         assert int(buf[0]["x"]) == 42
         other.close()
     assert not Segment.exists(name)
+
+
+def test_signed_ints_into_a_uint8_column_never_destroy_stored_rows() -> None:
+    # Issue 7, item 1: validation let int64 into uint8 through, numpy's copy refused it after
+    # the reservation had evicted two episodes: 6 rows became 4, with a raw numpy TypeError.
+    buf = Buffer(6, unit="episode", schema={"x": {"dtype": "uint8", "shape": []}})
+    for v in range(3):
+        buf.add_episode({"x": np.full(2, v, dtype=np.uint8)})
+    for bad in (np.array([300, -1]), torch.tensor([300, -1]), np.array([-3, 1], dtype=np.int8)):
+        with pytest.raises(SchemaError, match=r"'x'.*uint8"):
+            buf.add_episode({"x": bad})
+        assert buf.num_rows == 6 and [e["x"].tolist() for e in buf[:]] == [[0, 0], [1, 1], [2, 2]]
+    buf.add_episode({"x": torch.tensor([7, 8])})  # int64 values that fit are stored
+    assert [e["x"].tolist() for e in buf[:]] == [[1, 1], [2, 2], [7, 8]]
+
+
+class _LostDevice(torch.Tensor):
+    """A tensor whose rows cannot be read any more (a device gone mid-write): it passes
+    validation (dtype and shape are fine) and fails inside the copy, after the reservation."""
+
+    def __getitem__(self, index: object) -> torch.Tensor:
+        raise RuntimeError("device lost")
+
+
+@pytest.mark.parametrize("unit", ["episode", "transition"])
+def test_a_copy_that_fails_after_reserve_loses_no_stored_rows(unit: str) -> None:
+    buf = Buffer(6, unit=unit)
+    for v in range(3):
+        buf.add_episode({"x": torch.full((2,), float(v))})
+    before = (list(buf.container.registry), buf.container.pointer, buf[:]["x"].tolist())
+    lost = torch.zeros(4).as_subclass(_LostDevice).requires_grad_()  # torch's copy path
+    with pytest.raises(RuntimeError, match="device lost"):
+        buf.add_episode({"x": lost})
+    assert (list(buf.container.registry), buf.container.pointer, buf[:]["x"].tolist()) == before
+    assert buf.add_episode({"x": torch.full((2,), 9.0)}) == [3]  # and it goes on

@@ -266,3 +266,88 @@ def test_episode_unit_sub_episodes_never_wrap() -> None:
     r = c.reserve(6, 2)
     assert r.ranges == [(0, 6)]
     assert r.episodes == [(0, 3), (3, 6)]
+
+
+# -- aborts give back what they evicted (issue 7, item 1) ------------------------------------
+
+
+def _state(c: Container) -> tuple[object, ...]:
+    return (episodes(c), c.pointer, c.rows_written, c.use_counts.tolist())
+
+
+@pytest.mark.parametrize(
+    ("capacity", "unit", "mode", "writes", "rows"),
+    [
+        (6, "episode", "circular", [2, 2, 2], 4),  # evicts two whole episodes
+        (8, "episode", "circular", [3, 3, 2, 3, 3], 3),  # early wrap: evicts the skipped tail
+        (6, "transition", "circular", [3, 3], 4),  # evicts one chunk, trims the next
+        (6, "transition", "circular", [2, 2, 2, 2], 5),  # wraps: two ranges
+        (10, "transition", "fixed", [2, 2], 3),  # fixed mode gets its rows back
+    ],
+)
+def test_abort_that_wrote_nothing_leaves_the_container_as_before(
+    capacity: int, unit: str, mode: str, writes: list[int], rows: int
+) -> None:
+    c = Container(capacity, mode=mode, unit=unit)
+    for n in writes:
+        put(c, n)
+    c.count_use(np.array([0, 1]))
+    before = _state(c)
+    r = c.reserve(rows)
+    assert (r.evicted or r.trimmed or mode == "fixed") and _state(c) != before
+    restored = c.abort(r.id, written=0)
+    assert _state(c)[:3] == before[:3]
+    assert sorted(ep.id for ep in restored) == sorted(ep.id for ep in (*r.evicted, *r.trimmed))
+    # use counts of the restored rows restart at 0; every other row is as it was
+    published = np.array(before[3]) >= 0
+    assert np.array_equal(np.array(_state(c)[3]) >= 0, published)
+    assert put(c, 1) == [c.registry.next_id - 1]  # and the ring goes on from where it stood
+
+
+def test_abort_after_a_partial_copy_gives_back_only_untouched_episodes() -> None:
+    c = Container(8, unit="episode")
+    for _ in range(4):
+        put(c, 2)  # episodes 0..3 at [0,2) [2,4) [4,6) [6,8); pointer back at 0
+    r = c.reserve(6)  # evicts episodes 0, 1, 2
+    assert [ep.id for ep in r.evicted] == [0, 1, 2]
+    restored = c.abort(r.id, written=3)  # rows 0..2 may have changed
+    assert [ep.id for ep in restored] == [2]
+    assert episodes(c) == [(2, 4, 6), (3, 6, 8)]
+    assert c.pointer == 6  # rows were touched: the ring does not go back over them
+    assert c.use_counts.tolist() == [-1] * 4 + [0] * 4
+
+
+def test_abort_gives_back_nothing_a_later_reservation_reached() -> None:
+    c = Container(8, unit="episode")
+    for _ in range(4):
+        put(c, 2)
+    first = c.reserve(3)  # evicts episodes 0 [0,2) and 1 [2,4); ends at row 3
+    second = c.reserve(2)  # rows [3,5): reaches the rest of episode 1, evicts episode 2
+    restored = c.abort(first.id, written=0)
+    assert [ep.id for ep in restored] == [0]  # episode 1's row 3 belongs to `second` now
+    assert c.pointer == 5  # a later reservation is open: the pointer stays
+    c.commit(second.id)
+    assert episodes(c) == [(0, 0, 2), (3, 6, 8), (4, 3, 5)]
+
+
+def test_abort_without_written_or_after_clear_gives_back_nothing() -> None:
+    c = Container(6, unit="episode")
+    for _ in range(3):
+        put(c, 2)
+    r = c.reserve(2)
+    assert c.abort(r.id) == []  # a writer that died: nobody knows what it wrote
+    assert [ep.id for ep in c.registry] == [1, 2]
+    r = c.reserve(2)
+    c.clear()
+    assert c.abort(r.id, written=0) == []
+    assert len(c.registry) == 0
+
+
+def test_restore_refuses_an_overlapping_episode() -> None:
+    c = Container(6, unit="episode")
+    put(c, 3)
+    r = c.reserve(3)
+    c.commit(r.id)
+    ghost = c.registry.get(0)
+    with pytest.raises(ValueError, match="overlaps"):
+        c.restore([type(ghost)(0, 2, 4)])

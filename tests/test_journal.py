@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,9 +24,10 @@ from shmbuffer.daemon.journal import (
     container_state,
     encode_record,
     iter_records,
+    record_bytes,
     restore_container,
 )
-from shmbuffer.errors import CapacityError
+from shmbuffer.errors import CapacityError, OutOfSpaceError
 
 
 @pytest.fixture
@@ -89,8 +93,13 @@ def _drive(
             open_ids.append(r.id)
         elif action in ("commit", "abort") and open_ids:
             rid = open_ids.pop(int(rng.integers(len(open_ids))))
-            if action == "abort":
-                container.abort(rid)
+            if action == "abort":  # a copy that failed part way: what it left untouched returns
+                n = container.reservations[rid].num_rows
+                before = (container.pointer, container.rows_written)
+                written = None if rng.random() < 0.3 else int(rng.integers(0, n + 1))
+                restored = container.abort(rid, written)
+                if restored or before != (container.pointer, container.rows_written):
+                    journal.append_restore(restored, container.pointer, container.rows_written)
                 continue
             bounds = container.reservations[rid].episodes
             rows = container.reservations[rid].num_rows
@@ -213,3 +222,125 @@ def test_epochs_keep_increasing_across_restarts(folder: Path) -> None:
     assert second.epoch > first.epoch
     assert os.stat(second.path).st_size > 0
     second.close()
+
+
+@pytest.mark.parametrize("unit", ["transition", "episode"])
+def test_aborts_that_give_back_evictions_replay_to_the_live_state(folder: Path, unit: str) -> None:
+    # Issue 7, item 1: a reservation whose copy failed publishes again what it evicted; the
+    # RESTORE record makes a resumed daemon agree (ids, bounds, ring pointer).
+    rng = np.random.default_rng(7)
+    container = Container(24, unit=unit)
+    journal = Journal(folder)
+    journal.start(container_state(container))
+    counters = {"rows_committed": 0, "episodes_committed": 0}
+    restores = 0
+    for _ in range(400):
+        n = int(rng.integers(1, 7))
+        _, evict = container.plan(n)
+        r = container.reserve(n)
+        journal.append_reserve(
+            evict, container.pointer, container.rows_written, container._next_reservation
+        )
+        if rng.random() < 0.6:
+            ids = container.commit(r.id)
+            counters["rows_committed"] += n
+            counters["episodes_committed"] += len(ids)
+            journal.append_commit(
+                [(i, s, e) for i, (s, e) in zip(ids, r.episodes, strict=True)],
+                counters["rows_committed"],
+                counters["episodes_committed"],
+            )
+            continue
+        restored = container.abort(r.id, written=int(rng.integers(0, n + 1)))
+        journal.append_restore(restored, container.pointer, container.rows_written)
+        restores += bool(restored)
+    assert restores > 20
+    _live_equals_loaded(container, Journal(folder).load())
+    journal.close()
+
+
+# -- space reserved ahead (issue 7, item 3) ---------------------------------------------------
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 512 KiB tmpfs, so the journal's file system can really fill up."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=512k,mode=0700", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip() or done.returncode}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(folder: Path, leave: int = 0) -> Path:
+    """Take every free byte of ``folder``'s file system but ``leave``."""
+    filler = folder / "filler"
+    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+        for _ in range((shutil.disk_usage(folder).free - leave) // 4096 + (leave == 0)):
+            f.write(b"\xff" * 4096)
+    return filler
+
+
+def commit_one(container: Container, journal: Journal, counters: dict[str, int]) -> None:
+    """Reserve + commit one 2-row episode the way the service does: room first."""
+    _, evict = container.plan(2)
+    journal.reserve(record_bytes(4 + 2 * len(evict)) + record_bytes(6))
+    r = container.reserve(2)
+    journal.append_reserve(
+        evict, container.pointer, container.rows_written, container._next_reservation
+    )
+    ids = container.commit(r.id)
+    counters["rows_committed"] += 2
+    counters["episodes_committed"] += 1
+    journal.append_commit([(ids[0], *r.episodes[0])], **counters)
+
+
+def test_a_full_file_system_refuses_before_anything_changes(small_fs: Path) -> None:
+    container = Container(64, unit="episode")
+    counters = {"rows_committed": 0, "episodes_committed": 0}
+    journal = Journal(small_fs, chunk=4096)
+    journal.start(container_state(container, counters))  # no state_fn: no snapshot fallback
+    filler = fill(small_fs)
+    done = 0
+    with pytest.raises(OutOfSpaceError, match="journal"):
+        for _ in range(1000):
+            commit_one(container, journal, counters)
+            done += 1
+    assert 0 < done < 1000  # the preallocated chunk held some; then a clean refusal
+    assert container.reservations == {} and container.num_episodes == min(done, 32)
+    loaded = Journal(small_fs).load()
+    assert loaded["torn"] == 0  # never a record cut short
+    _live_equals_loaded(container, loaded)
+    filler.unlink()  # space again: the journal grows and goes on
+    for _ in range(100):
+        commit_one(container, journal, counters)
+    _live_equals_loaded(container, Journal(small_fs).load())
+    journal.close()
+
+
+def test_a_full_file_system_is_met_with_a_snapshot_that_rewinds_the_journal(
+    small_fs: Path,
+) -> None:
+    container = Container(16, unit="episode")
+    counters = {"rows_committed": 0, "episodes_committed": 0}
+    journal = Journal(small_fs, chunk=64 * 1024)
+    journal.start(
+        container_state(container, counters), state_fn=lambda: container_state(container, counters)
+    )
+    fill(small_fs, leave=16 * 1024)  # room for a snapshot, not for another journal chunk
+    epoch = journal.epoch
+    for _ in range(2000):  # 2000 x 128 bytes: four times the preallocated chunk
+        commit_one(container, journal, counters)
+    assert journal.epoch > epoch  # it snapshotted instead of refusing
+    assert os.stat(journal.path).st_size == 64 * 1024  # and never grew
+    _live_equals_loaded(container, Journal(small_fs).load())
+    journal.close()

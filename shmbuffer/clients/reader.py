@@ -3,13 +3,17 @@
 The daemon picks the rows (one small reply: indices and generation stamps); the reader copies
 them straight out of shared memory with one gather, then checks the stamps: rows a writer
 started to overwrite in between are sampled again, so a copy is never torn. Episodes are
-handed out as zero-copy views under a lease that keeps writers off them until released.
-A remote reader (``remote=True``) receives the rows as frames instead.
+handed out as zero-copy views under a lease that keeps writers off them until released; the
+reader renews it while the block is open (:mod:`shmbuffer.clients.leased`). A remote reader
+(``remote=True``) receives the rows as frames instead.
 """
 
 from __future__ import annotations
 
+import operator
 import os
+import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,11 +24,26 @@ from tensordict import TensorDict
 
 from shmbuffer import rows
 from shmbuffer.clients.connection import Connection
-from shmbuffer.errors import EmptyBufferError, TornReadError
+from shmbuffer.clients.leased import ClientLease, EpisodeViews, Renewer
+from shmbuffer.errors import (
+    EmptyBufferError,
+    NotFoundError,
+    ShmBufferError,
+    TornReadError,
+    UnknownClientError,
+)
 from shmbuffer.schema import Schema
 from shmbuffer.segment import Segment
 
 MAX_RESAMPLES = 8
+
+
+def _count(value: Any, name: str) -> int:
+    """``value`` as a Python int (msgpack cannot send ``np.int64``); Buffer takes the same."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
 
 
 def _i64(data: bytes) -> np.ndarray:
@@ -40,6 +59,11 @@ class Reader:
         timeout: seconds any single wait on the daemon may take.
         prefetch: request the indices of the next ``sample``/``sample_slices`` (same size)
             while the caller works on this one.
+        auto_renew: while a ``sample_episodes`` block is open, renew its lease from a thread
+            every ``lease_ttl / 3`` seconds (the daemon's TTL, 30 s by default).
+        max_lease_hold: seconds a lease is renewed automatically (None: as long as the block
+            is open); past it the lease lapses after one more TTL, so a hung learner stalls
+            writers for at most ``max_lease_hold + lease_ttl``. ``episodes.renew()`` still works.
         curve_server_key, curve_client_cert: CURVE keys for a daemon started with
             ``--curve-secret`` (see :class:`~shmbuffer.clients.connection.Connection`).
     """
@@ -53,8 +77,14 @@ class Reader:
         prefetch: bool = True,
         curve_server_key: str | bytes | os.PathLike[str] | None = None,
         curve_client_cert: str | os.PathLike[str] | None = None,
+        auto_renew: bool = True,
+        max_lease_hold: float | None = 600.0,
     ) -> None:
         self.prefetch = prefetch
+        self.auto_renew = auto_renew
+        self.max_lease_hold = max_lease_hold
+        self._leases: dict[int, ClientLease] = {}  # of the sample_episodes blocks now open
+        self._renewer: Renewer | None = None
         self._ahead: tuple[Any, int] | None = None  # (request, seq) of a sample sent ahead
         self.conn = Connection(
             target,
@@ -110,6 +140,7 @@ class Reader:
 
     def sample(self, batch_size: int) -> TensorDict:
         """``batch_size`` transitions drawn uniformly from the committed rows (a copy)."""
+        batch_size = _count(batch_size, "batch_size")
         reply, frames = self._sample_ahead(kind="rows", n=batch_size)
         if self.remote:
             return self._from_frames(frames, [batch_size])
@@ -117,6 +148,7 @@ class Reader:
 
     def sample_slices(self, n: int, length: int) -> TensorDict:
         """``[n, length]`` runs of consecutive rows, each inside one episode (a copy)."""
+        n, length = _count(n, "n"), _count(length, "length")
         reply, frames = self._sample_ahead(kind="slices", n=n, length=length)
         if self.remote:
             return self._from_frames(frames, [n, length])
@@ -170,24 +202,88 @@ class Reader:
     # -- episodes ---------------------------------------------------------------------------
 
     @contextmanager
-    def sample_episodes(self, n: int) -> Iterator[list[TensorDict]]:
-        """``n`` whole episodes drawn uniformly. Locally: zero-copy views of the shared rows,
-        leased so no writer overwrites them until the block exits (or the lease TTL ends).
-        Remotely: copies."""
+    def sample_episodes(self, n: int) -> Iterator[EpisodeViews]:
+        """``n`` whole episodes drawn uniformly, as a sequence of ``[length]`` TensorDicts
+        (:class:`~shmbuffer.clients.leased.EpisodeViews`: indexable, iterable, ``len``).
+
+        Locally: zero-copy views of the shared rows, built when accessed, under a lease that
+        keeps writers off them until the block exits, renewed while it is open (see
+        ``auto_renew``). ``episodes.valid()`` says whether the lease still certainly holds;
+        once it lapsed, building a view and the block's exit raise ``LeaseExpiredError``
+        (data read from the views may have changed). Remotely: copies, always valid.
+
+        At most ``2**20`` episodes a call (the protocol's bound on ``n``), holding at most
+        ``max_payload_bytes / 16`` rows (2**27 by default); more is refused by the daemon.
+        """
+        n = _count(n, "n")
         if self.remote:
             reply, frames = self._sample(kind="episodes", n=n)
             lengths = _i64(reply["lengths"])
             data = self._from_frames(frames, [int(lengths.sum())])
-            yield list(data.split(lengths.tolist()))
+            offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+            columns = {f.key: data[f.key] for f in self.schema.fields} if self.schema else {}
+            yield EpisodeViews(columns, _i64(reply["ids"]), offsets, lengths)
             return
+        sent = time.monotonic()
         reply, _ = self._sample(kind="episodes", n=n, lease=True)
         assert self.segment is not None
-        starts, lengths = _i64(reply["starts"]), _i64(reply["lengths"])
-        data = self.segment.data
+        ttl = float(self.conn.buffer.get("lease_ttl", 30.0))
+        lease = ClientLease(int(reply["lease"]), n, ttl, sent)
+        self._leases[lease.id] = lease
+        views = EpisodeViews(
+            self.segment.columns,
+            _i64(reply["ids"]),
+            _i64(reply["starts"]),
+            _i64(reply["lengths"]),
+            lease,
+            self.conn,
+        )
         try:
-            yield [data[int(s) : int(s + n)] for s, n in zip(starts, lengths, strict=True)]
+            self._start_renewer(ttl)
+            if time.monotonic() - sent > ttl / 3:  # a slow reply: restart the clock now
+                lease.renew(self.conn)
+            yield views
+        except BaseException:  # the block's own error wins; the lease just goes
+            self._end_lease(lease, quiet=True)
+            raise
+        self._end_lease(lease, quiet=False)
+
+    def _end_lease(self, lease: ClientLease, quiet: bool) -> None:
+        """Release the lease; unless ``quiet``, raise LeaseExpiredError if it had lapsed."""
+        self._leases.pop(lease.id, None)
+        if lease.released:
+            return
+        try:
+            self.conn.call("release", lease=lease.id)
+        except (NotFoundError, UnknownClientError):  # the daemon dropped it before we released it
+            lease.lapsed = True
+        except ShmBufferError:
+            if not quiet:
+                raise
         finally:
-            self.conn.call("release", lease=reply["lease"])
+            lease.released = True
+        if lease.lapsed and not quiet:
+            raise lease.expired_error()
+
+    def _start_renewer(self, ttl: float) -> None:
+        if self.auto_renew and self._renewer is None:
+            self._renewer = Renewer(ttl / 3, weakref.WeakMethod(self._renew_leases))
+
+    def _renew_leases(self) -> None:
+        """The renewer's tick: renew every open lease still within ``max_lease_hold``. A lease
+        the daemon no longer holds is marked lapsed; a daemon that does not answer is left to
+        the lease's own deadline (``valid()`` turns False by itself)."""
+        now = time.monotonic()
+        for lease in list(self._leases.values()):
+            if lease.lapsed or lease.released:
+                continue
+            if self.max_lease_hold is not None and now - lease.opened >= self.max_lease_hold:
+                continue
+            try:
+                lease.renew(self.conn)
+            except ShmBufferError:  # lapsed (marked so), closed, or no answer: nothing to add
+                if self.conn.closed:
+                    return
 
     # -- info ---------------------------------------------------------------------------------
 
@@ -200,6 +296,12 @@ class Reader:
         return int(stats["rows"] if stats["unit"] == "transition" else stats["episodes"])
 
     def close(self) -> None:
+        """Disconnect (the daemon releases this reader's leases). Safe to call twice."""
+        if self._renewer is not None:
+            self._renewer.stop(timeout=self.conn.timeout)
+            self._renewer = None
+        for lease in self._leases.values():  # their views are no longer protected
+            lease.released = True
         if self.segment is not None:
             self.segment.close()
             self.segment = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -111,10 +112,14 @@ class Writer:
 
     def extend(self, batch: Mapping[str, Any]) -> None:
         """Write a chunk of transitions (or, in episode unit, one whole episode)."""
+        self.conn.check()
         with self._lock:
             self._write(batch)
 
     def add_episode(self, episode: Mapping[str, Any], num_envs: int = 1) -> None:
+        # Checked before the lock (a forked child may inherit it held) and before anything is
+        # staged: a closed or forked writer must refuse the write, not drop it.
+        self.conn.check()
         with self._lock:
             if num_envs == 1:
                 self._write(episode)
@@ -122,10 +127,12 @@ class Writer:
                 self._write(env_major(episode, num_envs), num_sub_episodes=num_envs)
 
     def add_transition(self, env_id: str, transition: Mapping[str, Any]) -> None:
+        self.conn.check()
         with self._lock:
             self._write_finished(self.assembler.add_transition(env_id, transition))
 
     def end_episode(self, env_id: str) -> None:
+        self.conn.check()
         with self._lock:
             self._write_finished(self.assembler.end_episode(env_id))
 
@@ -165,7 +172,12 @@ class Writer:
         """Keep a copy of a small write, to store several in one round trip: at
         ``batch_bytes``, once the oldest waited ``commit_delay``, or on flush."""
         assert self.schema is not None
-        copy = {k: rows.owned_slice(v, first_row, num_rows) for k, v in leaves.items()}
+        # Converted to the columns' dtypes now (validated: the values fit), so storing the
+        # batch later is a memcpy that cannot fail and take its neighbours down with it.
+        copy = {
+            k: rows.owned_slice(v, first_row, num_rows, self.schema[k].dtype)
+            for k, v in leaves.items()
+        }
         if not self._staged:
             self._staged_since = time.monotonic()
         self._staged.append((copy, 0, num_rows))
@@ -207,14 +219,18 @@ class Writer:
         self._collect_acks(block=False)
         reservation = reply["reservation"]
         ranges = [(int(s), int(e)) for s, e in reply["ranges"]]
+        offset, progress = 0, rows.Progress()
         try:
-            offset = 0
             for leaves, first_row, n in pieces:
                 target = rows.split_ranges(ranges, offset, n)
-                rows.write(self.segment.columns, self.segment.arrays, target, leaves, first_row)
+                rows.write(
+                    self.segment.columns, self.segment.arrays, target, leaves, first_row, progress
+                )
                 offset += n
+                progress.rows = 0
         except BaseException:
-            self.conn.send("abort", reservation=reservation)
+            # The daemon publishes again what the reservation evicted from untouched rows.
+            self.conn.send("abort", reservation=reservation, written=offset + progress.rows)
             raise
         self._uncommitted = (reservation, num_rows, time.monotonic())
         if self.commit_delay <= 0:
@@ -224,7 +240,9 @@ class Writer:
 
     def _start_ticker(self) -> None:
         if self._ticker is None and self.commit_delay > 0:
-            self._ticker = _Ticker(self.commit_delay / 2, self._commit_from_ticker)
+            # A weak reference: the thread must not keep an unclosed writer alive forever.
+            tick = weakref.WeakMethod(self._commit_from_ticker)
+            self._ticker = _Ticker(self.commit_delay / 2, tick)
 
     def _commit_if_due(self, now: bool = False) -> None:
         """Send the pending commit on its own (without waiting for the reply) once it has
@@ -278,14 +296,17 @@ class Writer:
             seq, num_rows = self._in_flight[0]
             if not block and not self.conn.ready(seq):
                 return
-            header, _ = self.conn.wait(seq)
+            # Taken off first: a refused commit (out_of_space) is reported once, and a later
+            # flush must not wait for a reply already consumed.
             self._in_flight.pop(0)
+            header, _ = self.conn.wait(seq)
             self.episodes_committed += len(header["episodes"])
             self.rows_committed += num_rows
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until everything written so far is committed and visible to readers.
         Pending (unfinished) episodes are not written: end them first if you want them."""
+        self.conn.check()
         with self._lock:
             self._flush(timeout)
 
@@ -298,7 +319,13 @@ class Writer:
             self._collect_acks(block=True)
 
     def close(self, timeout: float | None = None) -> None:
-        """Commit and wait for everything written, then disconnect. Safe to call twice."""
+        """Commit and wait for everything written, then disconnect. Safe to call twice.
+        In a process forked from the writer's, only this copy is dropped: what it staged
+        is the parent's to commit, and the socket is the parent's."""
+        if self.conn.forked:
+            self._closed = True
+            self.conn.close()
+            return
         with self._lock:
             if self._closed:
                 return
@@ -321,18 +348,23 @@ class Writer:
 
 
 class _Ticker:
-    """Calls ``fn`` every ``interval`` seconds on a daemon thread until stopped."""
+    """Calls ``fn()`` every ``interval`` seconds on a daemon thread until stopped, or until
+    ``fn`` (a weak reference) is gone: an unclosed writer is collected, not kept alive."""
 
-    def __init__(self, interval: float, fn: Callable[[], None]) -> None:
+    def __init__(self, interval: float, fn: weakref.WeakMethod[Callable[[], None]]) -> None:
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(interval, fn), name="shmbuffer-commit", daemon=True
         )
         self._thread.start()
 
-    def _run(self, interval: float, fn: Callable[[], None]) -> None:
+    def _run(self, interval: float, ref: weakref.WeakMethod[Callable[[], None]]) -> None:
         while not self._stop.wait(interval):
+            fn = ref()
+            if fn is None:
+                return
             fn()
+            del fn  # no strong reference while waiting
 
     def stop(self) -> None:
         self._stop.set()

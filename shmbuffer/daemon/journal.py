@@ -13,10 +13,19 @@ Record format (little endian)::
 Types: ``EPOCH [epoch]`` (first record of every journal generation), ``RESERVE [pointer,
 rows_written, next_reservation, n, (start, stop) * n]`` (the rows a reservation evicted and where
 the ring stands after it), ``COMMIT [rows_committed, episodes_committed, n, (id, start, end) *
-n]`` and ``CLEAR [pointer]``. Aborts need no record: an aborted reservation changed nothing but
-what its RESERVE record already holds (its rows were evicted and are never published). A crash
+n]``, ``CLEAR [pointer]`` and ``RESTORE [pointer, rows_written, n, (id, start, end) * n]`` (an
+aborted reservation publishing again what it evicted, see :meth:`Container.abort`). A plain
+abort needs no record: it changed nothing but what its RESERVE record already holds. A crash
 in the middle of a write leaves a short or CRC-failing last record, which :meth:`Journal.load`
 ignores (its request was never acknowledged).
+
+Space is reserved ahead, never discovered at append: the file is preallocated with
+``posix_fallocate`` in chunks of :data:`JOURNAL_CHUNK` bytes and records are written in place
+(``pwrite``) after the last one; everything after them is zeros. The service calls
+:meth:`Journal.reserve` *before* it changes any state for a request; when the file system is full
+it first tries a snapshot (which resets the journal to its start) and otherwise raises
+:class:`OutOfSpaceError`, so the request is refused, nothing was applied, and no record is ever
+torn in the middle of the journal: what was acknowledged is always replayed.
 
 Replay runs the records through :meth:`Container._evict` / :meth:`EpisodeRegistry.add`, the same
 code that produced them, so a replayed registry equals the live one (ids included).
@@ -33,28 +42,33 @@ after a resume every committed row counts 0 uses.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from shmbuffer.container import Container, Range
-from shmbuffer.errors import JournalError
-from shmbuffer.registry import EpisodeRegistry
+from shmbuffer.errors import JournalError, OutOfSpaceError
+from shmbuffer.registry import Episode, EpisodeRegistry
 
 JOURNAL_FILE = "journal.bin"
 STATE_FILE = "state.json"
 STATE_FORMAT = 1
 
-EPOCH, RESERVE, COMMIT, CLEAR = 0, 1, 2, 3
+EPOCH, RESERVE, COMMIT, CLEAR, RESTORE = 0, 1, 2, 3, 4
 _HEAD = struct.Struct("<II")
 #: Snapshot once the journal holds this many records (and more than twice the episodes).
 SNAPSHOT_EVERY = 20_000
+#: The journal file grows by preallocated chunks of this many bytes (~500 reserve + commit
+#: pairs); a snapshot rewinds it, so it stays a few chunks long.
+JOURNAL_CHUNK = 64 * 1024
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 # -- container state --------------------------------------------------------------------------
@@ -114,6 +128,14 @@ def encode_record(kind: int, fields: Iterable[int]) -> bytes:
     return _HEAD.pack(len(body), zlib.crc32(body)) + body
 
 
+def record_bytes(num_fields: int) -> int:
+    """The encoded size of a record with ``num_fields`` fields after its type."""
+    return _HEAD.size + 8 * (1 + num_fields)
+
+
+_EPOCH_BYTES = record_bytes(1)
+
+
 def iter_records(data: bytes) -> Iterator[tuple[int, np.ndarray, int]]:
     """``(type, fields, end offset)`` of each whole record; stops at a torn or corrupt one."""
     offset = 0
@@ -151,6 +173,12 @@ def apply_record(container: Container, counters: dict[str, int], kind: int, f: n
             container.registry.clear()
             container.use_counts[:] = -1
             container.pointer = int(f[0])
+        elif kind == RESTORE:
+            pointer, rows_written, n = (int(v) for v in f[:3])
+            container.restore(
+                [Episode(*(int(v) for v in f[3 + 3 * i : 6 + 3 * i])) for i in range(n)]
+            )
+            container.pointer, container.rows_written = pointer, rows_written
         elif kind != EPOCH:
             raise JournalError(f"unknown journal record type {kind}")
     except (IndexError, ValueError) as exc:
@@ -167,23 +195,42 @@ class Journal:
     fresh or resumed daemon), :meth:`load` reads what a dead daemon left.
     """
 
-    def __init__(self, folder: str | Path, snapshot_every: int = SNAPSHOT_EVERY) -> None:
+    def __init__(
+        self,
+        folder: str | Path,
+        snapshot_every: int = SNAPSHOT_EVERY,
+        chunk: int = JOURNAL_CHUNK,
+    ) -> None:
         self.folder = Path(folder)
         self.path = self.folder / JOURNAL_FILE
         self.state_path = self.folder / STATE_FILE
         self.snapshot_every = snapshot_every
+        self.chunk = chunk
         self.epoch = 0
         self.records = 0
         self._fd: int | None = None
+        self._offset = 0  # where the next record goes; zeros from here on
+        self._allocated = 0  # bytes of the file reserved with posix_fallocate
+        self._state_fn: Callable[[], dict[str, Any]] | None = None
 
     # -- writing ----------------------------------------------------------------------------
 
-    def start(self, state: dict[str, Any]) -> None:
-        """Snapshot ``state`` and open an empty journal after it (for appends)."""
+    def start(
+        self, state: dict[str, Any], state_fn: Callable[[], dict[str, Any]] | None = None
+    ) -> None:
+        """Snapshot ``state`` and open an empty journal after it (for appends). ``state_fn``
+        gives the current state when :meth:`reserve` needs a snapshot to make room."""
         if self._fd is None:
-            self._fd = os.open(
-                self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
-            )
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                size = os.fstat(fd).st_size
+                self._fallocate(fd, 0, max(size, self.chunk))
+            except BaseException:
+                os.close(fd)
+                raise
+            # What a previous daemon left is zeroed by the first snapshot below.
+            self._fd, self._offset, self._allocated = fd, size, max(size, self.chunk)
+        self._state_fn = state_fn
         try:
             previous = json.loads(self.state_path.read_text()).get("epoch", 0)
         except (OSError, ValueError, AttributeError):
@@ -192,27 +239,97 @@ class Journal:
         self.snapshot(state)
 
     def snapshot(self, state: dict[str, Any]) -> None:
-        """Write ``state`` (which must include every journaled change) and reset the journal."""
+        """Write ``state`` (which must include every journaled change) and reset the journal.
+        A full file system raises :class:`OutOfSpaceError` and leaves both files as they were."""
         if self._fd is None:
             raise JournalError("journal is not open: call start() first")
         epoch = self.epoch + 1
         tmp = self.state_path.with_name(f".{STATE_FILE}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({**state, "epoch": epoch}, f, separators=(",", ":"))
-        os.replace(tmp, self.state_path)
-        # From here the snapshot holds everything; a journal of the old epoch is ignored.
-        os.ftruncate(self._fd, 0)
-        os.write(self._fd, encode_record(EPOCH, [epoch]))
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({**state, "epoch": epoch}, f, separators=(",", ":"))
+            os.replace(tmp, self.state_path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if exc.errno in _NO_SPACE:
+                raise OutOfSpaceError(
+                    f"cannot write the snapshot {self.state_path}: its file system is full"
+                ) from None
+            raise
+        # From here the snapshot holds everything; a journal of the old epoch is ignored. The
+        # old records are zeroed behind the old EPOCH record first, so a crash half way leaves
+        # an old-epoch journal (skipped), never old records after the new EPOCH record.
+        self._zero(_EPOCH_BYTES, self._offset)
+        self._pwrite(encode_record(EPOCH, [epoch]), 0)
+        self._offset = _EPOCH_BYTES
         self.epoch, self.records = epoch, 0
 
     def needs_snapshot(self, num_episodes: int) -> bool:
         return self._fd is not None and self.records >= max(self.snapshot_every, 2 * num_episodes)
 
+    def reserve(self, nbytes: int) -> None:
+        """Make sure the next ``nbytes`` of records can be written, before the caller changes
+        any state: preallocate more chunks, or else snapshot (which rewinds the journal).
+        Raises :class:`OutOfSpaceError` when neither works; nothing changed then."""
+        if self._fd is None or self._offset + nbytes <= self._allocated:
+            return
+        try:
+            self._grow(nbytes)
+        except OutOfSpaceError as exc:
+            if self._state_fn is None or self.records == 0:
+                raise
+            try:
+                self.snapshot(self._state_fn())
+            except OutOfSpaceError:
+                raise OutOfSpaceError(f"{exc}; a snapshot to make room failed too") from None
+            if self._offset + nbytes > self._allocated:
+                self._grow(nbytes)
+
+    def _grow(self, nbytes: int) -> None:
+        assert self._fd is not None
+        need = self._offset + nbytes - self._allocated
+        extra = -(-need // self.chunk) * self.chunk  # whole chunks
+        self._fallocate(self._fd, self._allocated, extra)
+        self._allocated += extra
+
+    def _fallocate(self, fd: int, offset: int, length: int) -> None:
+        try:
+            os.posix_fallocate(fd, offset, length)
+        except OSError as exc:
+            if exc.errno in _NO_SPACE:
+                raise OutOfSpaceError(
+                    f"the journal {self.path} cannot grow by {length:,} bytes: no space left on "
+                    "its file system; the request was not applied (free space, then retry)"
+                ) from None
+            raise
+
+    def _pwrite(self, data: bytes, offset: int) -> None:
+        assert self._fd is not None
+        view = memoryview(data)
+        while view:  # preallocated: a short write is not expected, but never leave one
+            written = os.pwrite(self._fd, view, offset)
+            view, offset = view[written:], offset + written
+
+    def _zero(self, start: int, stop: int) -> None:
+        block = bytes(min(max(stop - start, 0), 1 << 20))
+        for offset in range(start, stop, len(block) or 1):
+            self._pwrite(block[: stop - offset], offset)
+
     def _append(self, kind: int, fields: list[int]) -> None:
         if self._fd is None:
             return
-        os.write(self._fd, encode_record(kind, fields))
+        record = encode_record(kind, fields)
+        if self._offset + len(record) > self._allocated:
+            self._grow(len(record))  # a caller that did not reserve: grow, never snapshot
+        try:
+            self._pwrite(record, self._offset)
+        except BaseException:
+            # The record is not in the journal (the request fails); zero what may have
+            # landed, so the next record starts on clean bytes.
+            self._zero(self._offset, self._offset + len(record))
+            raise
+        self._offset += len(record)
         self.records += 1
 
     def append_reserve(
@@ -232,6 +349,10 @@ class Journal:
 
     def append_clear(self, pointer: int) -> None:
         self._append(CLEAR, [pointer])
+
+    def append_restore(self, episodes: list[Episode], pointer: int, rows_written: int) -> None:
+        flat = [v for ep in episodes for v in (ep.id, ep.start, ep.end)]
+        self._append(RESTORE, [pointer, rows_written, len(episodes), *flat])
 
     def close(self) -> None:
         if self._fd is not None:
@@ -271,5 +392,6 @@ class Journal:
         elif first is not None:  # an older generation: already in the snapshot
             used = len(data)
         out = container_state(container, counters)
-        out.update(epoch=state.get("epoch", 0), replayed=replayed, torn=len(data) - used)
+        torn = len(data[used:].rstrip(b"\0"))  # the preallocated rest is zeros
+        out.update(epoch=state.get("epoch", 0), replayed=replayed, torn=torn)
         return out

@@ -27,7 +27,7 @@ import numpy as np
 from shmbuffer import rows
 from shmbuffer.container import Container, Reservation
 from shmbuffer.daemon.config import DaemonConfig
-from shmbuffer.daemon.journal import Journal, container_state, restore_container
+from shmbuffer.daemon.journal import Journal, container_state, record_bytes, restore_container
 from shmbuffer.daemon.leases import LeaseTable
 from shmbuffer.daemon.security import segment_access
 from shmbuffer.daemon.stats import Counters, RateMeter
@@ -105,6 +105,14 @@ def _episodes_field(fields: dict[str, Any]) -> int | list[int]:
     return list(lengths)
 
 
+#: A RESERVE record evicts at most two ranges (a wrap).
+_RESERVE_BYTES = record_bytes(4 + 2 * 2)
+
+
+def _commit_bytes(reservation: Reservation) -> int:
+    return record_bytes(3 + 3 * len(reservation.episodes))
+
+
 class BufferService:
     def __init__(self, config: DaemonConfig, segment: Segment | None = None) -> None:
         self.config = config
@@ -129,6 +137,9 @@ class BufferService:
         self.rates = RateMeter()
         self._next_reap = 0.0  # monotonic time of the next dead/idle-client sweep
         self._sweeps = 0
+        #: Why admin ops are refused on this daemon's transport (set by the Server from
+        #: ``security.admin_refusal``; None: the role is enough, as on the ipc socket).
+        self.admin_refused: str | None = None
         self.segment = segment
         self.journal: Journal | None = None  # metadata log for --resume; see journal.py
         self.generations = (
@@ -154,7 +165,13 @@ class BufferService:
             **segment_access(self.config.group),  # owner-only, or 0660 for --group
         )
         self.generations = self.segment.generations
-        self._start_journal()
+        try:
+            self._start_journal()
+        except BaseException:  # no journal, no segment: a later schema must start over
+            self.segment.close()
+            Segment.unlink(self.config.name, self.config.storage_dir)
+            self.segment = None
+            raise
         log.info(
             "allocated %s: %d rows x %d bytes = %.1f MB (%s)",
             self.segment.path,
@@ -170,7 +187,9 @@ class BufferService:
         return {
             "name": self.segment.name,
             "path": str(self.segment.path),
-            "storage_dir": self.config.storage_dir,
+            # the root itself, never None: the default root is per user, so a --group member
+            # would look for it in a folder of its own
+            "storage_dir": str(self.segment.path.parent),
         }
 
     def buffer_info(self) -> dict[str, Any]:
@@ -276,6 +295,9 @@ class BufferService:
     def op_reserve(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Any:
         if "commit" in fields:  # commit the previous episode in the same round trip; kept
             # out of ``fields`` so a deferred retry does not commit twice
+            reservation = self._owned(client, fields["commit"])
+            # Room for both records first, so a full disk refuses the pair, not half of it.
+            self._journal_room(_commit_bytes(reservation) + _RESERVE_BYTES)
             fields["_committed"] = self._commit(client, fields.pop("commit"))
         reservation = self._reserve(client, fields, now)
         reply = {"reservation": reservation.id, "ranges": [list(r) for r in reservation.ranges]}
@@ -301,6 +323,7 @@ class BufferService:
             raise Deferred(f"rows are leased by readers (episodes {leased[:5]})", deadline)
         if self.container.conflicts(evict):  # the ring lapped a writer that is still copying
             raise Deferred("rows are still being written by another writer", deadline)
+        self._journal_room(record_bytes(4 + 2 * len(evict)))  # OutOfSpaceError: nothing done
         reservation = self.container.reserve(num_rows, num_sub, owner=client.id)
         self._journal_reserve(evict)  # before the reply hands out the rows
         for start, stop in reservation.ranges:
@@ -321,6 +344,9 @@ class BufferService:
 
     def _commit(self, client: Client, reservation_id: int) -> list[int]:
         reservation = self._owned(client, reservation_id)
+        # A commit the journal cannot hold is refused (out_of_space), never acknowledged: the
+        # reservation stays open, so the writer may retry once there is room.
+        self._journal_room(_commit_bytes(reservation))
         ids = self.container.commit(reservation.id)
         client.reservations.discard(reservation.id)
         self.counters.rows_committed += reservation.num_rows
@@ -333,9 +359,24 @@ class BufferService:
 
     def op_abort(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Any:
         reservation = self._owned(client, fields["reservation"])
-        self.container.abort(reservation.id)
+        self._abort(reservation, fields.get("written"))
         client.reservations.discard(reservation.id)
         return {}, []
+
+    def _abort(self, reservation: Reservation, written: int | None) -> None:
+        """Abort; with ``written`` (rows the writer's copy may have touched) what the
+        reservation evicted from untouched rows is published again, and journaled."""
+        if written is not None and self.journal is not None:
+            restorable = len(reservation.evicted) + len(reservation.trimmed)
+            try:
+                self.journal.reserve(record_bytes(3 + 3 * restorable))
+            except OutOfSpaceError:
+                written = None  # no room to journal it: keep them evicted, as before
+        c = self.container
+        before = (c.pointer, c.rows_written)
+        restored = c.abort(reservation.id, written)
+        if (restored or before != (c.pointer, c.rows_written)) and self.journal is not None:
+            self.journal.append_restore(restored, c.pointer, c.rows_written)
 
     def op_write(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Any:
         """A remote writer's rows arrive as frames; the daemon does the copy."""
@@ -349,12 +390,20 @@ class BufferService:
                 "write fewer rows per call"
             )
         leaves = self._leaves_from_frames(fields["rows"], frames)
+        num_sub = _episodes_field(fields)
+        episodes = num_sub if isinstance(num_sub, int) else len(num_sub)
+        # Room for both records first (a sub-episode across the wrap is two): a full disk
+        # refuses the write whole, never after its rows were copied.
+        self._journal_room(_RESERVE_BYTES + record_bytes(3 + 3 * (episodes + 1)))
         reservation = self._reserve(client, fields, now)
         assert self.segment is not None
+        progress = rows.Progress()
         try:
-            rows.write(self.segment.columns, self.segment.arrays, reservation.ranges, leaves)
+            rows.write(
+                self.segment.columns, self.segment.arrays, reservation.ranges, leaves, 0, progress
+            )
         except BaseException:
-            self.container.abort(reservation.id)
+            self._abort(reservation, progress.rows)
             client.reservations.discard(reservation.id)
             raise
         return {"episodes": self._commit(client, reservation.id)}, []
@@ -442,14 +491,26 @@ class BufferService:
         self.leases.release(fields["lease"], client.id)
         return {}, []
 
-    def op_clear(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Any:
+    def op_renew(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Any:
+        """A reader's heartbeat for a lease it still uses: another ``lease_ttl`` from now."""
+        self.leases.renew(fields["lease"], client.id, now)
+        return {"ttl": self.config.lease_ttl}, []
+
+    def _require_admin(self, client: Client, action: str) -> None:
+        """The admin role, and a transport that vouches for it (see ``admin_refused``)."""
         if client.role != "admin":
-            raise PermissionDeniedError("only an admin client may clear the buffer")
+            raise PermissionDeniedError(f"only an admin client may {action}")
+        if self.admin_refused is not None:
+            raise PermissionDeniedError(f"refusing to {action}: {self.admin_refused}")
+
+    def op_clear(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Any:
+        self._require_admin(client, "clear the buffer")
         if len(self.leases) or self.container.reservations:
             raise LimitExceededError(
                 f"cannot clear while {len(self.leases)} leases and "
                 f"{len(self.container.reservations)} reservations are open"
             )
+        self._journal_room(record_bytes(1))
         self.container.clear()
         if self.journal is not None:
             self.journal.append_clear(self.container.pointer)
@@ -458,16 +519,22 @@ class BufferService:
     def op_shutdown(
         self, client: Client, fields: dict[str, Any], frames: Frames, now: float
     ) -> Any:
-        if client.role != "admin":
-            raise PermissionDeniedError("only an admin client may shut the daemon down")
+        self._require_admin(client, "shut the daemon down")
         return {}, []
 
     # -- persistence: journal (for --resume) and checkpoints --------------------------------
 
     def _start_journal(self) -> None:
         assert self.segment is not None
-        self.journal = Journal(self.segment.path)
-        self.journal.start(self.persistent_state())
+        journal = Journal(self.segment.path)
+        journal.start(self.persistent_state(), state_fn=self.persistent_state)
+        self.journal = journal  # only once it can take records
+
+    def _journal_room(self, nbytes: int) -> None:
+        """Reserve journal space for a request's records before it changes anything, so an
+        acknowledged change is always on disk (OutOfSpaceError refuses the request)."""
+        if self.journal is not None:
+            self.journal.reserve(nbytes)
 
     def _journal_reserve(self, evicted: list[tuple[int, int]]) -> None:
         if self.journal is not None:
@@ -504,8 +571,7 @@ class BufferService:
     def op_checkpoint(
         self, client: Client, fields: dict[str, Any], frames: Frames, now: float
     ) -> Any:
-        if client.role != "admin":
-            raise PermissionDeniedError("only an admin client may checkpoint the buffer")
+        self._require_admin(client, "checkpoint the buffer")
         from shmbuffer.daemon.checkpoint import write_checkpoint
 
         state = {
@@ -532,7 +598,10 @@ class BufferService:
                 log.warning("reservation %d expired uncommitted; rows dropped", reservation.id)
         self.rates.tick(now, self.counters)
         if self.journal is not None and self.journal.needs_snapshot(self.container.num_episodes):
-            self.journal.snapshot(self.persistent_state())  # keeps a resume's replay short
+            try:
+                self.journal.snapshot(self.persistent_state())  # keeps a resume's replay short
+            except (OSError, OutOfSpaceError) as exc:  # a full disk: the journal goes on
+                log.warning("journal snapshot failed, retried later: %s", exc)
         if now >= self._next_reap:
             self._next_reap = now + REAP_INTERVAL_S
             self._reap(now)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -51,6 +52,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         curve_secret=args.curve_secret,
         curve_clients=args.curve_clients,
         insecure_tcp=args.insecure_tcp,
+        insecure_tcp_admin=args.insecure_tcp_admin,
     )
     if args.resume or args.restore:  # capacity/unit/mode/schema come from what is loaded
         from shmbuffer.daemon.recovery import adopt_settings
@@ -72,9 +74,18 @@ def _claim_name(config: DaemonConfig, keep_segment: bool = False) -> None:
             f"buffer {config.name!r} is already served by pid {info.get('pid')} at "
             f"{info.get('endpoint')}; stop it first (`shmbuffer-daemon stop --name {config.name}`)"
         )
-    log.warning(
-        "replacing the stale runtime file and segment of dead daemon pid %s", info.get("pid")
-    )
+    if keep_segment:
+        log.warning(
+            "replacing the stale runtime file of dead daemon pid %s; its segment and journal "
+            "are kept and resumed, committed rows included",
+            info.get("pid"),
+        )
+    else:
+        log.warning(
+            "removing the stale runtime file and segment of dead daemon pid %s, with the rows "
+            "it had committed (`start --resume` would have served them again)",
+            info.get("pid"),
+        )
     runtime.remove(config.name)
     if not keep_segment:
         from shmbuffer.segment import Segment
@@ -113,7 +124,7 @@ def run_daemon(
             "protocol": PROTOCOL_VERSION,
         },
     )
-    (runtime_dir() / f"{config.name}.pid").write_text(f"{os.getpid()}\n")
+    _write_private(runtime_dir() / f"{config.name}.pid", f"{os.getpid()}\n".encode())
     security.share_runtime(config)  # with --group: the runtime dir and file become group-readable
     log.info(
         "buffer %r: %d rows, unit=%s, mode=%s; listening on %s (pid %d)",
@@ -139,10 +150,32 @@ def run_daemon(
     return 0
 
 
+def _write_private(path: os.PathLike[str], data: bytes) -> None:
+    """Write ``path`` owner-only (``0600``) whatever the umask; an existing file is tightened."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(data)
+
+
+def _log_tail(path: os.PathLike[str], offset: int, lines: int = 20) -> str:
+    """The last ``lines`` lines written to ``path`` after ``offset`` (what one run logged)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            text = f.read()[-65536:].decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
 def _detach(args: argparse.Namespace, config: DaemonConfig) -> int:
     argv = [a for a in sys.argv[1:] if a != "--detach"]
     logfile = runtime_dir() / f"{config.name}.log"
-    with open(logfile, "ab") as out:
+    fd = os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)  # an older log made 0644 is tightened too: it names paths and clients
+    with os.fdopen(fd, "ab") as out:
+        offset = out.seek(0, os.SEEK_END)
         child = subprocess.Popen(
             [sys.executable, "-m", "shmbuffer.cli", *argv],
             stdout=out,
@@ -153,7 +186,10 @@ def _detach(args: argparse.Namespace, config: DaemonConfig) -> int:
     deadline = time.monotonic() + args.ready_timeout
     while time.monotonic() < deadline:
         if child.poll() is not None:
+            tail = _log_tail(logfile, offset)
             print(f"the daemon exited with {child.returncode}; see {logfile}", file=sys.stderr)
+            if tail:
+                print(tail, file=sys.stderr)
             return 1
         info = runtime.read(config.name)
         if info is not None and info.get("pid") == child.pid:
@@ -180,25 +216,45 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    info = runtime.read(args.name)
-    if info is None or runtime.is_stale(info):
-        print(f"no daemon serves {args.name!r}", file=sys.stderr)
-        return 1
-    pid = int(info["pid"])
+    """Ask the daemon to shut down; ``--name`` is a buffer name or an endpoint, as for
+    ``status``. A daemon found by name that refuses (tcp without CURVE) or does not answer is
+    sent SIGTERM; one found by endpoint only is not (its pid may be another host's)."""
+    from shmbuffer.clients.connection import is_remote_target
+
+    target, pid, by_name = args.name, None, "://" not in args.name
+    if by_name:
+        info = runtime.read(target)
+        if info is None or runtime.is_stale(info):
+            print(f"no daemon serves {target!r}", file=sys.stderr)
+            return 1
+        pid = int(info["pid"])
+    refused: ShmBufferError | None = None
     try:
-        conn = _admin(args.name)
-        conn.call("shutdown", keep=args.keep)
-        conn.close()
+        conn = _admin(target)
+        try:
+            pid = conn.daemon_pid if pid is None else pid
+            conn.call("shutdown", keep=args.keep)
+        finally:
+            conn.close()
     except ShmBufferError as exc:
-        print(f"the daemon did not answer ({exc}); sending SIGTERM", file=sys.stderr)
+        refused = exc
+    if refused is not None:
+        if not by_name or pid is None:
+            print(f"cannot stop {target}: {refused}", file=sys.stderr)
+            return 1
+        print(f"the daemon did not stop on request ({refused}); sending SIGTERM", file=sys.stderr)
         os.kill(pid, signal.SIGTERM)
+    assert pid is not None
+    if not by_name and is_remote_target(target):
+        print(f"asked the daemon at {target} (pid {pid} on its host) to stop")
+        return 0
     deadline = time.monotonic() + args.timeout
     while runtime.pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     if runtime.pid_alive(pid):
         print(f"pid {pid} still running after {args.timeout}s", file=sys.stderr)
         return 1
-    print(f"stopped {args.name!r} (pid {pid})")
+    print(f"stopped {target!r} (pid {pid})")
     return 0
 
 
@@ -266,6 +322,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # -- parser -------------------------------------------------------------------------------
 
 
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (``nan``, ``inf``, 0 and negatives are usage
+    errors, not a crash later: ``--watch -1`` used to fail in ``time.sleep``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive, finite number of seconds, got {text!r}"
+        )
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shmbuffer-daemon", description="Run and inspect a shmbuffer replay-buffer daemon."
@@ -281,12 +351,14 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--mode", choices=("circular", "fixed"), default=None)
     start.add_argument("--schema", help="TOML or JSON file: keys -> dtype, shape")
     start.add_argument("--endpoint", help="ipc://PATH or tcp://HOST:PORT")
-    start.add_argument("--storage-dir", help="folder for the segment (default /dev/shm/shmbuffer)")
-    start.add_argument("--lease-ttl", type=float, default=None)
-    start.add_argument("--reservation-ttl", type=float, default=None)
+    start.add_argument(
+        "--storage-dir", help="folder for the segment (default /dev/shm/shmbuffer-<uid>)"
+    )
+    start.add_argument("--lease-ttl", type=_seconds, default=None)
+    start.add_argument("--reservation-ttl", type=_seconds, default=None)
     start.add_argument("--keep", action="store_true", help="keep the segment when stopping")
     start.add_argument("--detach", action="store_true", help="run in the background")
-    start.add_argument("--ready-timeout", type=float, default=30.0)
+    start.add_argument("--ready-timeout", type=_seconds, default=30.0)
     start.add_argument(
         "--group", help="group NAME or GID that may use the segment and ipc socket (0660)"
     )
@@ -299,6 +371,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         default=None,
         help="allow a non-loopback tcp endpoint without CURVE (anyone can connect)",
+    )
+    start.add_argument(
+        "--insecure-tcp-admin",
+        action="store_true",
+        default=None,
+        help="allow clear/shutdown/checkpoint on a tcp endpoint without CURVE (any client)",
     )
     recover = start.add_mutually_exclusive_group()
     recover.add_argument(
@@ -318,25 +396,27 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt = sub.add_parser("checkpoint", help="write the buffer to DIR/checkpoint")
     ckpt.add_argument("--name", default="default")
     ckpt.add_argument("--to", required=True, help="folder (on the daemon's machine)")
-    ckpt.add_argument("--timeout", type=float, default=600.0)
+    ckpt.add_argument("--timeout", type=_seconds, default=600.0)
     ckpt.set_defaults(func=cmd_checkpoint)
 
     clean = sub.add_parser("cleanup", help="remove segments and runtime files of dead daemons")
-    clean.add_argument("--storage-dir", help="segment folder root (default /dev/shm/shmbuffer)")
+    clean.add_argument(
+        "--storage-dir", help="segment folder root (default /dev/shm/shmbuffer-<uid>)"
+    )
     clean.add_argument("--dry-run", action="store_true", help="only print what would go")
     clean.set_defaults(func=cmd_cleanup)
 
     stop = sub.add_parser("stop", help="stop a daemon cleanly")
-    stop.add_argument("--name", default="default")
+    stop.add_argument("--name", default="default", help="buffer name, or an endpoint")
     stop.add_argument("--keep", action="store_true", help="keep the segment")
-    stop.add_argument("--timeout", type=float, default=10.0)
+    stop.add_argument("--timeout", type=_seconds, default=10.0)
     stop.set_defaults(func=cmd_stop)
 
     status = sub.add_parser("status", help="show a daemon's state")
     status.add_argument("--name", default="default")
     status.add_argument("--json", action="store_true")
-    status.add_argument("--watch", type=float, nargs="?", const=1.0, default=None)
-    status.add_argument("--timeout", type=float, default=5.0)
+    status.add_argument("--watch", type=_seconds, nargs="?", const=1.0, default=None)
+    status.add_argument("--timeout", type=_seconds, default=5.0)
     status.set_defaults(func=cmd_status)
 
     demo = sub.add_parser("demo", help="a daemon, writers and learners on synthetic data")

@@ -41,6 +41,7 @@ from shmbuffer.errors import (
     SegmentNotFoundError,
 )
 from shmbuffer.names import validate_name
+from shmbuffer.runtime import check_private_dir
 from shmbuffer.schema import Field, Key, Schema, key_str
 
 FORMAT_VERSION = 1
@@ -68,7 +69,30 @@ def check_fits(
 
 
 def default_storage_dir() -> Path:
-    return Path(os.environ.get(ENV_STORAGE_DIR) or "/dev/shm/shmbuffer")
+    """``$SHMBUFFER_STORAGE_DIR``, else ``/dev/shm/shmbuffer-<uid>``: per user, like the
+    runtime folder, so the first user's owner-only root never locks the others out."""
+    return Path(os.environ.get(ENV_STORAGE_DIR) or f"/dev/shm/shmbuffer-{os.getuid()}")
+
+
+def _check_default_root(storage_dir: str | Path | None) -> None:
+    """The default root sits in world-writable /dev/shm, where anyone could have made it
+    first: refuse one that is not ours or that others may write (they could swap our segment
+    folders). A root named explicitly is the caller's choice and is not checked."""
+    if storage_dir is None and not os.environ.get(ENV_STORAGE_DIR):
+        root = default_storage_dir()
+        if root.exists():
+            hint = f" (or pass --storage-dir / set ${ENV_STORAGE_DIR})"
+            check_private_dir(root, "storage folder", hint=hint)
+
+
+def _open_root_to_group(root: Path, group: int) -> None:
+    """A private root of ours (the per-user default, made by a daemon without ``--group``)
+    becomes traversable by ``group``, whose members map this segment; a root that is not ours,
+    or already open to someone, is left as it is (it must let the group in already)."""
+    st = os.stat(root)
+    if st.st_uid == os.getuid() and not st.st_mode & 0o077:
+        os.chown(root, -1, group)
+        os.chmod(root, (st.st_mode & 0o777) | 0o050)
 
 
 def segment_path(name: str, storage_dir: str | Path | None = None) -> Path:
@@ -241,14 +265,19 @@ class Segment(_Columns):
                 f"segment {name!r} needs {size + ALIGN} bytes but {path.parent} has {free} free"
             )
         dir_mode = 0o750 if group is not None else 0o700
-        if not path.parent.exists():  # an existing storage root is left as it is
-            os.makedirs(path.parent.parent, exist_ok=True)
-            with contextlib.suppress(FileExistsError):  # another creator may race us here
-                _make_dir(path.parent, dir_mode, group)
+        _check_default_root(storage_dir)
         try:
+            if not path.parent.exists():
+                os.makedirs(path.parent.parent, exist_ok=True)
+                with contextlib.suppress(FileExistsError):  # another creator may race us here
+                    _make_dir(path.parent, dir_mode, group)
+            elif group is not None:
+                _open_root_to_group(path.parent, group)
             _make_dir(path, dir_mode, group)
         except FileExistsError:
             raise SegmentError(f"segment {name!r} already exists at {path}") from None
+        except OSError as e:  # e.g. a root another user made: name it, not a bare EACCES
+            raise SegmentError(f"segment {name!r}: cannot create {path}: {e}") from e
         try:
             fd = _open_new(path / DATA_FILE, file_mode, group)
             try:
@@ -279,6 +308,7 @@ class Segment(_Columns):
         cls, name: str, *, storage_dir: str | Path | None = None, prefault: bool = True
     ) -> Segment:
         path = segment_path(name, storage_dir)
+        _check_default_root(storage_dir)
         if not path.is_dir():
             raise SegmentNotFoundError(f"no segment {name!r} at {path}")
         try:

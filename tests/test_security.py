@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import grp
 import os
+import re
 import socket
 import stat
+import tempfile
 from pathlib import Path
 
 import pytest
 import zmq
 import zmq.auth
 
-from shmbuffer import curve
+from shmbuffer import curve, runtime
 from shmbuffer.cli import main
 from shmbuffer.curve import (
     KeyFileError,
@@ -32,6 +34,7 @@ from shmbuffer.daemon.security import (
     segment_access,
     tcp_host,
 )
+from shmbuffer.errors import ConfigError, PermissionDeniedError
 
 
 def mode(path: Path | str) -> int:
@@ -254,3 +257,144 @@ def test_start_refuses_names_that_escape_the_storage_dir(name, tmp_path, capsys)
     err = capsys.readouterr().err
     assert "invalid segment name" in err
     assert list(tmp_path.iterdir()) == []  # nothing was created
+
+
+# -- runtime folders and files (issue 7, item 9) -----------------------------------------------
+
+
+OTHER_UID = 65534  # `nobody`; chown needs root
+
+
+def needs_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("chown to another user needs root")
+
+
+def test_runtime_dir_writable_by_others_is_refused(tmp_path, monkeypatch):
+    folder = tmp_path / "rt"
+    folder.mkdir()
+    monkeypatch.setenv("SHMBUFFER_RUNTIME_DIR", str(folder))
+    for bad in (0o777, 0o770, 0o1777):
+        os.chmod(folder, bad)
+        with pytest.raises(PermissionDeniedError, match="lets other users write") as info:
+            runtime.runtime_dir()
+        assert str(folder) in str(info.value)
+    os.chmod(folder, 0o750)  # what --group makes of it: read, not write
+    assert runtime.runtime_dir() == folder
+
+
+def test_default_runtime_dir_of_another_user_is_refused(tmp_path, monkeypatch):
+    needs_root()
+    monkeypatch.delenv("SHMBUFFER_RUNTIME_DIR", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    planted = tmp_path / f"shmbuffer-{os.getuid()}"
+    planted.mkdir(mode=0o755)
+    os.chown(planted, OTHER_UID, -1)
+    with pytest.raises(PermissionDeniedError, match=f"belongs to uid {OTHER_UID}"):
+        runtime.runtime_dir()
+    with pytest.raises(PermissionDeniedError):
+        runtime.resolve_endpoint("default")
+    # named explicitly (how --group members find a daemon), another user's folder is read
+    monkeypatch.setenv("SHMBUFFER_RUNTIME_DIR", str(planted))
+    assert runtime.runtime_dir() == planted
+
+
+def test_untrusted_runtime_files_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHMBUFFER_RUNTIME_DIR", str(tmp_path))
+    os.chmod(tmp_path, 0o700)
+    path = runtime.write("buf", {"endpoint": "ipc:///x", "pid": 1})
+    assert mode(path) == 0o600
+    assert runtime.read("buf")["endpoint"] == "ipc:///x"
+    os.chmod(path, 0o622)
+    with pytest.raises(PermissionDeniedError, match="refusing runtime file"):
+        runtime.read("buf")
+    os.chmod(path, 0o600)
+    if os.geteuid() == 0:
+        os.chown(path, OTHER_UID, -1)
+        with pytest.raises(PermissionDeniedError, match=f"owned by uid {OTHER_UID}"):
+            runtime.read("buf")
+    path.unlink()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "real.json").write_text('{"endpoint": "tcp://10.0.0.1:1"}')
+    path.symlink_to(tmp_path / "elsewhere" / "real.json")
+    with pytest.raises(PermissionDeniedError, match="symlink"):
+        runtime.read("buf")
+    assert runtime.live_daemons() == []  # listing skips what it cannot trust
+
+
+# -- admin requests over tcp (item 10) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "curve", "allow", "refused"),
+    [
+        ("ipc:///tmp/x.sock", False, False, False),
+        ("tcp://127.0.0.1:5555", False, False, True),
+        ("tcp://0.0.0.0:5555", False, False, True),
+        ("tcp://127.0.0.1:5555", True, False, False),
+        ("tcp://127.0.0.1:5555", False, True, False),
+    ],
+)
+def test_admin_refusal(endpoint, curve, allow, refused):
+    reason = security.admin_refusal(endpoint, curve, allow)
+    assert (reason is not None) == refused
+    if reason is not None:
+        assert "--insecure-tcp-admin" in reason and endpoint in reason
+
+
+def test_insecure_tcp_admin_is_a_loud_warning():
+    config = DaemonConfig(endpoint="tcp://127.0.0.1:5555", insecure_tcp_admin=True)
+    assert any(w.startswith("INSECURE: any client") for w in check_daemon_access(config))
+    assert not any("INSECURE" in w for w in check_daemon_access(DaemonConfig()))
+
+
+# -- settings (item 13) ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "message"),
+    [
+        ("tcp://127.0.0.1:99999", "port '99999'"),
+        ("tcp://127.0.0.1:-1", "port '-1'"),
+        ("tcp://127.0.0.1:http", "port 'http'"),
+        ("tcp://127.0.0.1", "expected tcp://HOST:PORT"),
+        ("tcp://:5555", "expected tcp://HOST:PORT"),
+        ("udp://127.0.0.1:5555", "transport 'udp'"),
+        ("inproc://x", "transport 'inproc'"),
+        ("/tmp/x.sock", "transport '/tmp/x.sock'"),
+        ("ipc://", "the ipc path is empty"),
+        ("ipc:///tmp/" + "y" * 103, "is 108 bytes, over the kernel's limit of 107"),
+    ],
+)
+def test_bad_endpoints_are_refused(endpoint, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        DaemonConfig(endpoint=endpoint)
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    ["tcp://127.0.0.1:0", "tcp://*:*", "tcp://[::1]:65535", "ipc:///tmp/" + "y" * 102, "ipc://@a"],
+)
+def test_good_endpoints(endpoint):
+    assert DaemonConfig(endpoint=endpoint).resolved_endpoint == endpoint
+
+
+def test_default_ipc_path_too_long(tmp_path, monkeypatch):
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir(mode=0o700)
+    monkeypatch.setenv("SHMBUFFER_RUNTIME_DIR", str(deep))
+    with pytest.raises(ConfigError, match="SHMBUFFER_RUNTIME_DIR"):
+        DaemonConfig().resolved_endpoint  # noqa: B018
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0, -1.0, "30", True])
+@pytest.mark.parametrize("setting", ["lease_ttl", "reservation_ttl", "client_idle_ttl"])
+def test_ttls_must_be_positive_finite_numbers(setting, value):
+    with pytest.raises(ConfigError, match=f"{setting} must be a positive, finite number"):
+        DaemonConfig(**{setting: value})
+
+
+def test_flags_must_be_booleans():
+    with pytest.raises(ConfigError, match="insecure_tcp must be true or false"):
+        DaemonConfig(insecure_tcp="false")

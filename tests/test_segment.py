@@ -261,6 +261,25 @@ def test_file_modes_group(storage: Path, name: str) -> None:
         assert (seg.path / f).stat().st_gid == gid
 
 
+def test_private_root_is_opened_to_the_group(storage: Path, name: str) -> None:
+    """A root of ours made owner-only (a daemon without --group was first) becomes
+    traversable by the group of a --group segment, whose members must reach it."""
+    storage.mkdir(parents=True, mode=0o700)
+    os.chmod(storage, 0o700)
+    gid = os.getgid()
+    Segment.create(name, SMALL, 4, storage_dir=storage, file_mode=0o660, group=gid)
+    assert mode(storage) == 0o750
+    assert storage.stat().st_gid == gid
+
+
+def test_unusable_root_is_a_segment_error_naming_it(storage: Path, name: str) -> None:
+    storage.parent.mkdir(parents=True)
+    storage.write_text("not a folder")  # so is a root another user made 0700: EACCES
+    with pytest.raises(SegmentError) as err:
+        Segment.create(name, SMALL, 4, storage_dir=storage)
+    assert str(storage / name) in str(err.value)
+
+
 @pytest.mark.parametrize(
     "bad", ["", ".", "..", ".hidden", "a/b", "../up", "/abs", "a\0b", "a b", "é", "x" * 65]
 )
@@ -285,8 +304,9 @@ def test_valid_names(good: str) -> None:
 
 def test_storage_dir_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("SHMBUFFER_STORAGE_DIR", raising=False)
-    assert default_storage_dir() == Path("/dev/shm/shmbuffer")
-    assert segment_path("b") == Path("/dev/shm/shmbuffer/b")
+    uid = os.getuid()  # per user: one user's owner-only root must not lock the others out
+    assert default_storage_dir() == Path(f"/dev/shm/shmbuffer-{uid}")
+    assert segment_path("b") == Path(f"/dev/shm/shmbuffer-{uid}/b")
     monkeypatch.setenv("SHMBUFFER_STORAGE_DIR", str(tmp_path))
     assert segment_path("b") == tmp_path / "b"
     assert segment_path("b", "/elsewhere") == Path("/elsewhere/b")

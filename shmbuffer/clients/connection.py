@@ -4,6 +4,17 @@ Requests may be pipelined: :meth:`Connection.send` returns at once and :meth:`Co
 collects that request's reply later (the writer sends a commit and goes on copying). Every wait
 is bounded; a daemon that does not answer in time raises :class:`DaemonUnavailableError`
 instead of hanging the caller.
+
+Lifecycle: every socket lives in one ZeroMQ context per process (:class:`_ProcessContext`),
+never terminated, and each connection closes its own sockets with ``LINGER`` 0, in
+:meth:`Connection.close` or, for one never closed, in a ``weakref.finalize`` callback that
+holds the sockets. ``zmq_ctx_term`` blocks until every socket of its context is closed; a
+context per connection, collected in a reference cycle, was finalised before its socket (the
+garbage's weak references are cleared first, so pyzmq's ``Context.__del__`` found no socket to
+close) and ``gc.collect()`` blocked forever (issue 7). A connection is bound to the process
+that made it: used after ``os.fork()`` it raises :class:`ForkedClientError` (the inherited
+socket's I/O thread does not exist in the child, so a poll on it spun forever), and closing
+it there touches nothing of the parent's.
 """
 
 from __future__ import annotations
@@ -13,7 +24,9 @@ import functools
 import operator
 import os
 import socket
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +40,9 @@ from shmbuffer.curve import (
     client_curve_options,
 )
 from shmbuffer.errors import (
+    ClosedError,
     DaemonUnavailableError,
+    ForkedClientError,
     LimitExceededError,
     ProtocolError,
     error_from_code,
@@ -44,6 +59,41 @@ _FAILED_HANDSHAKE = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH,
 )
 _HANDSHAKE_EVENTS = functools.reduce(operator.or_, _FAILED_HANDSHAKE)
+
+
+class _ProcessContext:
+    """This process's ZeroMQ context, made at first use and again in a forked child (a
+    context does not survive fork). Never terminated: nothing may wait in ``zmq_ctx_term``
+    (see the module docstring); the process's exit ends its I/O thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._context: zmq.Context[Any] | None = None
+        self._pid = 0
+
+    def get(self) -> zmq.Context[Any]:
+        with self._lock:
+            if self._context is None or self._pid != os.getpid():
+                self._context, self._pid = zmq.Context(), os.getpid()
+            return self._context
+
+    def after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # a thread of the parent may have held it at the fork
+
+
+_process_context = _ProcessContext()
+os.register_at_fork(after_in_child=_process_context.after_fork_in_child)
+
+
+def _close_sockets(pid: int, sockets: list[zmq.Socket[Any]]) -> None:
+    """Close a connection's sockets at once (``LINGER`` 0: nothing rides on an unacknowledged
+    message). The finaliser of a connection never closed; a no-op in a forked child, whose
+    copies of the parent's sockets are not its own."""
+    if os.getpid() != pid:
+        return
+    while sockets:
+        with contextlib.suppress(zmq.ZMQError):
+            sockets.pop().close(linger=0)
 
 
 class Connection:
@@ -65,9 +115,17 @@ class Connection:
         #: Rows travel over the socket (a daemon on another host, or asked for).
         self.remote = is_remote_target(self.endpoint) if remote is None else remote
         self.timeout = timeout
-        self._context = zmq.Context()  # per connection: safe across fork/spawn
-        self.socket = self._context.socket(zmq.DEALER)
+        #: "Writer", "Reader", ...: names the object in a closed or forked client's error.
+        self.label = {"writer": "Writer", "reader": "Reader"}.get(role, "Connection")
+        self._pid = os.getpid()
+        # Callers on two threads (a Reader's lease renewer) share the socket through this.
+        self._lock = threading.RLock()
+        self.socket = _process_context.get().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)  # nothing rides on an unacknowledged message
+        # Holds the sockets (not the connection): closes them if the connection is collected
+        # unclosed, and is what close() calls. The monitor joins the list when it exists.
+        self._sockets: list[zmq.Socket[Any]] = [self.socket]
+        self._finalizer = weakref.finalize(self, _close_sockets, self._pid, self._sockets)
         curve = client_curve_options(curve_server_key, curve_client_cert)
         for option, value in curve.items():
             self.socket.setsockopt(option, value)
@@ -76,6 +134,8 @@ class Connection:
         self._monitor: zmq.Socket[Any] | None = None
         if self.curve or not self.endpoint.startswith("ipc://"):
             self._monitor = self.socket.get_monitor_socket(_HANDSHAKE_EVENTS)
+            self._monitor.setsockopt(zmq.LINGER, 0)
+            self._sockets.insert(0, self._monitor)  # closed before the socket it watches
         self.socket.connect(self.endpoint)
         self._seq = 0
         self._early: dict[int, Reply] = {}  # replies that arrived before anyone waited
@@ -88,15 +148,48 @@ class Connection:
         except BaseException:
             self._closed = True
             self._stop_monitor()
-            self.socket.close()
-            self._context.term()
+            self._finalizer()
             raise
         self._stop_monitor()
         self.client_id: int = hello["client"]
         self.buffer: dict[str, Any] = hello["buffer"]
         self.daemon_pid: int = hello["daemon_pid"]
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def forked(self) -> bool:
+        """Whether this process is not the one that made the connection (a fork's child)."""
+        return os.getpid() != self._pid
+
+    def check(self) -> None:
+        """Raise :class:`ClosedError` after :meth:`close`, :class:`ForkedClientError` in a
+        forked child. Every request and wait passes here, before taking the lock (which a
+        thread of the parent may have held at the fork); the Writer also calls it before
+        writes it only stages."""
+        if self.forked:
+            raise ForkedClientError(
+                f"this {self.label} was created in process {self._pid} and cannot be used in "
+                f"process {os.getpid()}, forked from it: its ZeroMQ socket belongs to the "
+                f"parent. Create a new {self.label} in the child (after the fork)"
+            )
+        self._check_open()
+
+    def _check_open(self) -> None:
+        # The finaliser has closed the sockets when the connection is being collected (a
+        # generator of the same garbage may still try a last request from its own finaliser).
+        if self._closed or not self._finalizer.alive:
+            raise ClosedError(f"this {self.label} is closed (close() was called); create a new one")
+
     def send(self, op: str, frames: Sequence[Any] = (), **fields: Any) -> int:
+        self.check()
+        with self._lock:
+            return self._send(op, frames, **fields)
+
+    def _send(self, op: str, frames: Sequence[Any] = (), **fields: Any) -> int:
+        self._check_open()  # again, under the lock: another thread may have closed it
         limit = getattr(self, "buffer", {}).get("max_payload_bytes")
         if frames and limit is not None:
             size = sum(memoryview(f).nbytes for f in frames)
@@ -112,8 +205,10 @@ class Connection:
 
     def wait(self, seq: int, timeout: float | None = None) -> Reply:
         """The reply to request ``seq``; raises the daemon's error as its exception class."""
-        self.wait_all([seq], timeout)
-        header, payload = self._early.pop(seq)
+        self.check()
+        with self._lock:
+            self.wait_all([seq], timeout)
+            header, payload = self._early.pop(seq)
         check_version(header.get("v"))
         if not header.get("ok"):
             error = header.get("error") or {}
@@ -122,9 +217,12 @@ class Connection:
 
     def ready(self, seq: int) -> bool:
         """Whether the reply to ``seq`` can be taken without waiting."""
-        while seq not in self._early and self.socket.poll(0):
-            self._receive_one()
-        return seq in self._early
+        self.check()
+        with self._lock:
+            self._check_open()
+            while seq not in self._early and self.socket.poll(0):
+                self._receive_one()
+            return seq in self._early
 
     def wait_all(self, seqs: Sequence[int], timeout: float | None = None) -> None:
         """Wait (one deadline for all) until every reply in ``seqs`` has arrived.
@@ -133,6 +231,12 @@ class Connection:
         the daemon whenever it has been silent for half of ``self.timeout``, so a daemon that
         died is reported within ``self.timeout`` instead of at the end of the long wait.
         """
+        self.check()
+        with self._lock:
+            self._wait_all(seqs, timeout)
+
+    def _wait_all(self, seqs: Sequence[int], timeout: float | None) -> None:
+        self._check_open()
         waited = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + waited
         heard = time.monotonic()  # when the daemon last said anything
@@ -148,7 +252,7 @@ class Connection:
                         )
                     quiet = self.timeout if self._pings else self.timeout / 2
                     left = min(left, heard + quiet - now)
-                if left > 0 and self.socket.poll(int(left * 1000) + 1):
+                if left > 0 and self._poll(int(left * 1000) + 1):
                     self._receive_one()
                     heard = time.monotonic()
                 elif time.monotonic() >= deadline:
@@ -157,11 +261,31 @@ class Connection:
                         f"({self._why_no_reply()})"
                     )
                 elif waited > self.timeout and not self._pings:
-                    self._pings.add(self.send("ping"))  # its reply is dropped on arrival
+                    self._pings.add(self._send("ping"))  # its reply is dropped on arrival
 
-    def _why_no_reply(self) -> str:
+    def _poll(self, ms: int) -> bool:
+        """Whether a reply is ready within ``ms``. While the hello's handshake is watched, a
+        failed one ends the wait at once: libzmq would retry it with the same keys until the
+        timeout, and nothing but the same failure can come of that."""
+        if self._monitor is None:
+            return bool(self.socket.poll(ms))
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        ready = dict(poller.poll(ms))
+        if self.socket in ready:
+            return True
+        if self._monitor in ready:
+            event = recv_monitor_message(self._monitor)["event"]
+            if event in _FAILED_HANDSHAKE:
+                raise DaemonUnavailableError(
+                    f"the daemon at {self.endpoint} did not accept this client "
+                    f"({self._why_no_reply(event)})"
+                )
+        return False
+
+    def _why_no_reply(self, failed: int | None = None) -> str:
         """A hint for a timeout, naming CURVE authentication when it may be the cause."""
-        failed = None
         while self._monitor is not None and self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)["event"]
             if event in _FAILED_HANDSHAKE:
@@ -189,6 +313,7 @@ class Connection:
         if self._monitor is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self.socket.disable_monitor()
+            self._sockets.remove(self._monitor)
             self._monitor.close(linger=0)
             self._monitor = None
 
@@ -209,13 +334,22 @@ class Connection:
         return self.wait(self.send(op, frames, **fields), timeout)[0]
 
     def close(self) -> None:
-        if self._closed:
+        """Say ``bye`` (waiting at most 2 s) and close the sockets. Safe to call twice; in a
+        forked child it only marks this copy closed (the sockets are the parent's)."""
+        if self.forked:
+            self._closed = True
+            self._finalizer.detach()
             return
-        self._closed = True
-        with contextlib.suppress(Exception):  # the daemon may be gone; closing still succeeds
-            self.call("bye", timeout=min(self.timeout, 2.0))
-        self.socket.close()
-        self._context.term()
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                with contextlib.suppress(Exception):  # the daemon may be gone; closing succeeds
+                    self.call("bye", timeout=min(self.timeout, 2.0))
+            finally:
+                self._closed = True
+                self._monitor = None
+                self._finalizer()
 
 
 def _decode_reply(frame: memoryview) -> dict[str, Any]:

@@ -2,13 +2,61 @@
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from shmbuffer.errors import ConfigError
 from shmbuffer.names import MODES, UNITS, check_choice, validate_name
-from shmbuffer.runtime import runtime_dir
+from shmbuffer.runtime import ENV_RUNTIME_DIR, runtime_dir
+from shmbuffer.schema import Schema
+
+#: Longest ipc socket path: ``sun_path`` holds 108 bytes on Linux, one of them the final NUL.
+MAX_IPC_PATH_BYTES = 107
+MAX_PORT = 65535
+
+
+def check_endpoint(endpoint: str) -> str:
+    """``endpoint`` if the daemon can bind it as written, else :class:`ConfigError` saying
+    why: only ``ipc://PATH`` (at most 107 bytes: libzmq fails a longer one with a bare
+    ``ZMQError``) and ``tcp://HOST:PORT`` with a port of 1-65535, or ``*``/``0`` for one chosen
+    at bind time (libzmq takes ``:99999`` as a request for any free port)."""
+    if not isinstance(endpoint, str):
+        raise ConfigError(f"endpoint must be a string, got {endpoint!r}")
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://") :]
+        size = len(os.fsencode(path))
+        if not path:
+            raise ConfigError(f"endpoint {endpoint!r}: the ipc path is empty")
+        if size > MAX_IPC_PATH_BYTES:
+            raise ConfigError(
+                f"endpoint {endpoint!r}: the ipc path is {size} bytes, over the kernel's limit "
+                f"of {MAX_IPC_PATH_BYTES} for a socket path; use a shorter path (or a shorter "
+                f"${ENV_RUNTIME_DIR} for the default endpoint)"
+            )
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        rest = endpoint[len("tcp://") :].rsplit(";", 1)[-1]  # SOURCE;DEST: DEST is bound
+        host, sep, port = rest.rpartition(":")
+        if not sep or not host.strip("[]"):
+            raise ConfigError(
+                f"endpoint {endpoint!r}: expected tcp://HOST:PORT (HOST * for every interface)"
+            )
+        if port != "*" and not (port.isdigit() and int(port) <= MAX_PORT):
+            raise ConfigError(
+                f"endpoint {endpoint!r}: port {port!r} is not 1-{MAX_PORT}, or * / 0 for any "
+                "free port"
+            )
+        return endpoint
+    scheme = endpoint.partition("://")[0] if "://" in endpoint else endpoint
+    raise ConfigError(
+        f"endpoint {endpoint!r}: transport {scheme!r} is not supported; use ipc://PATH or "
+        "tcp://HOST:PORT"
+    )
 
 
 @dataclass
@@ -45,6 +93,9 @@ class DaemonConfig:
     curve_clients: str | None = None
     #: Allow binding a non-loopback tcp endpoint without CURVE.
     insecure_tcp: bool = False
+    #: Allow admin requests (clear, shutdown, checkpoint) on a tcp endpoint without CURVE,
+    #: where any local user can connect and claim the admin role (see security.py).
+    insecure_tcp_admin: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -54,8 +105,18 @@ class DaemonConfig:
         if not isinstance(self.capacity, int) or self.capacity < 1:
             raise ValueError(f"capacity must be a positive integer, got {self.capacity!r}")
         for name in ("lease_ttl", "reservation_ttl", "client_idle_ttl"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
+            value = getattr(self, name)
+            # nan passes a `<= 0` test and would make every deadline comparison false
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if not number or not math.isfinite(value) or value <= 0:
+                raise ConfigError(
+                    f"{name} must be a positive, finite number of seconds, got {value!r}"
+                )
+        for name in ("insecure_tcp", "insecure_tcp_admin"):
+            if type(getattr(self, name)) is not bool:  # a TOML string "false" would be truthy
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.endpoint is not None:
+            check_endpoint(self.endpoint)
         for name in (
             "max_clients",
             "max_reservations_per_client",
@@ -68,7 +129,7 @@ class DaemonConfig:
 
     @property
     def resolved_endpoint(self) -> str:
-        return self.endpoint or f"ipc://{runtime_dir() / (self.name + '.sock')}"
+        return check_endpoint(self.endpoint or f"ipc://{runtime_dir() / (self.name + '.sock')}")
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: Any) -> DaemonConfig:
@@ -76,8 +137,11 @@ class DaemonConfig:
         that are not None. Unknown keys in the file are an error naming them."""
         values: dict[str, Any] = {}
         if path is not None:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
+            try:
+                with open(path, "rb") as f:
+                    data = tomllib.load(f)
+            except (OSError, ValueError) as exc:  # ValueError: tomllib.TOMLDecodeError
+                raise ConfigError(f"config file {path}: {exc}") from exc
             data = data.get("daemon", data)
             known = {f.name for f in fields(cls)}
             unknown = sorted(set(data) - known)
@@ -89,13 +153,20 @@ class DaemonConfig:
 
 
 def load_schema_file(path: str | Path) -> dict[str, Any]:
-    """A schema spec from a TOML or JSON file (by extension)."""
+    """A schema spec from a TOML or JSON file (by extension), checked here so that every
+    error, a syntax error or a bad dtype, names the file."""
     path = Path(path)
-    if path.suffix == ".json":
-        import json
-
-        with open(path) as f:
-            return dict(json.load(f))
-    with open(path, "rb") as f:
-        data = tomllib.load(f)
-    return dict(data.get("schema", data))
+    try:
+        if path.suffix == ".json":
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        else:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+            data = data.get("schema", data)
+        if not isinstance(data, dict):
+            raise ConfigError(f"expected a table of keys, got {type(data).__name__}")
+        Schema.from_spec(data)
+    except (OSError, ValueError) as exc:  # decode errors and SchemaError are ValueErrors
+        raise ConfigError(f"schema file {path}: {exc}") from exc
+    return dict(data)

@@ -6,8 +6,8 @@
   never committed, so they are never published.
 * **restore** creates a fresh segment from a checkpoint folder (see ``checkpoint.py``), copies
   the rows in and rebuilds the same state, sampler RNG and use counters included.
-* **cleanup** removes every segment folder and runtime file whose daemon is gone, and nothing
-  else.
+* **cleanup** removes every segment folder and runtime file (logs included) whose daemon is
+  gone, and nothing else; what it cannot read (another user's) it skips.
 
 Settings on ``start --resume/--restore``: capacity, unit, mode and schema come from what is
 resumed; values given on the command line or in the config file must agree with them (a clear
@@ -17,6 +17,7 @@ error names the conflict).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -29,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 from shmbuffer import runtime
 from shmbuffer.daemon.config import DaemonConfig
-from shmbuffer.daemon.journal import Journal, JournalError, restore_container
-from shmbuffer.errors import RecoveryError
+from shmbuffer.daemon.journal import Journal, restore_container
+from shmbuffer.errors import JournalError, RecoveryError, ShmBufferError
 from shmbuffer.runtime import runtime_dir
 from shmbuffer.schema import Schema
 from shmbuffer.segment import (
@@ -235,10 +236,18 @@ def restore_service(config: DaemonConfig, source: str | Path) -> BufferService:
 # -- cleanup ----------------------------------------------------------------------------------
 
 
+#: A log with no runtime file beside it is removed once it has been quiet this long: a daemon
+#: that ``--detach`` is still starting (or resuming) has a log but no runtime file yet.
+ORPHAN_LOG_AGE_S = 60.0
+
+
 def cleanup(storage_dir: str | Path | None = None, dry_run: bool = False) -> list[str]:
-    """Remove the runtime files and segment folders of daemons that are gone; return what was
-    (or, with ``dry_run``, would be) removed. Live daemons' files, segments of other hosts and
-    folders that are not segments (no manifest) are left alone."""
+    """Remove the runtime files (``.json``, ``.pid``, ``.sock``, ``.log``) and segment folders
+    of daemons that are gone; return what was (or, with ``dry_run``, would be) removed. A log
+    alone (its daemon stopped, or never started) goes once it is ``ORPHAN_LOG_AGE_S`` old.
+    Live daemons' files, segments of other hosts and folders that are not segments (no
+    manifest) are left alone, and so is whatever cannot be read (another user's folder, a
+    runtime file another user could have written): skipped, never a crash."""
     removed: list[str] = []
     host = socket.gethostname()
     live: set[tuple[str, Path]] = set()
@@ -255,7 +264,11 @@ def cleanup(storage_dir: str | Path | None = None, dry_run: bool = False) -> lis
 
     rdir = runtime_dir()
     for path in sorted(rdir.glob("*.json")):
-        info = runtime.read(path.stem)
+        try:
+            info = runtime.read(path.stem)
+        except (ShmBufferError, ValueError, OSError) as exc:  # untrusted, or not a buffer name
+            log.warning("cleanup: skipping %s: %s", path, exc)
+            continue
         if info is None:
             continue
         seg_root = Path(info.get("storage_dir") or default_storage_dir())
@@ -263,21 +276,32 @@ def cleanup(storage_dir: str | Path | None = None, dry_run: bool = False) -> lis
             live.add((path.stem, seg_root.absolute()))
             continue
         remove(path)
-        for suffix in (".pid", ".sock"):
+        for suffix in (".pid", ".sock", ".log"):
             if (rdir / f"{path.stem}{suffix}").exists():
                 remove(rdir / f"{path.stem}{suffix}")
         if storage_dir is None or seg_root.absolute() == Path(storage_dir).absolute():
             roots.add(seg_root)
-    for root in sorted(roots):
-        if not root.is_dir():
+    now = time.time()
+    for path in sorted(rdir.glob("*.log")):
+        others = [rdir / f"{path.stem}{suffix}" for suffix in (".json", ".pid", ".sock")]
+        if str(path) in removed or any(os.path.lexists(p) for p in others):
             continue
-        for seg in sorted(root.iterdir()):
-            if not seg.is_dir() or seg.is_symlink() or str(seg) in removed:
-                continue
+        with contextlib.suppress(OSError):
+            if now - path.stat().st_mtime >= ORPHAN_LOG_AGE_S:
+                remove(path)
+    for root in sorted(roots):
+        try:
+            entries = sorted(root.iterdir()) if root.is_dir() else []
+        except OSError as exc:  # another user's root: not ours to clean
+            log.warning("cleanup: skipping %s: %s", root, exc)
+            continue
+        for seg in entries:
             try:
+                if not seg.is_dir() or seg.is_symlink() or str(seg) in removed:
+                    continue
                 manifest = json.loads((seg / MANIFEST).read_text())
             except (OSError, ValueError):
-                continue  # not a segment, or one being created right now
+                continue  # not a segment, one being created right now, or not readable
             if not isinstance(manifest, dict) or manifest.get("host", host) != host:
                 continue
             if (seg.name, root.absolute()) in live:

@@ -12,6 +12,10 @@
   know its public key (and, with ``--curve-clients DIR``, hold a certificate whose public key
   is in ``DIR``). Without keys, only a loopback address may be bound (with a warning: any local
   user can connect), unless ``--insecure-tcp`` says otherwise.
+- **Admin requests** (``clear``, ``shutdown``, ``checkpoint``): the ``admin`` role is only what
+  a client claims in its hello, so the transport must vouch for it: the owner-only (or group)
+  ipc socket, or CURVE. On tcp without CURVE they are refused unless ``--insecure-tcp-admin``;
+  ``stats`` stays readable by any client (:func:`admin_refusal`).
 
 Everything here is small and side-effect free where it can be, so the policy is unit-tested
 without a daemon (``tests/test_security.py``).
@@ -88,6 +92,26 @@ def check_tcp_endpoint(endpoint: str, curve: bool, insecure: bool) -> list[str]:
     ]
 
 
+#: Requests that change or end the whole buffer: the admin role alone is not enough for them.
+ADMIN_OPS = ("clear", "shutdown", "checkpoint")
+
+
+def admin_refusal(endpoint: str, curve: bool, allow_tcp_admin: bool) -> str | None:
+    """Why :data:`ADMIN_OPS` are refused on the bound ``endpoint``, or None if they are not.
+
+    Allowed on ipc (the socket file is ``0600``, or ``0660`` for the ``--group`` the daemon
+    trusts) and with CURVE (the client holds a key; with ``--curve-clients``, an allowed one).
+    A tcp socket without CURVE admits every local user, and with ``--insecure-tcp`` the
+    network: there only ``allow_tcp_admin`` (``--insecure-tcp-admin``) lets them through."""
+    if tcp_host(endpoint) is None or curve or allow_tcp_admin:
+        return None
+    return (
+        f"{endpoint} has no CURVE authentication, so any user who can connect could claim the "
+        "admin role; stop the daemon with SIGTERM (`shmbuffer-daemon stop` falls back to it), "
+        "use the ipc socket or --curve-secret, or start the daemon with --insecure-tcp-admin"
+    )
+
+
 def check_daemon_access(config: Any) -> list[str]:
     """Check a ``DaemonConfig`` before anything is created: the tcp policy, the group and the
     key files. Returns the warnings to log; raises on a setting that cannot be honoured."""
@@ -98,9 +122,13 @@ def check_daemon_access(config: Any) -> list[str]:
         load_secret_cert(config.curve_secret)
     if config.curve_clients and not Path(config.curve_clients).is_dir():
         raise KeyFileError(f"--curve-clients {config.curve_clients} is not a folder")
-    return check_tcp_endpoint(
-        config.resolved_endpoint, bool(config.curve_secret), bool(config.insecure_tcp)
-    )
+    endpoint, curve = config.resolved_endpoint, bool(config.curve_secret)
+    warnings = check_tcp_endpoint(endpoint, curve, bool(config.insecure_tcp))
+    if config.insecure_tcp_admin and admin_refusal(endpoint, curve, False):
+        warnings.append(
+            f"INSECURE: any client of {endpoint} may {', '.join(ADMIN_OPS)} (--insecure-tcp-admin)"
+        )
+    return warnings
 
 
 # -- groups and file modes --------------------------------------------------------------------

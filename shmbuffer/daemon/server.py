@@ -21,6 +21,7 @@ import zmq
 
 from shmbuffer.daemon.security import (
     ServerSecurity,
+    admin_refusal,
     make_curve_server,
     resolve_group,
     secure_ipc_path,
@@ -114,6 +115,11 @@ class Server:
         except BaseException:
             self.security.close()
             raise
+        # The admin role is self-declared: only a transport that vouches for the client (the
+        # owner-only ipc socket, CURVE) may carry clear/shutdown/checkpoint.
+        self.service.admin_refused = admin_refusal(
+            self.endpoint, self.security.curve, config.insecure_tcp_admin
+        )
 
     def stop(self, *_: object) -> None:
         """Ask the loop to finish the messages in hand and return (signal-handler safe)."""

@@ -14,7 +14,7 @@ import pytest
 
 from shmbuffer import Writer
 from shmbuffer.demo import make_episode
-from tests.e2e.conftest import CLI, wait_for
+from tests.e2e.conftest import CLI, START_TIMEOUT_S, wait_for
 
 
 def _pid_alive(pid: int) -> bool:
@@ -139,3 +139,60 @@ def test_stale_runtime_file_is_replaced(daemon, e2e_env):
     assert e2e_env.read_runtime(name)["pid"] == d.pid != dead.pid
     assert not (leftover / "junk").exists()  # the dead daemon's segment was cleared
     assert d.stats()["capacity"] == 100
+
+
+# -- usage errors: refused before anything starts, with a message and no traceback ------------
+
+
+@pytest.mark.parametrize(
+    ("args", "rc", "message"),
+    [
+        (["--endpoint", "tcp://127.0.0.1:99999"], 1, "port '99999' is not 1-65535"),
+        (["--endpoint", "tcp://127.0.0.1"], 1, "expected tcp://HOST:PORT"),
+        (["--endpoint", "udp://127.0.0.1:5555"], 1, "transport 'udp' is not supported"),
+        (["--endpoint", "ipc:///tmp/" + "x" * 120 + ".sock"], 1, "over the kernel's limit"),
+        (["--reservation-ttl", "nan"], 2, "--reservation-ttl: must be a positive, finite"),
+        (["--lease-ttl", "-1"], 2, "--lease-ttl: must be a positive, finite"),
+    ],
+)
+def test_start_refuses_bad_settings(e2e_env, args, rc, message):
+    argv = ["start", "--name", "bad", "--storage-dir", str(e2e_env.storage_dir), *args]
+    done = e2e_env.cli(*argv, timeout=START_TIMEOUT_S)  # a daemon that starts fails here
+    assert done.returncode == rc, done.stderr
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+    assert e2e_env.read_runtime("bad") is None
+
+
+@pytest.mark.parametrize(
+    ("file", "text", "message"),
+    [
+        ("schema.toml", "obs = { dtype = ", "Invalid"),
+        ("schema.toml", 'obs = { dtype = "uint9", shape = [2] }', "uint9"),
+        ("schema.json", '{"obs": ', "Expecting value"),
+        ("daemon.toml", "reservation_ttl = nan", "reservation_ttl must be a positive, finite"),
+        ("daemon.toml", "lease_ttl = ", "Invalid"),
+    ],
+)
+def test_file_errors_name_the_file(e2e_env, tmp_path, file, text, message):
+    path = tmp_path / file
+    path.write_text(text)
+    option = "--config" if file.startswith("daemon") else "--schema"
+    done = e2e_env.cli(
+        "start", "--name", "bad", "--storage-dir", str(e2e_env.storage_dir), option, str(path)
+    )
+    assert done.returncode == 1, done.stderr
+    if file.startswith("schema"):  # the config loader's own value errors name the setting
+        assert f"schema file {path}" in done.stderr
+    elif "nan" not in text:
+        assert f"config file {path}" in done.stderr
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_status_watch_needs_a_positive_interval(daemon, e2e_env):
+    d = daemon()
+    done = e2e_env.cli("status", "--name", d.name, "--watch", "-1")
+    assert done.returncode == 2
+    assert "--watch: must be a positive, finite number of seconds" in done.stderr
+    assert d.process.poll() is None

@@ -158,6 +158,28 @@ class TornReadError(ShmBufferError):
     code = "torn"
 
 
+class ClosedError(ShmBufferError):
+    """A Writer, Reader, Buffer or connection used after ``close()`` (client side; closing
+    twice is fine)."""
+
+    code = "closed"
+
+
+class ForkedClientError(ShmBufferError):
+    """A Writer or Reader used in a process forked after it was created (client side): its
+    ZeroMQ socket belongs to the parent. Create a new one in the child."""
+
+    code = "forked"
+
+
+class LeaseExpiredError(NotFoundError):
+    """A lease lapsed (its TTL ran out unrenewed) while its views were in use: the rows may
+    have been overwritten (client side; the daemon reports the lease as ``not_found``, so this
+    is a NotFoundError too)."""
+
+    code = "lease_expired"
+
+
 def error_from_code(code: str, message: str) -> ShmBufferError:
     """Rebuild the exception a daemon reported; unknown codes become the base class."""
     return _BY_CODE.get(code, ShmBufferError)(message)

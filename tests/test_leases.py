@@ -74,3 +74,29 @@ def test_ids_never_reused() -> None:
     first = table.grant(1, [0], 0.0)
     table.release(first.id)
     assert table.grant(1, [0], 0.0).id == first.id + 1
+
+
+def test_renew_extends_from_now_and_never_shortens() -> None:
+    table = LeaseTable(ttl=5.0)
+    lease = table.grant(1, [0], now=0.0)
+    assert table.renew(lease.id, owner=1, now=4.0) is lease
+    assert lease.expires == 9.0 and table.next_expiry() == 9.0
+    assert table.expire(8.9) == []  # the renewal kept it past its first TTL
+    table.renew(lease.id, owner=1, now=1.0)  # a late-arriving older heartbeat
+    assert lease.expires == 9.0
+    assert table.expire(9.0) == [lease]
+
+
+def test_renew_errors_and_no_resurrection() -> None:
+    table = LeaseTable(ttl=1.0)
+    lease = table.grant(1, [0], 0.0)
+    with pytest.raises(PermissionDeniedError):
+        table.renew(lease.id, owner=2, now=0.5)
+    assert lease.expires == 1.0  # unchanged by the refused renewal
+    table.expire(1.0)
+    # an expired lease stays gone: its rows may already have been handed to a writer
+    with pytest.raises(NotFoundError, match="expired"):
+        table.renew(lease.id, owner=1, now=1.1)
+    assert table.pinned([0]) == []
+    with pytest.raises(NotFoundError):
+        table.renew(42, owner=1, now=0.0)

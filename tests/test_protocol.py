@@ -48,6 +48,7 @@ GOOD: dict[str, dict[str, Any]] = {
     "write": {"rows": 4},
     "sample": {"kind": "rows", "n": 8},
     "release": {"lease": 1},
+    "renew": {"lease": 1},
     "clear": {},
     "shutdown": {},
     "checkpoint": {"to": "/tmp/ckpt"},

@@ -633,3 +633,25 @@ def test_service_with_given_segment_stamps_the_shared_generations(storage: str) 
     finally:
         segment.close()
         Segment.unlink(name, storage)
+
+
+def test_renew_keeps_a_lease_past_its_ttl(make: Any) -> None:
+    h = make(lease_ttl=5.0)
+    h.hello(W)
+    h.hello(R, "reader")
+    h(W, "define_schema", schema=SPEC)
+    h.write(W, 16, 1.0)
+    h.now = 10.0
+    lease = h(R, "sample", kind="episodes", n=1, lease=True)["lease"]
+    h.now = 14.0
+    assert h(R, "renew", lease=lease) == {"ttl": 5.0}
+    with pytest.raises(PermissionDeniedError):
+        h(W, "renew", lease=lease)
+    h.service.tick(18.9)  # past the first TTL, within the renewed one
+    with pytest.raises(Deferred):
+        h(W, "reserve", rows=1)
+    h.service.tick(19.0)
+    assert h.service.counters.leases_expired == 1
+    with pytest.raises(NotFoundError):
+        h(R, "renew", lease=lease)
+    assert h(W, "reserve", rows=1)["ranges"] == [[0, 1]]

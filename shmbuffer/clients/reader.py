@@ -253,16 +253,18 @@ class Reader:
         self._leases.pop(lease.id, None)
         if lease.released:
             return
+        # Decided here and by this release only: a renewal racing with it fails because of it.
+        lapsed = lease.lapsed
         try:
             self.conn.call("release", lease=lease.id)
         except (NotFoundError, UnknownClientError):  # the daemon dropped it before we released it
-            lease.lapsed = True
+            lapsed = lease.lapsed = True
         except ShmBufferError:
             if not quiet:
                 raise
         finally:
             lease.released = True
-        if lease.lapsed and not quiet:
+        if lapsed and not quiet:
             raise lease.expired_error()
 
     def _start_renewer(self, ttl: float) -> None:

@@ -1,8 +1,10 @@
 """Leases: episodes a reader is looking at in place, which no writer may overwrite meanwhile.
 
 A lease pins a set of episode ids until it is released or its TTL runs out, so a learner that
-dies cannot stall writers for longer than the TTL. The daemon asks :meth:`LeaseTable.pinned`
-before it lets a reservation evict episodes.
+dies cannot stall writers for longer than the TTL. A live reader keeps its lease by renewing it
+(:meth:`LeaseTable.renew`: another TTL from now); an expired lease is gone for good, so a renewal
+that comes too late fails and the reader learns that its views may have been overwritten. The
+daemon asks :meth:`LeaseTable.pinned` before it lets a reservation evict episodes.
 
 Not thread-safe: the daemon loop serialises calls.
 """
@@ -42,16 +44,27 @@ class LeaseTable:
         return lease
 
     def release(self, lease_id: int, owner: int | None = None) -> Lease:
-        lease = self._leases.get(lease_id)
-        if lease is None:
-            raise NotFoundError(f"no lease {lease_id} (released, or expired after {self.ttl}s)")
-        if owner is not None and lease.owner != owner:
-            raise PermissionDeniedError(f"lease {lease_id} belongs to another client")
+        lease = self._get(lease_id, owner)
         del self._leases[lease_id]
         self._pins.subtract(set(lease.episode_ids))
         for episode_id in set(lease.episode_ids):
             if self._pins[episode_id] <= 0:
                 del self._pins[episode_id]
+        return lease
+
+    def renew(self, lease_id: int, owner: int, now: float) -> Lease:
+        """Extend a live lease to ``now + ttl``; O(1). An expired or released lease cannot come
+        back: the rows it pinned may already have been overwritten."""
+        lease = self._get(lease_id, owner)
+        lease.expires = max(lease.expires, now + self.ttl)
+        return lease
+
+    def _get(self, lease_id: int, owner: int | None) -> Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise NotFoundError(f"no lease {lease_id} (released, or expired after {self.ttl}s)")
+        if owner is not None and lease.owner != owner:
+            raise PermissionDeniedError(f"lease {lease_id} belongs to another client")
         return lease
 
     def pinned(self, episode_ids: Iterable[int]) -> list[int]:

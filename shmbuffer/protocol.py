@@ -11,17 +11,25 @@ error reply carries ``error = {"code", "message"}`` with a code from :mod:`shmbu
 
 Requests are checked against :data:`REQUESTS` before they touch any state: unknown ops, missing
 or extra fields, wrong types and out-of-range numbers are refused with a message that names the
-field. Nothing here knows about sockets.
+field, and the checks across fields that a per-field :class:`Spec` cannot express (``rows``
+split by ``episodes`` or ``lengths``, a slice's ``length``) are the op's entry in
+:data:`VALIDATORS`. :data:`REPLIES` is the other direction: every field a successful reply may
+carry. ``tests/test_protocol.py`` holds both tables and ``docs/protocol.md`` together, and
+``tests/test_handlers.py`` checks that the daemon's real replies match :data:`REPLIES`. Adding
+an op is two places: its entries here and its handler in ``daemon/service.py``. Nothing here
+knows about sockets.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import numpy as np
+import numpy.typing as npt
 
 from shmbuffer.errors import ProtocolError, ShmBufferError, VersionMismatchError
 
@@ -36,7 +44,8 @@ MAX_INT = 2**62
 
 @dataclass(frozen=True)
 class Spec:
-    """One field of a request: accepted Python types, whether required, numeric bounds."""
+    """One field of a request or reply: accepted Python types, whether required (in a reply:
+    always present), numeric bounds."""
 
     types: tuple[type, ...]
     required: bool = True
@@ -96,15 +105,170 @@ REQUESTS: dict[str, dict[str, Spec]] = {
     "checkpoint": {"to": Spec((str,))},
 }
 
+#: Most episodes one ``reserve`` may describe by ``lengths`` (a batch of small ones).
+MAX_LENGTHS = 65_536
+
+
+def _check_split(op: str, fields: Mapping[str, Any]) -> None:
+    """``rows`` split into ``episodes`` equal episodes, or into episodes of ``lengths``."""
+    num_rows = fields["rows"]
+    lengths = fields.get("lengths")
+    if lengths is None:
+        num_sub = fields.get("episodes", 1)
+        if num_rows % num_sub:
+            raise ProtocolError(
+                f"op {op!r}: field 'rows'={num_rows} is not a multiple of field "
+                f"'episodes'={num_sub}"
+            )
+        return
+    if "episodes" in fields:
+        raise ProtocolError(f"op {op!r}: fields 'episodes' and 'lengths' are exclusive")
+    if not 0 < len(lengths) <= MAX_LENGTHS or not all(type(n) is int and n > 0 for n in lengths):
+        raise ProtocolError(
+            f"op {op!r}: field 'lengths': 1 to {MAX_LENGTHS} positive ints expected"
+        )
+    if sum(lengths) != num_rows:
+        raise ProtocolError(
+            f"op {op!r}: field 'lengths' adds up to {sum(lengths)}, not 'rows'={num_rows}"
+        )
+
+
+def _check_sample(op: str, fields: Mapping[str, Any]) -> None:
+    if fields["kind"] == "slices" and "length" not in fields:
+        raise ProtocolError(f"op {op!r}: kind 'slices' needs field 'length'")
+
+
+#: Checks across an op's fields (or inside a list) that a per-field :class:`Spec` cannot
+#: express; run by :func:`validate_request` once every field passed its own.
+VALIDATORS: dict[str, Callable[[str, Mapping[str, Any]], None]] = {
+    "reserve": _check_split,
+    "write": _check_split,
+    "sample": _check_sample,
+}
+
+
+def episode_split(fields: Mapping[str, Any]) -> int | list[int]:
+    """How a validated ``reserve`` or ``write`` splits its rows: a number of equal episodes,
+    or the lengths of unequal ones."""
+    lengths = fields.get("lengths")
+    return int(fields.get("episodes", 1)) if lengths is None else list(lengths)
+
+
+_NIL = type(None)
+#: Seconds taken from the daemon's settings, whole where a TOML file wrote them so.
+_SECONDS = (float, int)
+_BIN = Spec((bytes,), required=False)  # an index array (encode_i64), sent for some kinds
+
+
+def _nested(prefix: str, fields: Mapping[str, Spec]) -> dict[str, Spec]:
+    return {f"{prefix}.{name}": spec for name, spec in fields.items()}
+
+
+#: A segment's ``{name, path, storage_dir}`` map (nil before the first schema).
+_SEGMENT = {"name": Spec((str,)), "path": Spec((str,)), "storage_dir": Spec((str,))}
+#: What the ``buffer`` and ``stats`` maps both say of the buffer's layout.
+_LAYOUT: dict[str, Spec] = {
+    "name": Spec((str,)),
+    "capacity": Spec((int,)),
+    "unit": Spec((str,)),
+    "mode": Spec((str,)),
+    "schema": Spec((dict, _NIL)),
+    "segment": Spec((dict, _NIL)),
+    **_nested("segment", _SEGMENT),
+}
+#: The ``buffer`` map of ``hello`` and ``define_schema`` replies.
+_BUFFER: dict[str, Spec] = {
+    **_LAYOUT,
+    "lease_ttl": Spec(_SECONDS),
+    "reservation_ttl": Spec(_SECONDS),
+    "max_payload_bytes": Spec((int,)),
+}
+#: The ``stats`` map: the buffer's state, then the daemon's counters.
+_STATS: dict[str, Spec] = {
+    **_LAYOUT,
+    "rows": Spec((int,)),
+    "episodes": Spec((int,)),
+    "fill": Spec((float,)),
+    "pointer": Spec((int,)),
+    "insert_rows_per_s": Spec((float,)),
+    "sample_rows_per_s": Spec((float,)),
+    "writers": Spec((int,)),
+    "readers": Spec((int,)),
+    "reservations": Spec((int,)),
+    "reserved_rows": Spec((int,)),
+    "leases": Spec((int,)),
+    "uptime_s": Spec((float,)),
+    "pid": Spec((int,)),
+    "protocol": Spec((str,)),
+    "rate_limiter": Spec((dict,)),
+    "rate_limiter.kind": Spec((str,)),
+    "rate_limiter.min_size": Spec((int,)),
+    **{
+        counter: Spec((int,))
+        for counter in (
+            "rows_committed",
+            "episodes_committed",
+            "rows_sampled",
+            "samples",
+            "messages",
+            "errors",
+            "reservations_expired",
+            "leases_expired",
+            "clients_reaped",
+            "clients_expired",
+        )
+    },
+}
+
+#: Every op's successful reply fields (besides ``v``, ``seq`` and ``ok``); a field inside a map
+#: is named by its path (``buffer.name``). ``required=False``: present only for some requests.
+REPLIES: dict[str, dict[str, Spec]] = {
+    "hello": {
+        "client": Spec((int,)),
+        "buffer": Spec((dict,)),
+        **_nested("buffer", _BUFFER),
+        "daemon_pid": Spec((int,)),
+    },
+    "bye": {},
+    "ping": {"pid": Spec((int,)), "protocol": Spec((str,))},
+    "stats": {"stats": Spec((dict,)), **_nested("stats", _STATS)},
+    "define_schema": {"buffer": Spec((dict,)), **_nested("buffer", _BUFFER)},
+    "reserve": {
+        "reservation": Spec((int,)),
+        "ranges": Spec((list,)),
+        "committed": Spec((list,), required=False),  # with the request's 'commit'
+    },
+    "commit": {"episodes": Spec((list,))},
+    "abort": {},
+    "write": {"episodes": Spec((list,))},
+    "sample": {
+        "rows": _BIN,
+        "starts": _BIN,
+        "ids": _BIN,
+        "lengths": _BIN,
+        "gens": _BIN,
+        "lease": Spec((int,), required=False),
+    },
+    "release": {},
+    "renew": {"ttl": Spec(_SECONDS)},
+    "clear": {},
+    "shutdown": {},
+    "checkpoint": {"path": Spec((str,)), "bytes": Spec((int,)), "seconds": Spec((float,))},
+}
+
 
 def encode(header: Mapping[str, Any]) -> bytes:
     return msgpack.packb(header, use_bin_type=True)  # type: ignore[no-any-return]
 
 
-def decode(frame: bytes | memoryview) -> dict[str, Any]:
-    """Parse a header frame; anything but a msgpack map of string keys is a ProtocolError."""
-    if len(frame) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {len(frame)} bytes exceeds {MAX_HEADER_BYTES}")
+def decode(frame: bytes | memoryview, max_bytes: int | None = MAX_HEADER_BYTES) -> dict[str, Any]:
+    """Parse a header frame; anything but a msgpack map of string keys is a ProtocolError.
+
+    Requests are capped at ``MAX_HEADER_BYTES`` to protect the daemon; a client decodes
+    replies with ``max_bytes=None``: a sample reply carries an index and a stamp per sampled
+    row, so it may be megabytes."""
+    if max_bytes is not None and len(frame) > max_bytes:
+        raise ProtocolError(f"header of {len(frame)} bytes exceeds {max_bytes}")
     try:
         header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises a zoo of types for bad input
@@ -112,6 +276,18 @@ def decode(frame: bytes | memoryview) -> dict[str, Any]:
     if not isinstance(header, dict) or not all(isinstance(k, str) for k in header):
         raise ProtocolError("header must be a msgpack map with string keys")
     return header
+
+
+def encode_i64(values: npt.ArrayLike) -> bytes:
+    """An index array as the wire carries it (``rows``, ``starts``, ``ids``, ``lengths``,
+    ``gens``): msgpack bin of little-endian int64."""
+    return np.ascontiguousarray(values, dtype="<i8").tobytes()
+
+
+def decode_i64(data: bytes) -> npt.NDArray[np.int64]:
+    """An index array from the wire, as a writable native int64 copy (a reader patches the
+    rows it samples again into it)."""
+    return np.frombuffer(data, dtype="<i8").astype(np.int64)
 
 
 _VERSION_RE = re.compile(r"([0-9]{1,6})(?:\.[0-9]{1,6}){0,2}")
@@ -146,22 +322,54 @@ def validate_request(header: Mapping[str, Any]) -> dict[str, Any]:
                 raise ProtocolError(f"op {op!r}: missing field {name!r}")
             continue
         _check_field(op, name, fields[name], spec)
+    validator = VALIDATORS.get(op)
+    if validator is not None:
+        validator(op, fields)
     return fields
 
 
-def _check_field(op: str, name: str, value: Any, spec: Spec) -> None:
+def validate_reply(op: str, fields: Mapping[str, Any]) -> None:
+    """Check a successful reply's fields (without v/seq/ok) against :data:`REPLIES`: no field
+    the table lacks, every required one present (inside a map: whenever the map is), each of
+    its type. The tests run it on the daemon's real replies; a ProtocolError names the field."""
+    _check_reply_map(op, "", fields, REPLIES[op])
+
+
+def _check_reply_map(
+    op: str, prefix: str, value: Mapping[str, Any], specs: dict[str, Spec]
+) -> None:
+    level = {
+        name[len(prefix) :]: spec
+        for name, spec in specs.items()
+        if name.startswith(prefix) and "." not in name[len(prefix) :]
+    }
+    for key in value.keys() - level.keys():
+        raise ProtocolError(f"op {op!r}: reply field {prefix + str(key)!r} is not in REPLIES")
+    for key, spec in level.items():
+        path = prefix + key
+        if key not in value:
+            if spec.required:
+                raise ProtocolError(f"op {op!r}: reply field {path!r} is missing")
+            continue
+        _check_field(op, path, value[key], spec, what="reply field")
+        # a map is looked into only where the table lists its fields (a schema spec is free)
+        if isinstance(value[key], dict) and any(n.startswith(path + ".") for n in specs):
+            _check_reply_map(op, path + ".", value[key], specs)
+
+
+def _check_field(op: str, name: str, value: Any, spec: Spec, what: str = "field") -> None:
     # bool is an int subclass; never accept one for the other.
     if type(value) not in spec.types:
         expected = "/".join(t.__name__ for t in spec.types)
         raise ProtocolError(
-            f"op {op!r}: field {name!r} must be {expected}, got {type(value).__name__}"
+            f"op {op!r}: {what} {name!r} must be {expected}, got {type(value).__name__}"
         )
     if (spec.lo is not None and value < spec.lo) or (spec.hi is not None and value > spec.hi):
         raise ProtocolError(
-            f"op {op!r}: field {name!r}={value} is out of range [{spec.lo}, {spec.hi}]"
+            f"op {op!r}: {what} {name!r}={value} is out of range [{spec.lo}, {spec.hi}]"
         )
     if spec.choices is not None and value not in spec.choices:
-        raise ProtocolError(f"op {op!r}: field {name!r}={value!r} is not one of {spec.choices}")
+        raise ProtocolError(f"op {op!r}: {what} {name!r}={value!r} is not one of {spec.choices}")
 
 
 def request(op: str, seq: int, **fields: Any) -> dict[str, Any]:

@@ -8,7 +8,8 @@ per-call overhead in microseconds.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -34,12 +35,28 @@ def as_numpy(value: Any) -> np.ndarray | None:
 class Progress:
     """How far a :func:`write` got: rows ``[0, rows)`` of the reservation (in fill order) may
     have been touched, the rest were not. An aborted reservation gives back what it evicted
-    from the untouched rows (:meth:`~shmbuffer.container.Container.abort`)."""
+    from the untouched rows (:meth:`~shmbuffer.container.Container.abort`).
 
-    __slots__ = ("rows",)
+    Used as a context manager around the copy into a reservation (the Buffer, the daemon's
+    remote write and the Writer share it): a copy that fails calls ``abort(rows)`` before the
+    error goes on, so reserve → copy → abort-on-error → commit is written once. A class, not
+    ``contextlib.contextmanager``: this runs once per written chunk.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("_abort", "rows")
+
+    def __init__(self, abort: Callable[[int], object] | None = None) -> None:
         self.rows = 0
+        self._abort = abort
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if kind is not None and self._abort is not None:
+            self._abort(self.rows)
 
 
 def write(
@@ -153,6 +170,12 @@ def read(columns: Mapping[Key, torch.Tensor], rows: np.ndarray) -> TensorDict:
     if len(rows) and rows[-1] - rows[0] == len(rows) - 1 and np.all(np.diff(rows) == 1):
         return copy_range(columns, int(rows[0]), int(rows[-1]) + 1)
     return gather(columns, rows)
+
+
+def slice_rows(starts: np.ndarray, length: int) -> np.ndarray:
+    """The physical rows of slices ``[start, start + length)``, concatenated, vectorised."""
+    out: np.ndarray = (starts[:, None] + np.arange(length)).reshape(-1)
+    return out
 
 
 def episode_rows(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

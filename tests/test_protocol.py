@@ -24,7 +24,9 @@ from shmbuffer.protocol import (
     MAX_INT,
     PROTOCOL_MAJOR,
     PROTOCOL_VERSION,
+    REPLIES,
     REQUESTS,
+    Spec,
     decode,
     encode,
     error_reply,
@@ -110,6 +112,98 @@ def test_error_codes_round_trip_to_classes() -> None:
         assert exc.code == code
         assert str(exc) == "boom"
     assert type(error_from_code("no-such-code", "x")) is ShmBufferError
+
+
+# -- spec <-> code, both ways: ops, request and reply fields with their types, error codes ---
+
+#: The type words of the spec's tables (`X or Y` for either) and the Python types they mean.
+DOC_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "float": (float,),
+    "number": (float, int),
+    "bool": (bool,),
+    "str": (str,),
+    "map": (dict,),
+    "bin": (bytes,),
+    "list": (list,),
+    "nil": (type(None),),
+}
+
+
+def op_sections() -> dict[str, str]:
+    """The text under each ``### `op``` heading of the spec's Ops chapter."""
+    chapter = spec_text().split("\n## Ops\n", 1)[1].split("\n## ", 1)[0]
+    parts = re.split(r"^### `(\w+)`[ \t]*$", chapter, flags=re.MULTILINE)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def doc_table(text: str, first_column: str) -> dict[str, tuple[set[type], str]]:
+    """The rows of the tables in ``text`` whose header starts with ``first_column``:
+    name -> (the Python types of its type cell, its last cell)."""
+    rows: dict[str, tuple[set[type], str]] = {}
+    inside = False
+    for line in text.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if not line.startswith("|"):
+            inside = False
+        elif cells[0] == first_column:
+            inside = True
+        elif inside and not set(cells[0]) <= {"-", " "}:
+            name = cells[0].strip("`")
+            assert name not in rows, f"{name!r} documented twice"
+            words = [part.split()[0] for part in cells[1].split(" or ")]
+            unknown = [w for w in words if w not in DOC_TYPES]
+            assert not unknown, f"{name!r}: type {cells[1]!r} is not one of {sorted(DOC_TYPES)}"
+            rows[name] = ({t for w in words for t in DOC_TYPES[w]}, cells[-1])
+    return rows
+
+
+def doc_replies(sections: dict[str, str], op: str) -> dict[str, set[type]]:
+    """The reply table of ``op``; a map row saying "as in `OTHER`" holds OTHER's fields."""
+    rows = doc_table(sections[op], "reply field")
+    fields = {name: types for name, (types, _) in rows.items()}
+    for name, (types, meaning) in rows.items():
+        same = re.match(r"as in `(\w+)`", meaning)
+        if same and types == {dict}:
+            other = doc_replies(sections, same.group(1))
+            fields |= {n: t for n, t in other.items() if n.startswith(name + ".")}
+    return fields
+
+
+def code_types(specs: dict[str, Spec]) -> dict[str, set[type]]:
+    return {name: set(spec.types) for name, spec in specs.items()}
+
+
+def test_spec_documents_exactly_the_ops_of_the_code() -> None:
+    assert set(op_sections()) == set(REQUESTS) == set(REPLIES)
+
+
+@pytest.mark.parametrize("op", sorted(REQUESTS))
+def test_spec_request_fields_match_code_both_ways(op: str) -> None:
+    documented = {name: types for name, (types, _) in doc_table(op_sections()[op], "field").items()}
+    assert documented == code_types(REQUESTS[op]), f"op {op!r}: docs/protocol.md vs REQUESTS"
+
+
+@pytest.mark.parametrize("op", sorted(REPLIES))
+def test_spec_reply_fields_match_code_both_ways(op: str) -> None:
+    sections = op_sections()
+    assert doc_replies(sections, op) == code_types(REPLIES[op]), (
+        f"op {op!r}: docs/protocol.md vs REPLIES"
+    )
+    if not REPLIES[op]:
+        assert "Reply: empty" in sections[op]
+
+
+def test_spec_error_codes_match_code_both_ways() -> None:
+    chapter = spec_text().split("\n## Error codes\n", 1)[1].split("\n## ", 1)[0]
+    documented = {}
+    for line in chapter.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if line.startswith("| `"):
+            documented[cells[0].strip("`")] = cells[1].split()[0].strip("`")
+    assert set(documented) == set(all_codes())
+    for code, name in documented.items():
+        assert type(error_from_code(code, "")).__name__ == name, f"code {code!r}"
 
 
 # -- validate_request: accepts ---------------------------------------------------------------
@@ -215,6 +309,33 @@ def test_refuses_out_of_range(op: str, name: str, value: int) -> None:
 )
 def test_refuses_bad_choice(op: str, name: str, value: str) -> None:
     refuse(request(op, 1, **{**GOOD[op], name: value}), repr(name), "not one of")
+
+
+@pytest.mark.parametrize(
+    ("op", "fields", "words"),
+    [
+        ("reserve", {"rows": 5, "episodes": 2}, ["'rows'=5", "multiple", "'episodes'=2"]),
+        ("write", {"rows": 3, "episodes": 2}, ["'rows'=3", "multiple"]),
+        ("reserve", {"rows": 6, "lengths": [2, 2]}, ["'lengths'", "adds up to 4"]),
+        ("reserve", {"rows": 6, "lengths": [0, 6]}, ["'lengths'", "positive ints"]),
+        ("reserve", {"rows": 6, "lengths": []}, ["'lengths'", "positive ints"]),
+        ("reserve", {"rows": 6, "lengths": ["3", 3]}, ["'lengths'", "positive ints"]),
+        ("reserve", {"rows": 2, "lengths": [True, 1]}, ["'lengths'", "positive ints"]),
+        ("reserve", {"rows": 6, "lengths": [3, 3], "episodes": 2}, ["exclusive"]),
+        ("sample", {"kind": "slices", "n": 2}, ["'slices'", "'length'"]),
+    ],
+)
+def test_refuses_fields_that_do_not_fit_together(
+    op: str, fields: dict[str, Any], words: list[str]
+) -> None:
+    """The op's VALIDATORS entry, run before the request reaches the daemon's state."""
+    refuse(request(op, 1, **fields), f"op {op!r}", *words)
+
+
+def test_accepts_fields_that_fit_together() -> None:
+    assert validate_request(request("reserve", 1, rows=6, lengths=[1, 3, 2]))["lengths"]
+    validate_request(request("write", 1, rows=6, episodes=3))
+    validate_request(request("sample", 1, kind="rows", n=2))  # length is for slices only
 
 
 @pytest.mark.parametrize("op", ["nope", "", "op_hello", "Hello", None, 3, ["ping"]])

@@ -30,7 +30,6 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -47,7 +46,7 @@ from shmbuffer.errors import (
     ProtocolError,
     error_from_code,
 )
-from shmbuffer.protocol import check_version, encode, request
+from shmbuffer.protocol import check_version, decode, encode, request
 from shmbuffer.protocol_zmq import send_frames
 from shmbuffer.runtime import resolve_endpoint
 
@@ -319,7 +318,7 @@ class Connection:
 
     def _receive_one(self) -> None:
         frames = self.socket.recv_multipart(copy=False)
-        header = _decode_reply(frames[0].buffer)
+        header = decode(frames[0].buffer, max_bytes=None)  # a sample reply may be megabytes
         got = header.get("seq")
         if not isinstance(got, int):
             raise ProtocolError(f"reply without a seq: {header!r}")
@@ -350,18 +349,6 @@ class Connection:
                 self._closed = True
                 self._monitor = None
                 self._finalizer()
-
-
-def _decode_reply(frame: memoryview) -> dict[str, Any]:
-    """A reply header. Requests are capped at ``MAX_HEADER_BYTES`` to protect the daemon, but a
-    sample reply carries an index and a stamp per sampled row, so it may be megabytes."""
-    try:
-        header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises a zoo of types for bad input
-        raise ProtocolError(f"reply is not valid msgpack: {type(exc).__name__}") from None
-    if not isinstance(header, dict):
-        raise ProtocolError(f"reply header must be a msgpack map, got {type(header).__name__}")
-    return header
 
 
 def is_remote_target(endpoint: str) -> bool:

@@ -32,6 +32,7 @@ from shmbuffer.errors import (
     TornReadError,
     UnknownClientError,
 )
+from shmbuffer.protocol import decode_i64
 from shmbuffer.schema import Schema
 from shmbuffer.segment import Segment
 
@@ -44,10 +45,6 @@ def _count(value: Any, name: str) -> int:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
-
-
-def _i64(data: bytes) -> np.ndarray:
-    return np.frombuffer(data, dtype="<i8").astype(np.int64)  # a writable copy
 
 
 class Reader:
@@ -144,7 +141,7 @@ class Reader:
         reply, frames = self._sample_ahead(kind="rows", n=batch_size)
         if self.remote:
             return self._from_frames(frames, [batch_size])
-        return self._checked_gather(_i64(reply["rows"]), _i64(reply["gens"]), "rows", 1)
+        return self._checked_gather(decode_i64(reply["rows"]), decode_i64(reply["gens"]), "rows", 1)
 
     def sample_slices(self, n: int, length: int) -> TensorDict:
         """``[n, length]`` runs of consecutive rows, each inside one episode (a copy)."""
@@ -152,8 +149,8 @@ class Reader:
         reply, frames = self._sample_ahead(kind="slices", n=n, length=length)
         if self.remote:
             return self._from_frames(frames, [n, length])
-        physical = (_i64(reply["starts"])[:, None] + np.arange(length)).reshape(-1)
-        data = self._checked_gather(physical, _i64(reply["gens"]), "slices", length)
+        physical = rows.slice_rows(decode_i64(reply["starts"]), length)
+        data = self._checked_gather(physical, decode_i64(reply["gens"]), "slices", length)
         return data.reshape(n, length)
 
     def _checked_gather(
@@ -169,9 +166,8 @@ class Reader:
         stamps = self.segment.generations
         data = rows.gather(self.segment.columns, physical)
         todo = np.arange(len(physical) // group)
-        offsets = np.arange(group)
         for _ in range(MAX_RESAMPLES):
-            where = (todo[:, None] * group + offsets).reshape(-1)
+            where = rows.slice_rows(todo * group, group)
             moved = (stamps[physical[where]] != gens[where]).reshape(-1, group).any(axis=1)
             if not moved.any():
                 return data
@@ -182,11 +178,11 @@ class Reader:
                 fields["length"] = group
             reply, _ = self._sample(**fields)
             if kind == "slices":
-                fresh = (_i64(reply["starts"])[:, None] + offsets).reshape(-1)
+                fresh = rows.slice_rows(decode_i64(reply["starts"]), group)
             else:
-                fresh = _i64(reply["rows"])
-            where = (todo[:, None] * group + offsets).reshape(-1)
-            physical[where], gens[where] = fresh, _i64(reply["gens"])
+                fresh = decode_i64(reply["rows"])
+            where = rows.slice_rows(todo * group, group)
+            physical[where], gens[where] = fresh, decode_i64(reply["gens"])
             data[torch.from_numpy(where)] = rows.gather(self.segment.columns, fresh)
         raise TornReadError(f"rows kept being overwritten through {MAX_RESAMPLES} resamples")
 
@@ -218,11 +214,11 @@ class Reader:
         n = _count(n, "n")
         if self.remote:
             reply, frames = self._sample(kind="episodes", n=n)
-            lengths = _i64(reply["lengths"])
+            lengths = decode_i64(reply["lengths"])
             data = self._from_frames(frames, [int(lengths.sum())])
             offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
             columns = {f.key: data[f.key] for f in self.schema.fields} if self.schema else {}
-            yield EpisodeViews(columns, _i64(reply["ids"]), offsets, lengths)
+            yield EpisodeViews(columns, decode_i64(reply["ids"]), offsets, lengths)
             return
         sent = time.monotonic()
         reply, _ = self._sample(kind="episodes", n=n, lease=True)
@@ -232,9 +228,9 @@ class Reader:
         self._leases[lease.id] = lease
         views = EpisodeViews(
             self.segment.columns,
-            _i64(reply["ids"]),
-            _i64(reply["starts"]),
-            _i64(reply["lengths"]),
+            decode_i64(reply["ids"]),
+            decode_i64(reply["starts"]),
+            decode_i64(reply["lengths"]),
             lease,
             self.conn,
         )

@@ -219,8 +219,13 @@ class Writer:
         self._collect_acks(block=False)
         reservation = reply["reservation"]
         ranges = [(int(s), int(e)) for s, e in reply["ranges"]]
-        offset, progress = 0, rows.Progress()
-        try:
+        offset = 0  # rows of the reservation the pieces before this one filled
+
+        def abort(touched: int) -> None:  # of the piece being copied
+            # The daemon publishes again what the reservation evicted from untouched rows.
+            self.conn.send("abort", reservation=reservation, written=offset + touched)
+
+        with rows.Progress(abort) as progress:
             for leaves, first_row, n in pieces:
                 target = rows.split_ranges(ranges, offset, n)
                 rows.write(
@@ -228,10 +233,6 @@ class Writer:
                 )
                 offset += n
                 progress.rows = 0
-        except BaseException:
-            # The daemon publishes again what the reservation evicted from untouched rows.
-            self.conn.send("abort", reservation=reservation, written=offset + progress.rows)
-            raise
         self._uncommitted = (reservation, num_rows, time.monotonic())
         if self.commit_delay <= 0:
             self._commit_if_due(now=True)

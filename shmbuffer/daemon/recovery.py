@@ -212,9 +212,7 @@ def restore_service(config: DaemonConfig, source: str | Path) -> BufferService:
         raise RecoveryError(f"checkpoint {folder}: layout differs from this version's segment")
     copy_data(folder / DATA_FILE, segment.path / segment.manifest["data_file"], segment.nbytes)
     restore_container(state, service.container)
-    for key, value in state.get("counters", {}).items():
-        if hasattr(service.counters, key):
-            setattr(service.counters, key, int(value))
+    service.counters.restore(state.get("counters", {}))
     rng = (state.get("sampler") or {}).get("rng")
     if rng is not None:
         service._rng.bit_generator.state = rng

@@ -15,17 +15,18 @@ knows no writer touched them meanwhile; a mismatch means "sample again".
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import socket
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from shmbuffer import rows
 from shmbuffer.container import Container, Reservation
+from shmbuffer.daemon.clients import Client, ClientTable
 from shmbuffer.daemon.config import DaemonConfig
 from shmbuffer.daemon.journal import Journal, container_state, record_bytes, restore_container
 from shmbuffer.daemon.leases import LeaseTable
@@ -36,20 +37,23 @@ from shmbuffer.errors import (
     NotFoundError,
     OutOfSpaceError,
     PermissionDeniedError,
-    ProtocolError,
     SchemaError,
     UnknownClientError,
 )
-from shmbuffer.protocol import PROTOCOL_VERSION, payload_sizes
-from shmbuffer.runtime import pid_alive
+from shmbuffer.protocol import PROTOCOL_VERSION, encode_i64, episode_split, payload_sizes
 from shmbuffer.schema import Schema
 from shmbuffer.segment import Segment, check_fits
 
 log = logging.getLogger("shmbuffer.daemon")
 
 Frames = list[bytes | memoryview]
-REAP_INTERVAL_S = 0.25  # how often clients are checked for a dead process or idleness
-FULL_SWEEP_EVERY = 20  # every 20th sweep (~5 s) also checks the pids of clients holding nothing
+#: What a handler returns: the reply's fields (``protocol.REPLIES`` lists them; the tests hold
+#: real replies to it) and payload frames (rows for remote clients; usually none).
+Reply = tuple[dict[str, Any], Frames]
+#: An op of a client that said ``hello``: (its record, validated fields, payload, now).
+Handler = Callable[[Client, dict[str, Any], Frames, float], Reply]
+#: ``hello`` and ``ping``, which any identity may send: (identity, validated fields, now).
+OpenHandler = Callable[[bytes, dict[str, Any], float], Reply]
 
 
 class Deferred(Exception):
@@ -58,51 +62,6 @@ class Deferred(Exception):
     def __init__(self, reason: str, deadline: float) -> None:
         super().__init__(reason)
         self.deadline = deadline
-
-
-@dataclass
-class Client:
-    id: int
-    role: str
-    pid: int
-    host: str
-    remote: bool
-    reservations: set[int] = field(default_factory=set)
-    last_seen: float = 0.0
-    #: Same host, and its pid was alive from here at hello (so not another pid namespace):
-    #: the daemon may reap it the moment that pid dies.
-    watch_pid: bool = False
-
-    @property
-    def local(self) -> bool:
-        return not self.remote and self.host == socket.gethostname()
-
-
-def _i64(values: np.ndarray) -> bytes:
-    return np.ascontiguousarray(values, dtype="<i8").tobytes()
-
-
-MAX_LENGTHS = 65_536
-
-
-def _episodes_field(fields: dict[str, Any]) -> int | list[int]:
-    """How the reserved rows split into episodes: ``episodes`` equal ones, or ``lengths``."""
-    num_rows = fields["rows"]
-    lengths = fields.get("lengths")
-    if lengths is None:
-        num_sub: int = fields.get("episodes", 1)
-        if num_rows % num_sub:
-            raise ProtocolError(
-                f"field 'rows'={num_rows} is not a multiple of field 'episodes'={num_sub}"
-            )
-        return num_sub
-    if "episodes" in fields:
-        raise ProtocolError("fields 'episodes' and 'lengths' are exclusive")
-    if not 0 < len(lengths) <= MAX_LENGTHS or not all(type(n) is int and n > 0 for n in lengths):
-        raise ProtocolError(f"field 'lengths': 1 to {MAX_LENGTHS} positive ints expected")
-    if sum(lengths) != num_rows:
-        raise ProtocolError(f"field 'lengths' adds up to {sum(lengths)}, not 'rows'={num_rows}")
-    return list(lengths)
 
 
 #: A RESERVE record evicts at most two ranges (a wrap).
@@ -129,14 +88,29 @@ class BufferService:
                 f"bookkeeping (about {12 * config.capacity:,} bytes of memory)"
             ) from None
         self.leases = LeaseTable(config.lease_ttl)
-        self.clients: dict[bytes, Client] = {}
+        self.clients = ClientTable(config.max_clients, config.client_idle_ttl)
         self.counters = Counters()
         self.started = time.time()
         self._rng = np.random.default_rng(config.seed)
-        self._next_client = 1
         self.rates = RateMeter()
-        self._next_reap = 0.0  # monotonic time of the next dead/idle-client sweep
-        self._sweeps = 0
+        #: One handler per op of ``protocol.REQUESTS``, both tables together (an op is its
+        #: table entry plus its handler; tests/test_handlers.py checks they match one to one).
+        self.open_handlers: dict[str, OpenHandler] = {"hello": self.op_hello, "ping": self.op_ping}
+        self.handlers: dict[str, Handler] = {
+            "bye": self.op_bye,
+            "stats": self.op_stats,
+            "define_schema": self.op_define_schema,
+            "reserve": self.op_reserve,
+            "commit": self.op_commit,
+            "abort": self.op_abort,
+            "write": self.op_write,
+            "sample": self.op_sample,
+            "release": self.op_release,
+            "renew": self.op_renew,
+            "clear": self.op_clear,
+            "shutdown": self.op_shutdown,
+            "checkpoint": self.op_checkpoint,
+        }
         #: Why admin ops are refused on this daemon's transport (set by the Server from
         #: ``security.admin_refusal``; None: the role is enough, as on the ipc socket).
         self.admin_refused: str | None = None
@@ -209,12 +183,12 @@ class BufferService:
 
     def handle(
         self, identity: bytes, op: str, fields: dict[str, Any], frames: Frames, now: float
-    ) -> tuple[dict[str, Any], Frames]:
+    ) -> Reply:
+        """Run one validated request (``protocol.validate_request``) of ``identity``."""
         self.counters.messages += 1
-        if op == "hello":
-            return self.hello(identity, fields, now), []
-        if op == "ping":
-            return {"pid": os.getpid(), "protocol": PROTOCOL_VERSION}, []
+        open_handler = self.open_handlers.get(op)
+        if open_handler is not None:
+            return open_handler(identity, fields, now)
         client = self.clients.get(identity)
         if client is None:
             raise UnknownClientError(
@@ -223,45 +197,26 @@ class BufferService:
                 f"{self.config.client_idle_ttl:.0f}s of silence); reconnect"
             )
         client.last_seen = now
-        handler = getattr(self, f"op_{op}")
-        result: tuple[dict[str, Any], Frames] = handler(client, fields, frames, now)
-        return result
+        return self.handlers[op](client, fields, frames, now)
 
     # -- clients ----------------------------------------------------------------------------
 
-    def hello(self, identity: bytes, fields: dict[str, Any], now: float) -> dict[str, Any]:
-        client = self.clients.get(identity)
-        if client is None:
-            if len(self.clients) >= self.config.max_clients:
-                self._reap(now)  # make room from clients that died without a 'bye'
-            if len(self.clients) >= self.config.max_clients:
-                raise LimitExceededError(
-                    f"too many clients ({len(self.clients)} connected, limit max_clients="
-                    f"{self.config.max_clients}): close unused Writers/Readers or raise the limit"
-                )
-            client = Client(
-                self._next_client,
-                fields["role"],
-                fields["pid"],
-                fields["host"],
-                fields.get("remote", False),
-            )
-            client.watch_pid = (
-                not client.remote
-                and client.host == socket.gethostname()
-                and os.getpid() != client.pid  # an in-process client: never "dead"
-                and pid_alive(client.pid)  # else another pid namespace: rely on TTLs
-            )
-            self._next_client += 1
-            self.clients[identity] = client
-            log.info("client %d: %s pid %d on %s", client.id, client.role, client.pid, client.host)
-        client.last_seen = now
-        return {"client": client.id, "buffer": self.buffer_info(), "daemon_pid": os.getpid()}
+    def op_hello(self, identity: bytes, fields: dict[str, Any], now: float) -> Reply:
+        if identity not in self.clients and self.clients.full:
+            self._reap(now)  # make room from clients that died without a 'bye'
+        remote = fields.get("remote", False)
+        client = self.clients.hello(
+            identity, fields["role"], fields["pid"], fields["host"], remote, now
+        )
+        return {"client": client.id, "buffer": self.buffer_info(), "daemon_pid": os.getpid()}, []
+
+    def op_ping(self, identity: bytes, fields: dict[str, Any], now: float) -> Reply:
+        return {"pid": os.getpid(), "protocol": PROTOCOL_VERSION}, []
 
     def forget(self, identity: bytes) -> None:
         """Drop a client with everything it holds: its reservations are aborted (their rows
         were never published), its leases released."""
-        client = self.clients.pop(identity, None)
+        client = self.clients.pop(identity)
         if client is None:
             return
         for rid in list(client.reservations):
@@ -269,17 +224,16 @@ class BufferService:
         self.leases.release_owner(client.id)
         log.info("client %d (pid %d) gone", client.id, client.pid)
 
-    def op_bye(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Any:
-        identity = next(k for k, c in self.clients.items() if c is client)
-        self.forget(identity)
+    def op_bye(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Reply:
+        self.forget(client.identity)
         return {}, []
 
-    def op_stats(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Any:
+    def op_stats(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Reply:
         return {"stats": self.stats(now)}, []
 
     def op_define_schema(
         self, client: Client, fields: dict[str, Any], frames: Frames, now: float
-    ) -> Any:
+    ) -> Reply:
         try:
             schema = Schema.from_spec(fields["schema"])
         except RecursionError:  # msgpack allows ~1000 levels; the spec walk does not
@@ -292,7 +246,9 @@ class BufferService:
 
     # -- writing ----------------------------------------------------------------------------
 
-    def op_reserve(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Any:
+    def op_reserve(
+        self, client: Client, fields: dict[str, Any], frames: Frames, now: float
+    ) -> Reply:
         if "commit" in fields:  # commit the previous episode in the same round trip; kept
             # out of ``fields`` so a deferred retry does not commit twice
             reservation = self._owned(client, fields["commit"])
@@ -313,7 +269,7 @@ class BufferService:
                 f"client {client.id} holds {len(client.reservations)} open reservations "
                 f"(limit {self.config.max_reservations_per_client}); commit or abort some"
             )
-        num_rows, num_sub = fields["rows"], _episodes_field(fields)
+        num_rows, num_sub = fields["rows"], episode_split(fields)
         _, evict = self.container.plan(num_rows, num_sub)
         deadline = now + fields.get("timeout_ms", 30_000) / 1000
         leased = len(self.leases) and self.leases.pinned(  # no lease, no lookup: the hot path
@@ -354,18 +310,19 @@ class BufferService:
         self._journal_commit(ids, reservation.episodes)  # before the reply acknowledges it
         return ids
 
-    def op_commit(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Any:
+    def op_commit(
+        self, client: Client, fields: dict[str, Any], frames: Frames, now: float
+    ) -> Reply:
         return {"episodes": self._commit(client, fields["reservation"])}, []
 
-    def op_abort(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Any:
-        reservation = self._owned(client, fields["reservation"])
-        self._abort(reservation, fields.get("written"))
-        client.reservations.discard(reservation.id)
+    def op_abort(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Reply:
+        self._abort(client, self._owned(client, fields["reservation"]), fields.get("written"))
         return {}, []
 
-    def _abort(self, reservation: Reservation, written: int | None) -> None:
+    def _abort(self, client: Client, reservation: Reservation, written: int | None) -> None:
         """Abort; with ``written`` (rows the writer's copy may have touched) what the
         reservation evicted from untouched rows is published again, and journaled."""
+        client.reservations.discard(reservation.id)
         if written is not None and self.journal is not None:
             restorable = len(reservation.evicted) + len(reservation.trimmed)
             try:
@@ -378,7 +335,7 @@ class BufferService:
         if (restored or before != (c.pointer, c.rows_written)) and self.journal is not None:
             self.journal.append_restore(restored, c.pointer, c.rows_written)
 
-    def op_write(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Any:
+    def op_write(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Reply:
         """A remote writer's rows arrive as frames; the daemon does the copy."""
         size = payload_sizes(frames)
         expected = fields["rows"] * (0 if self.schema is None else self.schema.row_nbytes)
@@ -390,22 +347,17 @@ class BufferService:
                 "write fewer rows per call"
             )
         leaves = self._leaves_from_frames(fields["rows"], frames)
-        num_sub = _episodes_field(fields)
+        num_sub = episode_split(fields)
         episodes = num_sub if isinstance(num_sub, int) else len(num_sub)
         # Room for both records first (a sub-episode across the wrap is two): a full disk
         # refuses the write whole, never after its rows were copied.
         self._journal_room(_RESERVE_BYTES + record_bytes(3 + 3 * (episodes + 1)))
         reservation = self._reserve(client, fields, now)
         assert self.segment is not None
-        progress = rows.Progress()
-        try:
+        with rows.Progress(functools.partial(self._abort, client, reservation)) as progress:
             rows.write(
                 self.segment.columns, self.segment.arrays, reservation.ranges, leaves, 0, progress
             )
-        except BaseException:
-            self._abort(reservation, progress.rows)
-            client.reservations.discard(reservation.id)
-            raise
         return {"episodes": self._commit(client, reservation.id)}, []
 
     def _leaves_from_frames(self, num_rows: int, frames: Frames) -> dict[Any, Any]:
@@ -431,7 +383,9 @@ class BufferService:
 
     # -- reading ----------------------------------------------------------------------------
 
-    def op_sample(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Any:
+    def op_sample(
+        self, client: Client, fields: dict[str, Any], frames: Frames, now: float
+    ) -> Reply:
         if "release" in fields:
             self.leases.release(fields["release"], client.id)
         kind, n = fields["kind"], fields["n"]
@@ -440,21 +394,21 @@ class BufferService:
         if kind == "rows":
             self._check_sample_size(n, fields)
             physical = registry.sample_rows(n, self._rng)
-            reply["rows"] = _i64(physical)
+            reply["rows"] = encode_i64(physical)
         elif kind == "slices":
-            length = fields.get("length")
-            if length is None:
-                raise ProtocolError("op 'sample': kind 'slices' needs field 'length'")
+            length = fields["length"]  # validation made sure of it
             self._check_sample_size(n * length, fields)
             starts = registry.sample_slices(n, length, self._rng)
-            physical = (starts[:, None] + np.arange(length)).reshape(-1)
-            reply["starts"] = _i64(starts)
+            physical = rows.slice_rows(starts, length)
+            reply["starts"] = encode_i64(starts)
         else:
             ids, starts, ends = registry.sample_episodes(n, self._rng)
             lengths = ends - starts
             self._check_sample_size(int(lengths.sum()), fields)
             physical = rows.episode_rows(starts, lengths)
-            reply.update(ids=_i64(ids), starts=_i64(starts), lengths=_i64(lengths))
+            reply.update(
+                ids=encode_i64(ids), starts=encode_i64(starts), lengths=encode_i64(lengths)
+            )
             if fields.get("lease", False) and not fields.get("payload", False):
                 held = self.leases.count_owner(client.id)
                 if held >= self.config.max_leases_per_client:
@@ -471,7 +425,7 @@ class BufferService:
             data = rows.gather_columns(self.segment.columns, physical)
             return reply, [rows.to_bytes(t, t.dtype) for t in data.values()]
         if kind != "episodes":  # leased episodes need no stamps: no writer can reach them
-            reply["gens"] = _i64(self.generations[physical])
+            reply["gens"] = encode_i64(self.generations[physical])
         return reply, []
 
     def _check_sample_size(self, num_rows: int, fields: dict[str, Any]) -> None:
@@ -487,11 +441,13 @@ class BufferService:
                 f"limit max_payload_bytes={self.config.max_payload_bytes:,}; sample fewer rows"
             )
 
-    def op_release(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Any:
+    def op_release(
+        self, client: Client, fields: dict[str, Any], frames: Frames, now: float
+    ) -> Reply:
         self.leases.release(fields["lease"], client.id)
         return {}, []
 
-    def op_renew(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Any:
+    def op_renew(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Reply:
         """A reader's heartbeat for a lease it still uses: another ``lease_ttl`` from now."""
         self.leases.renew(fields["lease"], client.id, now)
         return {"ttl": self.config.lease_ttl}, []
@@ -503,7 +459,7 @@ class BufferService:
         if self.admin_refused is not None:
             raise PermissionDeniedError(f"refusing to {action}: {self.admin_refused}")
 
-    def op_clear(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Any:
+    def op_clear(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Reply:
         self._require_admin(client, "clear the buffer")
         if len(self.leases) or self.container.reservations:
             raise LimitExceededError(
@@ -518,7 +474,7 @@ class BufferService:
 
     def op_shutdown(
         self, client: Client, fields: dict[str, Any], frames: Frames, now: float
-    ) -> Any:
+    ) -> Reply:
         self._require_admin(client, "shut the daemon down")
         return {}, []
 
@@ -562,15 +518,13 @@ class BufferService:
         starts a new journal generation at once."""
         service = cls(config, segment)
         restore_container(state, service.container)
-        for key, value in state.get("counters", {}).items():
-            if hasattr(service.counters, key):
-                setattr(service.counters, key, int(value))
+        service.counters.restore(state.get("counters", {}))
         service._start_journal()
         return service
 
     def op_checkpoint(
         self, client: Client, fields: dict[str, Any], frames: Frames, now: float
-    ) -> Any:
+    ) -> Reply:
         self._require_admin(client, "checkpoint the buffer")
         from shmbuffer.daemon.checkpoint import write_checkpoint
 
@@ -592,8 +546,7 @@ class BufferService:
         for reservation in list(self.container.reservations.values()):
             if reservation.deadline <= now:
                 self.container.abort(reservation.id)
-                for client in self.clients.values():
-                    client.reservations.discard(reservation.id)
+                self.clients.discard_reservation(reservation.id)
                 self.counters.reservations_expired += 1
                 log.warning("reservation %d expired uncommitted; rows dropped", reservation.id)
         self.rates.tick(now, self.counters)
@@ -602,26 +555,14 @@ class BufferService:
                 self.journal.snapshot(self.persistent_state())  # keeps a resume's replay short
             except (OSError, OutOfSpaceError) as exc:  # a full disk: the journal goes on
                 log.warning("journal snapshot failed, retried later: %s", exc)
-        if now >= self._next_reap:
-            self._next_reap = now + REAP_INTERVAL_S
+        if self.clients.sweep_due(now):
             self._reap(now)
 
     def _reap(self, now: float) -> None:
-        """Forget clients that are gone, with what they hold (see :meth:`forget`).
-
-        A local client whose process died is found by its pid: at once if it holds
-        reservations or leases (a SIGKILLed writer's rows and a dead learner's leases come back
-        within ``REAP_INTERVAL_S``), on every ``FULL_SWEEP_EVERY``-th sweep otherwise. Remote
-        clients rely on the reservation and lease TTLs. A client that holds nothing and has
-        sent nothing for ``client_idle_ttl`` is dropped too, so the table cannot grow forever.
-        """
-        holders = self.leases.owners()
-        self._sweeps += 1
-        full = self._sweeps % FULL_SWEEP_EVERY == 0
-        idle_ttl = self.config.client_idle_ttl
-        for identity, client in list(self.clients.items()):
-            holds = bool(client.reservations) or client.id in holders
-            if client.watch_pid and (holds or full) and not pid_alive(client.pid):
+        """Forget the clients the table finds gone (:meth:`ClientTable.gone`: a local process
+        that died, or idle with nothing open), with what they hold (see :meth:`forget`)."""
+        for client, why in self.clients.gone(now, self.leases.owners()):
+            if why == "died":
                 self.counters.clients_reaped += 1
                 log.warning(
                     "client %d (%s, pid %d) died holding %d reservations and %d leases; "
@@ -630,19 +571,20 @@ class BufferService:
                     client.role,
                     client.pid,
                     len(client.reservations),
-                    self.leases.count_owner(client.id) if holds else 0,
+                    self.leases.count_owner(client.id),
                 )
-                self.forget(identity)
-            elif not holds and now - client.last_seen > idle_ttl:
+            else:
                 self.counters.clients_expired += 1
                 log.info(
-                    "client %d (pid %d) idle for %.0fs: forgotten", client.id, client.pid, idle_ttl
+                    "client %d (pid %d) idle for %.0fs: forgotten",
+                    client.id,
+                    client.pid,
+                    self.clients.idle_ttl,
                 )
-                self.forget(identity)
+            self.forget(client.identity)
 
     def stats(self, now: float) -> dict[str, Any]:
         insert_rate, sample_rate = self.rates.rates(now, self.counters)
-        roles = [c.role for c in self.clients.values()]
         container = self.container
         return {
             "name": self.config.name,
@@ -657,8 +599,8 @@ class BufferService:
             "segment": self.segment_info(),
             "insert_rows_per_s": insert_rate,
             "sample_rows_per_s": sample_rate,
-            "writers": roles.count("writer"),
-            "readers": roles.count("reader"),
+            "writers": self.clients.count_role("writer"),
+            "readers": self.clients.count_role("reader"),
             "reservations": len(container.reservations),
             "reserved_rows": container.reserved_rows,
             "leases": len(self.leases),

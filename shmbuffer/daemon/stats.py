@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 RATE_WINDOW_S = 3.0  # rates are averaged over the last few seconds, up to "now"
 
@@ -20,6 +22,13 @@ class Counters:
     leases_expired: int = 0
     clients_reaped: int = 0  # local clients whose process died (found by the pid check)
     clients_expired: int = 0  # clients dropped after client_idle_ttl with nothing open
+
+    def restore(self, saved: Mapping[str, Any]) -> None:
+        """Take the values of a snapshot or checkpoint (``persistent_state``); a counter it
+        does not know (an older or newer version's) is left out, one it lacks stays as is."""
+        for name, value in saved.items():
+            if name in self.__dataclass_fields__:
+                setattr(self, name, int(value))
 
 
 class RateMeter:

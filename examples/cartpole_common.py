@@ -1,0 +1,493 @@
+"""What the CartPole examples share: the policies, the env-worker process, a daemon of their own,
+and the bookkeeping behind the figures they print.
+
+An env worker (:func:`worker_main`, one spawned process each) steps a ``gymnasium`` vector env
+of ``CartPole-v1`` with the learner's current policy and writes what it saw through
+``shmbuffer.Writer``. The learner publishes its weights through a
+:class:`shmbuffer.weights.WeightsPublisher`; a worker checks the version (one int read) before
+every vector step and copies the weights only when they changed. Workers report each finished
+episode's return on a ``multiprocessing`` queue (the learner needs returns, not rows, to know
+how it is doing) and count their env steps in shared integers.
+
+Two ways of writing, chosen by the learner:
+
+* ``rollout_len == 0`` (DQN): every sub-env step goes to ``Writer.add_transition`` under the id
+  ``w<worker>/<sub-env>``; the writer assembles whole episodes and stores each as it ends. A
+  budget of env steps set by the learner holds the replay ratio (updates per env step) fixed
+  however fast the workers could step: on two shared cores a worker left free takes the
+  learner's CPU and the run needs more wall time, not less.
+* ``rollout_len == T`` (PPO): each sub-env's next ``T`` steps under policy version ``v`` are
+  written as one entry (``Writer.add_episode``) with a ``policy_version`` column; then the
+  worker waits for version ``v + 1``. Every entry is thus on-policy for exactly one version, and
+  episodes that span entries are bootstrapped by the learner from ``next_obs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import math
+import multiprocessing as mp
+import os
+import queue
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import shmbuffer
+from shmbuffer import runtime
+from shmbuffer.errors import DaemonUnavailableError
+from shmbuffer.weights import WeightsSubscriber
+
+ENV_ID = "CartPole-v1"
+RANDOM_RETURN = 22.0  # mean return of random play on CartPole-v1
+LAST_N = 20  # "mean return over the last 20 episodes"
+DAEMON_START_TIMEOUT_S = 60.0  # a busy 2-core machine imports torch slowly
+STOP_TIMEOUT_S = 15.0
+#: TODO(issue 9): one test for the samplers (prioritized, fifo, max-times-sampled) and the
+#: Reader calls that go with them; remove with the fallbacks once they have landed.
+HAVE_SAMPLERS = hasattr(shmbuffer.Reader, "update_priorities")
+
+
+# -- policies -------------------------------------------------------------------------------
+
+
+def q_network() -> nn.Module:
+    """DQN's Q-function: obs [B, 4] -> Q-values [B, 2]."""
+    return nn.Sequential(
+        nn.Linear(4, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 2)
+    )
+
+
+class ActorCritic(nn.Module):
+    """PPO's policy and value function, apart (shared layers slow CartPole down), with the
+    orthogonal initialisation of the PPO implementation-details study (Huang et al., 2022)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+        def layer(n_in: int, n_out: int, std: float = math.sqrt(2)) -> nn.Linear:
+            lin = nn.Linear(n_in, n_out)
+            nn.init.orthogonal_(lin.weight, std)
+            nn.init.zeros_(lin.bias)
+            return lin
+
+        self.actor = nn.Sequential(
+            layer(4, 64), nn.Tanh(), layer(64, 64), nn.Tanh(), layer(64, 2, std=0.01)
+        )
+        self.critic = nn.Sequential(
+            layer(4, 64), nn.Tanh(), layer(64, 64), nn.Tanh(), layer(64, 1, std=1.0)
+        )
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        values: torch.Tensor = self.critic(obs)
+        return values.squeeze(-1)
+
+
+POLICIES = {"q": q_network, "actor-critic": ActorCritic}
+
+
+def epsilon_at(steps: int, start: float, end: float, decay_steps: int) -> float:
+    """Linear decay from ``start`` to ``end`` over the first ``decay_steps`` env steps of all
+    workers together."""
+    return end + (start - end) * max(0.0, 1.0 - steps / max(1, decay_steps))
+
+
+# -- the env worker -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    buffer: str
+    weights: str
+    policy: str  # a key of POLICIES
+    num_envs: int
+    seed: int
+    rollout_len: int = 0  # 0: transitions as they come (DQN); T: T-step entries per version
+    epsilon: tuple[float, float, int] = (1.0, 0.05, 5_000)  # start, end, decay steps (q only)
+
+
+@dataclass
+class Shared:
+    """What the learner and its workers share besides the buffer and the weights."""
+
+    stop: Any  # mp.Event
+    steps: Any  # mp.Array('q', workers): env steps per worker
+    budget: Any  # mp.Value('q'): workers step while their total is below it; < 0: no limit
+    returns: Any  # mp.Queue of (worker, return, length)
+    errors: Any  # mp.Queue of (worker, traceback text)
+
+
+def worker_main(index: int, cfg: WorkerConfig, shared: Shared) -> None:
+    """One env-worker process; returns when ``shared.stop`` is set."""
+    import traceback
+
+    # Ctrl-C reaches the whole process group; the learner stops us in order instead.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)  # a tiny MLP: intra-op threads only fight over the 2 cores
+    try:
+        _worker_loop(index, cfg, shared)
+    except Exception:
+        shared.errors.put((index, traceback.format_exc()))
+    finally:
+        shared.returns.cancel_join_thread()  # never hang at exit on an undrained queue
+        shared.errors.cancel_join_thread()
+
+
+def _worker_loop(index: int, cfg: WorkerConfig, shared: Shared) -> None:
+    import gymnasium as gym
+
+    envs = gym.make_vec(
+        ENV_ID,
+        num_envs=cfg.num_envs,
+        vectorization_mode="sync",
+        # The final observation of an episode arrives with its last step (info["final_obs"]),
+        # not one step later: every step is a real transition.
+        # copy=True: each step's arrays are new, so the writer may keep views of them until
+        # an episode is stored.
+        vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP, "copy": True},
+    )
+    net = POLICIES[cfg.policy]()
+    rng = np.random.default_rng([cfg.seed, index])
+    with (
+        WeightsSubscriber(cfg.weights, timeout=DAEMON_START_TIMEOUT_S) as weights,
+        _connect_writer(cfg.buffer) as writer,
+    ):
+        while not weights.poll(net):  # the publisher publishes version 1 as it starts
+            time.sleep(0.01)
+        obs, _ = envs.reset(seed=cfg.seed * 10_000 + index * cfg.num_envs)  # sub-env i: +i
+        ep_return = np.zeros(cfg.num_envs)
+        ep_length = np.zeros(cfg.num_envs, dtype=np.int64)
+        fragment: dict[str, list[np.ndarray]] = {}
+        while not shared.stop.is_set():
+            if cfg.rollout_len:
+                if len(fragment.get("obs", ())) == cfg.rollout_len:
+                    _write_fragments(writer, fragment, weights.seen)
+                    fragment = {}
+                    _wait(shared, lambda: weights.version > weights.seen)
+                    weights.poll(net)
+                    continue
+            else:
+                weights.poll(net)  # one int read unless the learner published
+                budget = shared.budget.value
+                if budget >= 0 and sum(shared.steps) >= budget:
+                    time.sleep(0.001)
+                    continue
+            with torch.no_grad():
+                obs_t = torch.from_numpy(obs)
+                if cfg.policy == "q":
+                    eps = epsilon_at(sum(shared.steps), *cfg.epsilon)
+                    actions = net(obs_t).argmax(1).numpy()
+                    explore = rng.random(cfg.num_envs) < eps
+                    actions = np.where(explore, rng.integers(0, 2, cfg.num_envs), actions)
+                    logp = None
+                else:
+                    assert isinstance(net, ActorCritic)
+                    log_probs = torch.log_softmax(net.actor(obs_t), dim=1).numpy()
+                    u = rng.random(cfg.num_envs)
+                    actions = (u[:, None] > np.exp(log_probs).cumsum(1)[:, :-1]).sum(1)
+                    logp = log_probs[np.arange(cfg.num_envs), actions]
+            next_obs, reward, terminated, truncated, info = envs.step(actions)
+            done = terminated | truncated
+            real_next = next_obs.copy()
+            for j in np.flatnonzero(done):
+                real_next[j] = info["final_obs"][j]
+            if cfg.rollout_len:
+                step = {
+                    "obs": obs,
+                    "action": actions.astype(np.int64),
+                    "logp": np.asarray(logp, np.float32),
+                    "reward": reward.astype(np.float32),
+                    "next_obs": real_next,
+                    "terminated": terminated,
+                    "truncated": truncated,
+                }
+                for key, value in step.items():
+                    fragment.setdefault(key, []).append(value)
+            else:
+                for i in range(cfg.num_envs):
+                    writer.add_transition(
+                        f"w{index}/{i}",
+                        {
+                            "obs": obs[i],
+                            "action": np.int64(actions[i]),
+                            "reward": np.float32(reward[i]),
+                            "next_obs": real_next[i],
+                            "terminated": bool(terminated[i]),
+                            "truncated": bool(truncated[i]),
+                        },
+                    )
+            ep_return += reward
+            ep_length += 1
+            for j in np.flatnonzero(done):
+                shared.returns.put((index, float(ep_return[j]), int(ep_length[j])))
+            ep_return[done], ep_length[done] = 0.0, 0
+            obs = next_obs
+            shared.steps[index] += cfg.num_envs
+
+
+def _connect_writer(buffer: str) -> shmbuffer.Writer:
+    """A Writer, once the daemon (started alongside the workers) serves ``buffer``."""
+    deadline = time.monotonic() + DAEMON_START_TIMEOUT_S
+    while True:
+        try:
+            return shmbuffer.Writer(buffer, timeout=30.0)
+        except DaemonUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _write_fragments(writer: Any, fragment: dict[str, list[np.ndarray]], version: int) -> None:
+    """One entry per sub-env: its ``T`` steps under policy ``version``, then a flush so the
+    learner can see all of them before it waits for more."""
+    columns = {key: np.stack(values, axis=1) for key, values in fragment.items()}  # [E, T, ...]
+    num_envs, length = columns["obs"].shape[:2]
+    versions = np.full(length, version, dtype=np.int64)
+    for i in range(num_envs):
+        writer.add_episode(
+            {**{key: value[i] for key, value in columns.items()}, "policy_version": versions}
+        )
+    writer.flush()
+
+
+def _wait(shared: Shared, ready: Any) -> None:
+    while not ready() and not shared.stop.is_set():
+        time.sleep(0.001)
+
+
+# -- the worker fleet -----------------------------------------------------------------------
+
+
+class Rollout:
+    """``workers`` env-worker processes (spawned), started and always stopped together."""
+
+    def __init__(self, workers: int, cfg: WorkerConfig) -> None:
+        ctx = mp.get_context("spawn")
+        self.shared = Shared(
+            stop=ctx.Event(),
+            steps=ctx.Array("q", workers, lock=False),
+            budget=ctx.Value("q", -1, lock=False),
+            returns=ctx.Queue(),
+            errors=ctx.Queue(),
+        )
+        self.procs = [
+            ctx.Process(target=worker_main, args=(w, cfg, self.shared), daemon=True)
+            for w in range(workers)
+        ]
+        self.started = 0.0
+
+    def start(self) -> None:
+        for p in self.procs:
+            p.start()
+        self.started = time.monotonic()
+
+    @property
+    def env_steps(self) -> int:
+        return int(sum(self.shared.steps))
+
+    def set_budget(self, steps: int) -> None:
+        self.shared.budget.value = steps
+
+    def returns(self) -> list[tuple[int, float, int]]:
+        """Episodes finished since the last call: (worker, return, length)."""
+        out = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                out.append(self.shared.returns.get_nowait())
+        return out
+
+    def check(self) -> None:
+        """Raise if a worker failed (with its traceback) or died."""
+        with contextlib.suppress(queue.Empty):
+            index, text = self.shared.errors.get_nowait()
+            raise RuntimeError(f"env worker {index} failed:\n{text}")
+        dead = [i for i, p in enumerate(self.procs) if p.exitcode is not None]
+        if dead and not self.shared.stop.is_set():
+            codes = [self.procs[i].exitcode for i in dead]
+            raise RuntimeError(f"env workers {dead} exited (exit codes {codes})")
+
+    def stop(self) -> None:
+        self.shared.stop.set()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for p in self.procs:
+            if p.pid is not None:
+                p.join(max(0.1, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(STOP_TIMEOUT_S)
+
+
+# -- a daemon of our own --------------------------------------------------------------------
+
+
+class Daemon:
+    """The learner's buffer: one already running (``Daemon(name)``, from ``--buffer``) or one
+    of its own (:meth:`own`)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path: Path | None = None
+
+    @classmethod
+    @contextlib.contextmanager
+    def own(
+        cls, name: str, capacity: int, unit: str, extra: Sequence[str] = ()
+    ) -> Iterator[Daemon]:
+        """``shmbuffer-daemon start`` in a session of its own (Ctrl-C goes to the learner,
+        which stops its workers first and the daemon last), stopped with SIGTERM (then
+        SIGKILL) whatever happens. Not waited for here: workers start meanwhile (both import
+        torch for seconds) and :meth:`wait_ready` waits."""
+        argv = [
+            sys.executable, "-m", "shmbuffer.cli", "start",
+            "--name", name, "--capacity", str(capacity), "--unit", unit, *extra,
+        ]  # fmt: skip
+        daemon = cls(name)
+        # Beside its runtime file; removed after a clean stop, kept if the daemon died.
+        daemon.log_path = runtime.runtime_dir() / f"{name}.daemon.log"
+        with open(daemon.log_path, "wb") as log:
+            daemon.proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+        try:
+            yield daemon
+        finally:
+            daemon._stop()
+
+    def wait_ready(self) -> None:
+        """Return once our daemon's runtime file names it (at once for a running one)."""
+        if self.proc is None:
+            return
+        deadline = time.monotonic() + DAEMON_START_TIMEOUT_S
+        while (runtime.read(self.name) or {}).get("pid") != self.proc.pid:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"daemon {self.name!r} did not start:\n{self._log_tail()}")
+            time.sleep(0.05)
+
+    def _log_tail(self) -> str:
+        assert self.log_path is not None
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def _stop(self) -> None:
+        assert self.proc is not None and self.log_path is not None
+        if self.proc.poll() is not None:  # it died under us: what it said comes first
+            print(
+                f"daemon {self.name!r} exited with code {self.proc.returncode}; "
+                f"{self.log_path}:\n{self._log_tail()}",
+                file=sys.stderr,
+            )
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(STOP_TIMEOUT_S)
+        self.log_path.unlink(missing_ok=True)
+
+
+# -- figures --------------------------------------------------------------------------------
+
+
+def common_args(parser: argparse.ArgumentParser, target: float) -> None:
+    parser.add_argument("--workers", type=int, default=2, help="env-worker processes")
+    parser.add_argument("--envs-per-worker", type=int, default=4)
+    parser.add_argument("--minutes", type=float, default=10.0, help="time limit, start to end")
+    parser.add_argument(
+        "--buffer", default=None, help="a running daemon's buffer name (default: start one)"
+    )
+    parser.add_argument("--target", type=float, default=target, help="stop once reached")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--curve", help="CSV file: env_steps, seconds, return per episode")
+
+
+class Progress:
+    """Episode returns, env steps and samples: what the learner prints and stops on."""
+
+    def __init__(self, rollout: Rollout, curve: str | None, every_s: float = 5.0) -> None:
+        self.rollout = rollout
+        self.began = time.monotonic()
+        self.last = deque[float](maxlen=LAST_N)
+        self.episodes = 0
+        self.samples = 0  # rows the learner read from the buffer
+        self.acting_since: float | None = None  # the first env step seen (rates start there)
+        self.every_s = every_s
+        self._printed = self.began
+        self._curve_file = open(curve, "w", newline="") if curve else None  # noqa: SIM115
+        self._curve = csv.writer(self._curve_file) if self._curve_file else None
+        if self._curve:
+            self._curve.writerow(["env_steps", "seconds", "return"])
+
+    def update(self, check: bool = True) -> None:
+        """Take in the episodes finished since; with ``check``, raise if a worker failed."""
+        if check:
+            self.rollout.check()
+        steps = self.rollout.env_steps
+        if steps and self.acting_since is None:
+            self.acting_since = time.monotonic()
+        for _, ret, _ in self.rollout.returns():
+            self.last.append(ret)
+            self.episodes += 1
+            if self._curve:
+                self._curve.writerow([steps, f"{time.monotonic() - self.began:.2f}", ret])
+
+    @property
+    def mean_return(self) -> float:
+        return float(np.mean(self.last)) if self.last else float("nan")
+
+    def reached(self, target: float) -> bool:
+        return len(self.last) == LAST_N and self.mean_return >= target
+
+    def maybe_print(self, extra: str = "") -> None:
+        now = time.monotonic()
+        if now - self._printed < self.every_s:
+            return
+        self._printed = now
+        wall = now - self.began
+        print(
+            f"[{wall:6.1f}s] env steps {self.rollout.env_steps:>9,} | samples "
+            f"{self.samples:>11,} | episodes {self.episodes:>6,} | mean return (last "
+            f"{LAST_N}) {self.mean_return:6.1f}{' | ' + extra if extra else ''}",
+            flush=True,
+        )
+
+    def finish(self) -> None:
+        """The closing figures; the very last line is the one scripts and tests read. Also
+        after a failure (which the caller then raises)."""
+        self.update(check=False)
+        now = time.monotonic()
+        wall = now - self.began
+        # Rates over the time the workers were stepping, not their start-up (seconds of
+        # imports on a busy machine).
+        acting = max(1e-9, now - (self.acting_since or now))
+        steps = self.rollout.env_steps
+        if self._curve_file:
+            self._curve_file.close()
+        print(f"wall time: {wall:.1f} s ({acting:.1f} s acting); {self.episodes:,} episodes")
+        print(f"env steps/s: {steps / acting:,.1f} ({steps:,} env steps)")
+        print(f"samples/s: {self.samples / acting:,.1f} ({self.samples:,} rows sampled)")
+        print(f"final mean return (last {LAST_N} episodes): {self.mean_return:.1f}", flush=True)
+
+
+def unique_name(kind: str) -> str:
+    return f"cartpole-{kind}-{os.getpid()}"
+
+
+def weights_name(buffer: str) -> str:
+    """This learner's weights channel: per process, so learners sharing a buffer never take
+    each other's (names are at most 64 characters)."""
+    return f"{buffer[:40]}.weights-{os.getpid()}"

@@ -1,0 +1,162 @@
+"""DQN on CartPole-v1 through a shmbuffer daemon: env workers write transitions, the learner
+samples them (prioritized replay; ``--uniform`` for uniform), workers act epsilon-greedily
+with the weights the learner publishes.
+
+    python examples/dqn_cartpole.py --workers 2 --minutes 10
+
+Starts a daemon of its own (and stops it at the end) unless ``--buffer NAME`` names a running
+one (empty, or holding these columns: obs, action, reward, next_obs, terminated, truncated).
+Stops once the mean return over the last 20 episodes reaches ``--target`` (195, CartPole-v0's
+"solved"). The last line is ``final mean return (last 20 episodes): <number>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import time
+
+import torch
+import torch.nn.functional as F
+from cartpole_common import (
+    HAVE_SAMPLERS,
+    Daemon,
+    Progress,
+    Rollout,
+    WorkerConfig,
+    common_args,
+    q_network,
+    unique_name,
+    weights_name,
+)
+
+import shmbuffer
+from shmbuffer.weights import WeightsPublisher
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common_args(parser, target=195.0)
+    parser.add_argument("--uniform", action="store_true", help="uniform instead of prioritized")
+    parser.add_argument("--capacity", type=int, default=50_000, help="rows (own daemon)")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--gamma", type=float, default=0.99)
+    parser.add_argument("--target-update", type=int, default=500, help="updates between syncs")
+    parser.add_argument("--learning-starts", type=int, default=1_000, help="env steps")
+    parser.add_argument(
+        "--env-steps-per-update", type=float, default=2.0, help="the replay ratio's inverse"
+    )
+    parser.add_argument("--publish-every", type=int, default=10, help="updates between weights")
+    parser.add_argument("--eps-decay-steps", type=int, default=5_000)
+    return parser.parse_args()
+
+
+def train(args: argparse.Namespace, daemon: Daemon, prioritized: bool) -> None:
+    buffer = daemon.name
+    torch.manual_seed(args.seed)
+    q = q_network()
+    target = copy.deepcopy(q)
+    opt = torch.optim.Adam(q.parameters(), lr=args.lr)
+    with WeightsPublisher(weights_name(buffer), q) as weights:
+        rollout = Rollout(
+            args.workers,
+            WorkerConfig(
+                buffer=buffer,
+                weights=weights.name,
+                policy="q",
+                num_envs=args.envs_per_worker,
+                seed=args.seed,
+                epsilon=(1.0, 0.05, args.eps_decay_steps),
+            ),
+        )
+        progress = Progress(rollout, args.curve)
+        deadline = progress.began + args.minutes * 60
+        rollout.set_budget(args.learning_starts)
+        rollout.start()
+        updates = 0
+        try:
+            daemon.wait_ready()
+            with shmbuffer.Reader(buffer, timeout=30.0) as reader:
+                while time.monotonic() < deadline and not progress.reached(args.target):
+                    progress.update()
+                    progress.maybe_print(f"updates {updates:,}")
+                    if rollout.env_steps < args.learning_starts or len(reader) < args.batch_size:
+                        # Episodes are stored as they end: let the workers finish some.
+                        rollout.set_budget(max(args.learning_starts, rollout.env_steps + 100))
+                        time.sleep(0.05)
+                        continue
+                    # Hold the replay ratio: workers may step this far ahead of the updates.
+                    # TODO(issue 9): `--rate-limiter sample-to-insert` in the daemon instead.
+                    rollout.set_budget(
+                        args.learning_starts + int(updates * args.env_steps_per_update)
+                    )
+                    for _ in range(50):
+                        update(args, reader, q, target, opt, prioritized)
+                        updates += 1
+                        progress.samples += args.batch_size
+                        if updates % args.target_update == 0:
+                            target.load_state_dict(q.state_dict())
+                        if updates % args.publish_every == 0:
+                            weights.publish(q)
+        finally:
+            rollout.stop()
+            progress.finish()
+
+
+def update(
+    args: argparse.Namespace,
+    reader: shmbuffer.Reader,
+    q: torch.nn.Module,
+    target: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    prioritized: bool,
+) -> None:
+    """One double-DQN step with the Huber loss; with prioritized replay, importance weights on
+    the loss and the new |TD errors| back to the daemon's sum tree."""
+    if prioritized:  # TODO(issue 9): the only path once the samplers have landed
+        batch, info = reader.sample(args.batch_size, return_info=True)  # type: ignore[call-arg]
+        weight = info["weight"].float()
+    else:
+        batch, info, weight = reader.sample(args.batch_size), None, None
+    obs, next_obs = batch["obs"], batch["next_obs"]
+    action, reward = batch["action"].long(), batch["reward"].float()
+    not_terminal = (~batch["terminated"]).float()  # truncated at 500 steps still bootstraps
+    with torch.no_grad():
+        best = q(next_obs).argmax(1, keepdim=True)
+        bootstrap = target(next_obs).gather(1, best).squeeze(1)
+        y = reward + args.gamma * not_terminal * bootstrap
+    pred = q(obs).gather(1, action[:, None]).squeeze(1)
+    loss = F.smooth_l1_loss(pred, y, reduction="none")
+    loss = (loss * weight).mean() if weight is not None else loss.mean()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(q.parameters(), 10.0)
+    opt.step()
+    if info is not None:
+        priority = (pred.detach() - y).abs() + 1e-3
+        reader.update_priorities(  # type: ignore[attr-defined]
+            info["index"], priority, generation=info["generation"]
+        )
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)  # small batches: intra-op threads cost more than they give
+    prioritized = HAVE_SAMPLERS and not args.uniform  # TODO(issue 9): `not args.uniform`
+    # On Ctrl-C train() stops the workers and prints its figures; our daemon stops after.
+    if args.buffer:
+        with contextlib.suppress(KeyboardInterrupt):
+            train(args, Daemon(args.buffer), prioritized)
+        return
+    sampler = ["--sampler", "prioritized"] if prioritized else []
+    replay = "prioritized" if prioritized else "uniform"
+    with Daemon.own(unique_name("dqn"), args.capacity, "transition", sampler) as daemon:
+        print(f"daemon {daemon.name!r}: {args.capacity:,} rows, {replay} replay", flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            train(args, daemon, prioritized)
+
+
+if __name__ == "__main__":
+    main()

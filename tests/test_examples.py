@@ -1,0 +1,204 @@
+"""The CartPole examples run for real: their own daemon through the CLI, spawned env workers
+stepping gymnasium, a learner that learns. Short bounded runs by default (each stops early once
+a modest target is reached; together well under a minute when the machine is not loaded);
+the full runs that must reach 195 (DQN) and 475 (PPO) within 10 minutes under ``-m slow``.
+
+Every run gets its own runtime and storage folders, and must leave nothing behind in them: its
+daemon's runtime file and segment, and its weights channel, are gone when it exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("gymnasium", reason="the examples need the [examples] extra (gymnasium)")
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+RANDOM_RETURN = 22.0  # CartPole-v1 under random play
+CLEARLY_ABOVE_RANDOM = 2 * RANDOM_RETURN
+FINAL = re.compile(r"^final mean return \(last 20 episodes\): (?P<value>\S+)$")
+SHUTDOWN_S = 60.0  # beyond --minutes: startup on a busy machine, stopping workers and daemon
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def final_return(self) -> float:
+        last = self.stdout.rstrip("\n").splitlines()[-1]
+        match = FINAL.match(last)
+        assert match, f"last line is not the final return: {last!r}\n{self.describe()}"
+        return float(match["value"])
+
+    def describe(self) -> str:
+        return f"exit {self.returncode} after {self.seconds:.1f}s\n{self.stdout}\n{self.stderr}"
+
+
+@pytest.fixture
+def folders() -> Iterator[tuple[Path, Path]]:
+    """A runtime folder (short: ipc socket paths are limited) and a storage folder."""
+    runtime = Path(tempfile.mkdtemp(prefix="sbex-", dir="/tmp"))
+    storage = Path(f"/dev/shm/shmbuffer-ex-{uuid.uuid4().hex[:12]}")
+    try:
+        yield runtime, storage
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
+        shutil.rmtree(storage, ignore_errors=True)
+
+
+def environ(folders: tuple[Path, Path]) -> dict[str, str]:
+    runtime, storage = folders
+    return {
+        **os.environ,
+        "SHMBUFFER_RUNTIME_DIR": str(runtime),
+        "SHMBUFFER_STORAGE_DIR": str(storage),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def run_example(script: str, folders: tuple[Path, Path], *args: str, minutes: float) -> Run:
+    argv = [sys.executable, str(EXAMPLES / script), "--minutes", str(minutes), *args]
+    start = time.monotonic()
+    # A session of its own, so that a hang can be killed with all its workers.
+    proc = subprocess.Popen(
+        argv,
+        env=environ(folders),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=minutes * 60 + SHUTDOWN_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{script} did not finish in time:\n{out}\n{err}")
+    run = Run(proc.returncode, out, err, time.monotonic() - start)
+    assert run.returncode == 0, run.describe()
+    assert_nothing_left(folders)
+    return run
+
+
+def assert_nothing_left(folders: tuple[Path, Path]) -> None:
+    runtime, storage = folders
+    left = sorted(p.name for p in runtime.iterdir()) if runtime.exists() else []
+    assert not left, f"left in the runtime folder: {left}"
+    segments = sorted(p.name for p in storage.iterdir()) if storage.exists() else []
+    assert not segments, f"segments left (the daemon's or the weights channel): {segments}"
+
+
+def wait_gone(probe: Callable[[], None], timeout: float = 10.0) -> bool:
+    """Whether ``probe`` (a signal 0) raises ProcessLookupError within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            probe()
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def check_figures(run: Run) -> None:
+    lines = run.stdout.splitlines()
+    steps = next((ln for ln in lines if ln.startswith("env steps/s: ")), None)
+    samples = next((ln for ln in lines if ln.startswith("samples/s: ")), None)
+    assert steps and samples, run.describe()
+    assert float(steps.split()[2].replace(",", "")) > 0, steps
+    assert float(samples.split()[1].replace(",", "")) > 0, samples
+
+
+# -- short runs (default) -------------------------------------------------------------------
+
+
+def test_dqn_learns_above_random_play(folders: tuple[Path, Path]) -> None:
+    run = run_example("dqn_cartpole.py", folders, "--workers", "2", "--target", "100", minutes=0.6)
+    check_figures(run)
+    assert run.final_return > CLEARLY_ABOVE_RANDOM, run.describe()
+
+
+def test_ppo_learns_above_random_play(folders: tuple[Path, Path]) -> None:
+    run = run_example("ppo_cartpole.py", folders, "--workers", "2", "--target", "150", minutes=0.4)
+    check_figures(run)
+    assert run.final_return > CLEARLY_ABOVE_RANDOM, run.describe()
+
+
+def test_ctrl_c_stops_workers_and_daemon(folders: tuple[Path, Path]) -> None:
+    """SIGINT to the example's process group (what Ctrl-C in a terminal sends): it still prints
+    its figures, its workers and its daemon are gone, and nothing is left on disk."""
+    runtime, _ = folders
+    argv = [sys.executable, str(EXAMPLES / "ppo_cartpole.py"), "--workers", "1", "--minutes", "2"]
+    proc = subprocess.Popen(
+        argv,
+        env=environ(folders),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines = []
+        deadline = time.monotonic() + 90.0
+        for line in proc.stdout:  # the first progress line: workers act, the learner trains
+            lines.append(line)
+            if line.startswith("[") or time.monotonic() > deadline:
+                break
+        assert lines and lines[-1].startswith("["), "".join(lines)
+        (runtime_file,) = runtime.glob("*.json")
+        daemon_pid = int(json.loads(runtime_file.read_text())["pid"])
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=SHUTDOWN_S)
+        text = "".join(lines) + out
+        assert proc.returncode == 0, text
+        assert FINAL.match(text.rstrip("\n").splitlines()[-1]), text
+        # Workers (and multiprocessing's resource tracker) leave the process group; the
+        # daemon, in a session of its own, was stopped by the example.
+        assert wait_gone(lambda: os.killpg(proc.pid, 0)), "processes left in the group"
+        assert wait_gone(lambda: os.kill(daemon_pid, 0)), f"daemon pid {daemon_pid} still runs"
+        assert_nothing_left(folders)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+# -- full runs (slow) -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(10 * 60 + SHUTDOWN_S + 30)
+@pytest.mark.parametrize("extra", [[], ["--uniform"]], ids=["default-sampler", "uniform"])
+def test_dqn_reaches_195_within_10_minutes(folders: tuple[Path, Path], extra: list[str]) -> None:
+    run = run_example("dqn_cartpole.py", folders, "--workers", "2", *extra, minutes=10)
+    check_figures(run)
+    assert run.final_return >= 195, run.describe()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(10 * 60 + SHUTDOWN_S + 30)
+def test_ppo_reaches_475_within_10_minutes(folders: tuple[Path, Path]) -> None:
+    run = run_example("ppo_cartpole.py", folders, "--workers", "2", minutes=10)
+    check_figures(run)
+    assert run.final_return >= 475, run.describe()

@@ -24,6 +24,8 @@ COLUMNS = [
     "vs_best_peer",
     "seconds",
 ]
+#: Shown after COLUMNS for a scenario whose rows carry them (per-call costs of repeated runs).
+OPTIONAL_COLUMNS = ["us_per_call", "us_min", "us_max"]
 
 
 def is_peer(impl: str) -> bool:
@@ -56,11 +58,18 @@ def _fmt(key: str, value: Any) -> str:
         return f"{value:.2f}"
     if key == "seconds":
         return f"{value:.3f}"
+    if key.startswith("us_"):
+        return f"{value:.1f}"
     return str(value)
 
 
+def columns(rows: list[Row]) -> list[str]:
+    """The table columns for one scenario's rows."""
+    return COLUMNS + [c for c in OPTIONAL_COLUMNS if any(c in r for r in rows)]
+
+
 def table_rows(rows: list[Row]) -> list[list[str]]:
-    return [[_fmt(c, r.get(c)) for c in COLUMNS] for r in rows]
+    return [[_fmt(c, r.get(c)) for c in columns(rows)] for r in rows]
 
 
 def markdown(rows: list[Row], notes: list[str], meta: dict[str, Any]) -> str:
@@ -68,12 +77,10 @@ def markdown(rows: list[Row], notes: list[str], meta: dict[str, Any]) -> str:
     out.append(", ".join(f"{k}: {v}" for k, v in meta.items() if k != "versions"))
     out.append("versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
     for name in dict.fromkeys(r["scenario"] for r in rows):
-        out += ["", f"## {name}", "", "| " + " | ".join(COLUMNS) + " |"]
-        out.append("|" + "|".join("---" for _ in COLUMNS) + "|")
-        out += [
-            "| " + " | ".join(t) + " |"
-            for t in table_rows([r for r in rows if r["scenario"] == name])
-        ]
+        sub = [r for r in rows if r["scenario"] == name]
+        out += ["", f"## {name}", "", "| " + " | ".join(columns(sub)) + " |"]
+        out.append("|" + "|".join("---" for _ in columns(sub)) + "|")
+        out += ["| " + " | ".join(t) + " |" for t in table_rows(sub)]
     if notes:
         out += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     return "\n".join(out) + "\n"
@@ -92,9 +99,10 @@ def print_tables(rows: list[Row], notes: list[str], meta: dict[str, Any]) -> Non
     console = Console()
     for name in dict.fromkeys(r["scenario"] for r in rows):
         table = Table(title=name)
-        for c in COLUMNS:
+        sub = [r for r in rows if r["scenario"] == name]
+        for c in columns(sub):
             table.add_column(c, justify="left" if c in ("impl", "op", "pass") else "right")
-        for t in table_rows([r for r in rows if r["scenario"] == name]):
+        for t in table_rows(sub):
             table.add_row(*t)
         console.print(table)
     for n in notes:

@@ -8,7 +8,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import core, daemon, report  # noqa: F401  (core, daemon: register the scenarios)
+from bench import core, daemon, report, sampling  # noqa: F401  (register the scenarios)
 from bench.registry import SCENARIOS, Context, Row
 
 

@@ -1,4 +1,5 @@
-"""Smoke test of the benchmark runner (``python -m bench core daemon --quick`` in a subprocess),
+"""Smoke test of the benchmark runner (``python -m bench core daemon sampling --quick`` in a
+subprocess),
 and the teardown of the bench's process harness with real spawned children."""
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def test_children_report_a_failing_role_by_name() -> None:
 @pytest.mark.timeout(600)
 def test_quick_core_scenarios(tmp_path: Path) -> None:
     out = tmp_path / "results"
-    cmd = [sys.executable, "-m", "bench", "core", "daemon", "--quick", "--plot", "--out", str(out)]
+    cmd = [sys.executable, "-m", "bench", "core", "daemon", "sampling", "--quick", "--plot"]
+    cmd += ["--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -94,6 +96,16 @@ def test_quick_core_scenarios(tmp_path: Path) -> None:
     # 12,800 per-row stamps in its reply header, over protocol.MAX_HEADER_BYTES (64 KiB).
     failed = [n for n in doc["notes"] if n.startswith("daemon.") and "failed" in n]
     assert not [n for n in failed if "sample-episodes-L400" not in n], failed
+    # the sampling scenario: every op at both quick sizes, shmbuffer and a peer beside it
+    sampling = [r for r in rows if r["scenario"] == "sampling.scaling"]
+    for op in ("sample", "sample+update", "slices"):
+        for size in (10_000, 100_000):
+            impls = {
+                r["impl"] for r in sampling if (r["sampler_op"], r["stored_rows"]) == (op, size)
+            }
+            assert "shmbuffer" in impls and len(impls) > 1, (op, size, impls, doc["notes"])
+    assert not [n for n in doc["notes"] if n.startswith("sampling.") and "failed" in n]
+    assert (out / "sampling.scaling.png").stat().st_size > 0
     for r in rows:
         assert r["seconds"] > 0 and r["rows"] > 0, r
         assert r["rows_per_s"] > 0 and r["gb_per_s"] > 0, r

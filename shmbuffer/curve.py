@@ -22,7 +22,6 @@ ENV_CURVE_CLIENT_CERT = "SHMBUFFER_CURVE_CLIENT_CERT"
 Z85_KEY_LEN = 40  # a 32-byte CURVE key in Z85 text
 
 
-
 def keygen(
     out_dir: str | os.PathLike[str], name: str = "server", force: bool = False
 ) -> tuple[Path, Path]:

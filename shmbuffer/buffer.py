@@ -10,11 +10,19 @@ segment another process can attach to (:meth:`shmbuffer.segment.Segment.attach`)
 
 Reads return copies: a caller can keep them while later writes overwrite the ring. Zero-copy
 views with a lease that holds off writers are the daemon Reader's job.
+
+Sampling goes through the container's sampler and rate limiter, the same code the daemon runs.
+One thing differs: in one process nobody else can insert or sample while a call waits, so a
+request the rate limiter refuses, and a write that would overwrite rows a FIFO sampler with
+``max_times_sampled`` has not handed out yet, raise :class:`~shmbuffer.errors.WaitTimeoutError`
+at once (naming the limiter and its counts, or the rows) instead of waiting; nothing changed
+then. Sample (consume) first, or write less, and call again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import functools
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +31,11 @@ import torch
 from tensordict import TensorDict
 
 from shmbuffer import rows
-from shmbuffer.container import Container
+from shmbuffer.container import Container, as_invalid_argument
 from shmbuffer.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
-from shmbuffer.errors import ClosedError
+from shmbuffer.errors import ClosedError, InvalidArgumentError
+from shmbuffer.samplers import RateLimiter, Sampler, build_rate_limiter, build_sampler
+from shmbuffer.samplers.base import Priority, check_count, check_priority
 from shmbuffer.schema import Schema
 from shmbuffer.segment import LocalSegment, Segment
 from shmbuffer.writeplan import env_major, plan_write
@@ -48,7 +58,19 @@ class Buffer:
         auto_truncate: end an env's episode when a done key is true on a transition.
         done_keys: the keys that end an episode (Gymnasium's by default).
         postprocess_fn: turns one finished episode's ``{key: [per-step values]}`` into rows.
-        seed: seeds the sampler's random generator.
+        sampler: ``"uniform"`` (the default), ``"prioritized"``, ``"without-replacement"``,
+            ``"fifo"``, or a :class:`~shmbuffer.samplers.Sampler` (then give its options to it).
+        seed: seeds the sampler's random generator (and ``iterate``'s shuffles).
+        priority_exponent, importance_exponent, priority_eps: prioritized replay's alpha
+            (default 0.6), beta (default 0.4; per call too) and eps (default 1e-6).
+        max_times_sampled: retire an item (row, or episode in episode unit) after this many
+            samples; with ``"fifo"`` writes then refuse to overwrite unconsumed rows.
+        rate_limiter: ``"none"`` (default), ``"min-size"`` or ``"sample-to-insert"``, or a
+            :class:`~shmbuffer.samplers.RateLimiter`; ``min_size``, ``samples_per_insert``
+            and ``error_buffer`` are its settings (counted in rows).
+
+    Options left None take the sampler's or limiter's default; one given that the chosen
+    sampler or limiter does not take raises InvalidArgumentError naming it.
     """
 
     def __init__(
@@ -64,9 +86,44 @@ class Buffer:
         auto_truncate: bool = True,
         done_keys: Sequence[str] = DEFAULT_DONE_KEYS,
         postprocess_fn: Callable[[dict[str, list[Any]]], Mapping[str, Any]] | None = None,
+        sampler: str | Sampler = "uniform",
         seed: int | None = None,
+        priority_exponent: float | None = None,
+        importance_exponent: float | None = None,
+        priority_eps: float | None = None,
+        max_times_sampled: int | None = None,
+        rate_limiter: str | RateLimiter = "none",
+        min_size: int | None = None,
+        samples_per_insert: float | None = None,
+        error_buffer: float | None = None,
     ) -> None:
-        self.container = Container(capacity, mode=mode, unit=unit)
+        sampler_part = _part(
+            "sampler",
+            sampler,
+            Sampler,
+            build_sampler,
+            priority_exponent=priority_exponent,
+            importance_exponent=importance_exponent,
+            priority_eps=priority_eps,
+            max_times_sampled=max_times_sampled,
+        )
+        limiter_part = _part(
+            "rate_limiter",
+            rate_limiter,
+            RateLimiter,
+            build_rate_limiter,
+            min_size=min_size,
+            samples_per_insert=samples_per_insert,
+            error_buffer=error_buffer,
+        )
+        self.container = Container(
+            capacity,
+            mode=mode,
+            unit=unit,
+            sampler=sampler_part,
+            rate_limiter=limiter_part,
+            seed=seed,
+        )
         self.assembler = EpisodeAssembler(
             num_envs=num_envs,
             auto_truncate=auto_truncate,
@@ -75,7 +132,9 @@ class Buffer:
         )
         self.name = name
         self._storage_dir = storage_dir
-        self._rng = np.random.default_rng(seed)
+        # iterate() shuffles with (this, pass number): every rank's k-th pass agrees.
+        self._iterate_seed = int(np.random.SeedSequence(seed).entropy)  # type: ignore[arg-type]
+        self._passes: dict[tuple[int, int], int] = {}
         self.segment: Segment | LocalSegment | None = None
         self._closed = False
         if schema is not None:
@@ -108,6 +167,14 @@ class Buffer:
         return self.container.num_episodes
 
     @property
+    def sampler(self) -> Sampler:
+        return self.container.sampler
+
+    @property
+    def rate_limiter(self) -> RateLimiter:
+        return self.container.rate_limiter
+
+    @property
     def use_counts(self) -> np.ndarray:
         """Reads of each physical row since it was written (-1: holds no committed data)."""
         return self.container.use_counts
@@ -123,19 +190,32 @@ class Buffer:
 
     # -- writing ----------------------------------------------------------------------------
 
-    def extend(self, batch: Mapping[str, Any]) -> list[int]:
+    def extend(self, batch: Mapping[str, Any], priority: Priority = None) -> list[int]:
         """Write rows straight in: a chunk of transitions, or one whole episode in episode
-        unit. Returns the ids of the (single) registry entry written."""
-        self._check_open()
-        return self._write(batch)
+        unit. Returns the ids of the (single) registry entry written.
 
-    def add_episode(self, episode: Mapping[str, Any], num_envs: int = 1) -> list[int]:
+        ``priority`` (prioritized sampler only): a scalar, one value per row (transition
+        unit) or one for the episode (episode unit); None gives the largest priority seen so
+        far. Checked before anything is written."""
+        self._check_open()
+        return self._write(batch, priority=priority)
+
+    def add_episode(
+        self, episode: Mapping[str, Any], num_envs: int = 1, priority: Priority = None
+    ) -> list[int]:
         """Write a finished episode; with ``num_envs > 1`` its leaves are ``[L, num_envs, ...]``
-        and each sub-env becomes its own episode. Returns the new episode ids."""
+        and each sub-env becomes its own episode. Returns the new episode ids.
+
+        ``priority`` as for :meth:`extend`; with ``num_envs > 1`` one value per sub-episode
+        (episode unit) or per row, shaped ``[L, num_envs]`` like the data (transition unit)."""
         self._check_open()
         if num_envs == 1:
-            return self._write(episode)
-        return self._write(env_major(episode, num_envs), num_sub_episodes=num_envs)
+            return self._write(episode, priority=priority)
+        if priority is not None and self.unit == "transition" and np.ndim(priority) == 2:
+            priority = np.asarray(_host(priority)).T.reshape(-1)  # env-major, as the rows are
+        return self._write(
+            env_major(episode, num_envs), num_sub_episodes=num_envs, priority=priority
+        )
 
     def add_transition(self, env_id: str, transition: Mapping[str, Any]) -> list[int]:
         """Append one step of ``env_id``; returns ids of episodes it finished (if any)."""
@@ -155,17 +235,24 @@ class Buffer:
             i for ep in episodes for i in self._write(ep.data, num_sub_episodes=ep.num_sub_episodes)
         ]
 
-    def _write(self, batch: Mapping[str, Any], num_sub_episodes: int = 1) -> list[int]:
+    def _write(
+        self, batch: Mapping[str, Any], num_sub_episodes: int = 1, priority: Priority = None
+    ) -> list[int]:
         if self.segment is None:
             self._allocate(Schema.from_batch(batch))
         assert self.segment is not None
         plan = plan_write(self.segment.schema, batch, num_sub_episodes, self.capacity, self.mode)
         if plan is None:
             return []
-        leaves, first_row, num_rows, num_sub_episodes = plan
-        reservation = self.container.reserve(num_rows, num_sub_episodes)
-        progress = rows.Progress()
-        try:
+        leaves, first_row, num_rows, kept = plan
+        priority = self._kept_priority(_host(priority), first_row, num_rows, num_sub_episodes, kept)
+        self.container.check_priority(num_rows, kept, priority)  # before anything is evicted
+        reservation = self.container.reserve(num_rows, kept)
+        for start, stop in reservation.ranges:  # what update_priorities' staleness check reads
+            self.segment.generations[start:stop] += 1
+        # Validation decided every cast, so only an interrupt or a device error fails the copy:
+        # what the reservation evicted comes back wherever the copy had not reached.
+        with rows.Progress(functools.partial(self.container.abort, reservation.id)) as progress:
             rows.write(
                 self.segment.columns,
                 self.segment.arrays,
@@ -174,11 +261,19 @@ class Buffer:
                 first_row,
                 progress,
             )
-        except BaseException:  # validation decided every cast: an interrupt, a device error
-            # What the reservation evicted comes back wherever the copy had not reached.
-            self.container.abort(reservation.id, written=progress.rows)
-            raise
-        return self.container.commit(reservation.id)
+        return self.container.commit(reservation.id, priority)
+
+    def _kept_priority(
+        self, priority: Priority, first_row: int, num_rows: int, num_sub: int, kept: int
+    ) -> Priority:
+        """The priorities of what ``plan_write`` kept of a batch too large for the ring (its
+        newest rows or sub-episodes), after checking them against the whole batch."""
+        if priority is None or np.ndim(priority) == 0 or first_row == 0:
+            return priority
+        with as_invalid_argument:
+            if self.unit == "episode":
+                return check_priority(priority, num_sub)[num_sub - kept :]
+            return check_priority(priority, first_row + num_rows)[first_row:]
 
     def _allocate(self, schema: Schema) -> None:
         if self.name is None:
@@ -212,23 +307,144 @@ class Buffer:
         """Everything stored, oldest first."""
         return self[:]
 
-    def sample(self, batch_size: int) -> TensorDict:
-        """``batch_size`` rows drawn uniformly from all committed rows, with replacement."""
+    def sample(
+        self, batch_size: int, return_info: bool = False, beta: float | None = None
+    ) -> TensorDict | tuple[TensorDict, dict[str, torch.Tensor]]:
+        """``batch_size`` rows drawn by the sampler (uniform: from all committed rows, with
+        replacement).
+
+        With ``return_info`` returns ``(batch, info)``: ``info["index"]`` (physical rows, for
+        :meth:`update_priorities`), ``info["generation"]`` (each row's stamp now),
+        ``info["probability"]`` (float64) and ``info["weight"]`` (float32; the PER importance
+        weight ``(N * P) ** -beta`` over its largest value, 1 unless prioritized), each
+        ``[batch_size]``. ``beta`` overrides the importance exponent for this call."""
         self._check_open()
-        return self._read(self.container.registry.sample_rows(batch_size, self._rng))
+        drawn = self.container.sample_rows(batch_size, beta=beta)
+        data = self._copy(drawn.rows)
+        if not return_info:
+            return data
+        return data, self._info(drawn.rows, drawn.probability, drawn.weight)
+
+    def update_priorities(
+        self,
+        index: np.ndarray | torch.Tensor | Sequence[int],
+        priority: float | np.ndarray | torch.Tensor | Sequence[float],
+        generation: np.ndarray | torch.Tensor | Sequence[int] | None = None,
+    ) -> int:
+        """Set new priorities for sampled rows (``info["index"]``); returns how many were
+        applied. With ``generation`` (``info["generation"]``) rows overwritten since they were
+        sampled are skipped and counted in ``stats()["priority_updates_stale"]``. A bad index,
+        priority or length raises InvalidArgumentError and applies nothing."""
+        self._check_open()
+        if self.segment is None:
+            stamps = np.zeros(self.capacity, dtype=np.int64)
+        else:
+            stamps = self.segment.generations
+        seen = None if generation is None else _host(generation)
+        return self.container.update_priorities(_host(index), _host(priority), seen, stamps)
 
     def sample_episodes(self, n: int) -> TensorDict | list[TensorDict]:
-        """``n`` whole episodes drawn uniformly: ``[n, L]`` if their lengths agree, else a list."""
+        """``n`` whole episodes drawn by the sampler: ``[n, L]`` if their lengths agree, else a
+        list."""
         self._check_open()
-        _, starts, ends = self.container.registry.sample_episodes(n, self._rng)
-        return self._episodes(starts, ends, scalar=False)
+        drawn = self.container.sample_episodes(n)
+        return self._episodes(drawn.starts, drawn.ends, scalar=False, physical=drawn.rows)
 
-    def sample_slices(self, n: int, length: int) -> TensorDict:
-        """``[n, length]`` runs of consecutive rows, each inside one episode."""
+    def sample_slices(
+        self,
+        n: int,
+        length: int,
+        strict: bool = True,
+        return_info: bool = False,
+        beta: float | None = None,
+    ) -> TensorDict | tuple[TensorDict, dict[str, torch.Tensor]]:
+        """``[n, length]`` runs of consecutive rows, each inside one episode.
+
+        ``strict=False`` admits episodes shorter than ``length`` too: their slice starts at
+        their first row and is zero-padded, and a bool ``"mask"`` entry ``[n, length]`` is
+        True on real rows (a prefix). ``return_info`` as for :meth:`sample`, per slice, with
+        ``index`` its first row (a prioritized slice carries its first row's priority)."""
         self._check_open()
-        starts = self.container.registry.sample_slices(n, length, self._rng)
-        physical = (starts[:, None] + np.arange(length)).reshape(-1)
-        return self._read(physical).reshape(n, length)
+        if not strict and self.schema is not None and any(f.key[0] == "mask" for f in self.schema):
+            raise InvalidArgumentError(
+                "sample_slices(strict=False) adds a 'mask' entry, but the schema has a key "
+                "'mask' already"
+            )
+        drawn = self.container.sample_slices(n, length, strict=strict, beta=beta)
+        data = self._copy(drawn.rows).reshape(n, length)
+        if drawn.mask is not None:
+            mask = torch.from_numpy(drawn.mask)
+            padding = ~mask
+            if bool(padding.any()):
+                for leaf in data.values(include_nested=True, leaves_only=True):
+                    leaf[padding] = 0
+            data.set("mask", mask)
+        if not return_info:
+            return data
+        return data, self._info(drawn.starts, drawn.probability, drawn.weight)
+
+    def iterate(
+        self,
+        batch_size: int,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> Iterator[TensorDict]:
+        """Minibatches of ``batch_size`` rows covering this rank's share of every stored row
+        once, PyTorch ``DistributedSampler``'s convention: ranks split the (shuffled) rows
+        round robin; without ``drop_last`` the list is padded by wrapping around so every rank
+        gets the same count (a few rows appear twice across ranks) and the last batch may be
+        short; with it the tail is dropped, so every batch is full and no row repeats.
+
+        Every rank's k-th pass uses the same shuffle (seeded by ``seed`` and k: give every
+        rank's Buffer the same ``seed``). The rows are fixed when the call is made; do not
+        write while iterating. The sampler and the rate limiter are not involved."""
+        self._check_open()
+        with as_invalid_argument:
+            batch_size = check_count(batch_size, "batch_size")
+        key = (int(rank), int(world_size))
+        k = self._passes.get(key, 0)
+        physical = self.container.rank_rows(
+            rank, world_size, shuffle=shuffle, drop_last=drop_last, seed=[self._iterate_seed, k]
+        )
+        self._passes[key] = k + 1
+        return self._batches(physical, batch_size, drop_last)
+
+    def _batches(
+        self, physical: np.ndarray, batch_size: int, drop_last: bool
+    ) -> Iterator[TensorDict]:
+        stop = len(physical) - len(physical) % batch_size if drop_last else len(physical)
+        for first in range(0, stop, batch_size):
+            yield self._read(physical[first : first + batch_size])
+
+    def stats(self) -> dict[str, Any]:
+        """Sizes, the sampler's and limiter's state, and priority update counts."""
+        return {
+            "capacity": self.capacity,
+            "unit": self.unit,
+            "mode": self.mode,
+            "rows": self.num_rows,
+            "episodes": self.num_episodes,
+            **self.container.stats(),
+        }
+
+    def _info(
+        self, index: np.ndarray, probability: np.ndarray, weight: np.ndarray
+    ) -> dict[str, torch.Tensor]:
+        assert self.segment is not None
+        return {  # copies: the container's arrays may be shared and read-only
+            "index": torch.tensor(index),
+            "generation": torch.from_numpy(self.segment.generations[index]),
+            "probability": torch.tensor(probability),
+            "weight": torch.tensor(weight, dtype=torch.float32),
+        }
+
+    def _copy(self, physical: np.ndarray) -> TensorDict:
+        """The rows, copied out; the container already counted the read."""
+        if self.segment is None:  # nothing written yet, so nothing can be selected
+            return TensorDict({}, batch_size=[0])
+        return rows.read(self.segment.columns, physical)
 
     def _read(self, physical: np.ndarray) -> TensorDict:
         if self.segment is None:  # nothing written yet, so nothing can be selected
@@ -237,10 +453,18 @@ class Buffer:
         return rows.read(self.segment.columns, physical)
 
     def _episodes(
-        self, starts: np.ndarray, ends: np.ndarray, scalar: bool
+        self,
+        starts: np.ndarray,
+        ends: np.ndarray,
+        scalar: bool,
+        physical: np.ndarray | None = None,
     ) -> TensorDict | list[TensorDict]:
+        """Episodes ``[starts, ends)``; ``physical`` given: their rows, already counted."""
         lengths = ends - starts
-        data = self._read(rows.episode_rows(starts, lengths))
+        if physical is None:
+            data = self._read(rows.episode_rows(starts, lengths))
+        else:
+            data = self._copy(physical)
         if scalar:
             return data
         if len(lengths) == 0:
@@ -278,6 +502,27 @@ class Buffer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _part(what: str, part: Any, kind: type[Any], build: Callable[..., Any], **options: Any) -> Any:
+    """A sampler or limiter: an instance as given (its options went to its constructor), or
+    built by name from the options given (InvalidArgumentError names a bad one)."""
+    if isinstance(part, kind):
+        given = sorted(k for k, v in options.items() if v is not None)
+        if given:
+            raise InvalidArgumentError(
+                f"{what} is an instance; pass {', '.join(given)} to its constructor instead"
+            )
+        return part
+    with as_invalid_argument:
+        return build(part, **options)
+
+
+def _host(value: Any) -> Any:
+    """A tensor (maybe on a device, maybe needing grad) as a numpy array; others as given."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    return value
 
 
 def normalize_index(index: Index, size: int) -> tuple[np.ndarray, bool]:

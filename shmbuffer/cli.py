@@ -1,4 +1,4 @@
-"""``shmbuffer-daemon``: start, stop, status, demo.
+"""``shmbuffer-daemon``: start, stop, status, configure, checkpoint, cleanup, keygen, demo.
 
 The command line sits above both sides: it launches the daemon and talks to it as a client.
 """
@@ -22,6 +22,7 @@ from shmbuffer.daemon.config import DaemonConfig, load_schema_file
 from shmbuffer.errors import ShmBufferError
 from shmbuffer.protocol import PROTOCOL_VERSION
 from shmbuffer.runtime import runtime_dir
+from shmbuffer.samplers import RATE_LIMITERS, SAMPLERS
 from shmbuffer.statusview import format_status
 
 log = logging.getLogger("shmbuffer.daemon")
@@ -53,6 +54,16 @@ def cmd_start(args: argparse.Namespace) -> int:
         curve_clients=args.curve_clients,
         insecure_tcp=args.insecure_tcp,
         insecure_tcp_admin=args.insecure_tcp_admin,
+        seed=args.seed,
+        sampler=args.sampler,
+        priority_exponent=args.priority_exponent,
+        importance_exponent=args.importance_exponent,
+        priority_eps=args.priority_eps,
+        max_times_sampled=args.max_times_sampled,
+        rate_limiter=args.rate_limiter,
+        min_size=args.min_size,
+        samples_per_insert=args.samples_per_insert,
+        error_buffer=args.error_buffer,
     )
     if args.resume or args.restore:  # capacity/unit/mode/schema come from what is loaded
         from shmbuffer.daemon.recovery import adopt_settings
@@ -287,6 +298,37 @@ def cmd_status(args: argparse.Namespace) -> int:
         conn.close()
 
 
+# -- configure ----------------------------------------------------------------------------
+
+
+def cmd_configure(args: argparse.Namespace) -> int:
+    """Change the rate limiter's settings live; prints the limiter as it is now."""
+    settings = {
+        name: value
+        for name, value in (
+            ("samples_per_insert", args.samples_per_insert),
+            ("min_size", args.min_size),
+            ("error_buffer", args.error_buffer),
+        )
+        if value is not None
+    }
+    if not settings:
+        print(
+            "shmbuffer-daemon configure: give at least one of --samples-per-insert, "
+            "--min-size, --error-buffer",
+            file=sys.stderr,
+        )
+        return 2
+    conn = _admin(args.name, timeout=args.timeout)
+    try:
+        limiter = conn.call("configure", **settings)["rate_limiter"]
+    finally:
+        conn.close()
+    changed = ", ".join(f"{k}={v:g}" for k, v in limiter["settings"].items())
+    print(f"rate limiter of {args.name!r}: {limiter['kind']}({changed})")
+    return 0
+
+
 # -- checkpoint, cleanup ------------------------------------------------------------------
 
 
@@ -336,6 +378,66 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def _add_limiter_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--min-size", type=int, default=None, help="rows stored before any sample (default 1)"
+    )
+    parser.add_argument(
+        "--samples-per-insert",
+        type=_finite,
+        default=None,
+        help="sample-to-insert: rows sampled per row inserted",
+    )
+    parser.add_argument(
+        "--error-buffer",
+        type=_finite,
+        default=None,
+        help="sample-to-insert: slack around the ratio, in sampled rows (>= max(1, ratio))",
+    )
+
+
+def _add_sampler_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seed", type=int, default=None, help="seeds every draw")
+    parser.add_argument(
+        "--sampler", choices=tuple(SAMPLERS), default=None, help="how reads pick (default uniform)"
+    )
+    parser.add_argument(
+        "--priority-exponent", type=_finite, default=None, help="prioritized: alpha (0.6)"
+    )
+    parser.add_argument(
+        "--importance-exponent",
+        type=_finite,
+        default=None,
+        help="prioritized: beta of the weights (0.4; per call too)",
+    )
+    parser.add_argument(
+        "--priority-eps", type=_finite, default=None, help="prioritized: added to priorities"
+    )
+    parser.add_argument(
+        "--max-times-sampled",
+        type=int,
+        default=None,
+        help="retire an item after K samples; with fifo writers wait for unconsumed rows",
+    )
+    parser.add_argument(
+        "--rate-limiter",
+        choices=tuple(RATE_LIMITERS),
+        default=None,
+        help="flow control between inserts and samples (default none)",
+    )
+    _add_limiter_flags(parser)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="shmbuffer-daemon", description="Run and inspect a shmbuffer replay-buffer daemon."
@@ -378,6 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="allow clear/shutdown/checkpoint on a tcp endpoint without CURVE (any client)",
     )
+    _add_sampler_flags(start)
     recover = start.add_mutually_exclusive_group()
     recover.add_argument(
         "--resume",
@@ -398,6 +501,12 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--to", required=True, help="folder (on the daemon's machine)")
     ckpt.add_argument("--timeout", type=_seconds, default=600.0)
     ckpt.set_defaults(func=cmd_checkpoint)
+
+    configure = sub.add_parser("configure", help="change a running daemon's rate limiter (admin)")
+    configure.add_argument("--name", default="default", help="buffer name, or an endpoint")
+    _add_limiter_flags(configure)
+    configure.add_argument("--timeout", type=_seconds, default=5.0)
+    configure.set_defaults(func=cmd_configure)
 
     clean = sub.add_parser("cleanup", help="remove segments and runtime files of dead daemons")
     clean.add_argument(

@@ -36,6 +36,14 @@ class SchemaError(ShmBufferError, ValueError):
     code = "schema"
 
 
+class InvalidArgumentError(ShmBufferError, ValueError):
+    """An argument a sampler or the container cannot use: a negative, NaN or wrong-length
+    priority, an index out of range, a sample size < 1, a call the sampler does not serve in
+    this unit. Nothing was changed."""
+
+    code = "invalid_argument"
+
+
 class CapacityError(ShmBufferError):
     """The rows do not fit: a fixed-mode buffer is full, or a request exceeds capacity."""
 

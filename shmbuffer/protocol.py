@@ -34,7 +34,7 @@ import numpy.typing as npt
 from shmbuffer.errors import ProtocolError, ShmBufferError, VersionMismatchError
 
 #: Versioned separately from the package. Minor bumps add optional fields or ops only.
-PROTOCOL_VERSION = "1.1"
+PROTOCOL_VERSION = "1.2"
 PROTOCOL_MAJOR = int(PROTOCOL_VERSION.split(".", maxsplit=1)[0])
 
 #: Largest header accepted, in bytes; payload frames are bounded by the daemon's own limit.
@@ -60,6 +60,13 @@ def _int(lo: int = 0, hi: int = MAX_INT, required: bool = True) -> Spec:
 
 _ID = _int(1)
 _TIMEOUT = _int(0, 3_600_000, required=False)
+#: A priority for what a write publishes: one number for every item, or f64 bytes holding one
+#: value per item (row in transition unit, episode in episode unit; see ``encode_f64``).
+_PRIORITY = Spec((bytes, float, int), required=False)
+#: Most values a request's f64/i64 array field may hold: its header stays within
+#: ``MAX_HEADER_BYTES`` (``update_priorities`` sends three arrays: 3 x 8 x 2048 = 48 KiB).
+MAX_PRIORITIES = 4096
+MAX_UPDATES = 2048
 
 #: Every request op and its fields (besides ``v``, ``op`` and ``seq``).
 REQUESTS: dict[str, dict[str, Spec]] = {
@@ -81,13 +88,20 @@ REQUESTS: dict[str, dict[str, Spec]] = {
         "lengths": Spec((list,), required=False),
         "commit": _int(1, required=False),
         "timeout_ms": _TIMEOUT,
+        # The priority of what this reservation's commit publishes (since 1.2).
+        "priority": _PRIORITY,
     },
-    "commit": {"reservation": _ID},
+    "commit": {"reservation": _ID, "priority": _PRIORITY},
     # written: rows the writer's copy may have touched; what the reservation evicted from the
     # others is published again (since 1.1).
     "abort": {"reservation": _ID, "written": _int(0, required=False)},
     # Remote writers: rows travel as payload frames, one per schema column, in schema order.
-    "write": {"rows": _int(1), "episodes": _int(1, required=False), "timeout_ms": _TIMEOUT},
+    "write": {
+        "rows": _int(1),
+        "episodes": _int(1, required=False),
+        "timeout_ms": _TIMEOUT,
+        "priority": _PRIORITY,
+    },
     "sample": {
         "kind": Spec((str,), choices=("rows", "episodes", "slices")),
         "n": _int(1, 1 << 20),
@@ -95,6 +109,36 @@ REQUESTS: dict[str, dict[str, Spec]] = {
         "lease": Spec((bool,), required=False),
         "payload": Spec((bool,), required=False),
         "release": _int(1, required=False),
+        # Since 1.2: slices of shorter episodes too, padded (strict false); the importance
+        # exponent of the weights; the reply's per-item info arrays; how long the sample may
+        # wait in the daemon for data (FIFO, consume-once) or for the rate limiter.
+        "strict": Spec((bool,), required=False),
+        "beta": Spec((float, int), required=False),
+        "info": Spec((bool,), required=False),
+        "timeout_ms": _TIMEOUT,
+    },
+    # Set the priorities of sampled rows; stale ones (overwritten since) are skipped (1.2).
+    "update_priorities": {
+        "index": Spec((bytes,)),
+        "priority": Spec((bytes,)),
+        "generation": Spec((bytes,), required=False),
+    },
+    # This rank's share of every stored row, each once: the rows of one pass (1.2).
+    "iterate": {
+        "rank": _int(0, 1 << 20),
+        "world_size": _int(1, 1 << 20),
+        "shuffle": Spec((bool,), required=False),
+        "drop_last": Spec((bool,), required=False),
+        "epoch": _int(0, required=False),
+    },
+    # A remote reader's copy of rows named by physical index (iterate's rows), checked
+    # against the stamps it was given (1.2).
+    "read": {"rows": Spec((bytes,)), "gens": Spec((bytes,))},
+    # Change the rate limiter's settings live (admin only; 1.2).
+    "configure": {
+        "samples_per_insert": Spec((float, int), required=False),
+        "min_size": _int(0, required=False),
+        "error_buffer": Spec((float, int), required=False),
     },
     "release": {"lease": _ID},
     # A reader's heartbeat: the lease lasts another lease_ttl (since 1.1).
@@ -136,14 +180,72 @@ def _check_split(op: str, fields: Mapping[str, Any]) -> None:
 def _check_sample(op: str, fields: Mapping[str, Any]) -> None:
     if fields["kind"] == "slices" and "length" not in fields:
         raise ProtocolError(f"op {op!r}: kind 'slices' needs field 'length'")
+    if "strict" in fields and fields["kind"] != "slices":
+        raise ProtocolError(f"op {op!r}: field 'strict' is for kind 'slices' only")
+
+
+def _array_size(op: str, name: str, data: bytes, most: int) -> int:
+    """Values in an 8-byte-per-value array field (``encode_i64``/``encode_f64``)."""
+    if len(data) % 8:
+        raise ProtocolError(
+            f"op {op!r}: field {name!r} holds {len(data)} bytes, not a whole number of "
+            "8-byte values"
+        )
+    if len(data) // 8 > most:
+        raise ProtocolError(
+            f"op {op!r}: field {name!r} holds {len(data) // 8} values, over the limit of {most}"
+        )
+    return len(data) // 8
+
+
+def _check_priority(op: str, fields: Mapping[str, Any]) -> None:
+    if op in ("reserve", "write"):
+        _check_split(op, fields)
+    priority = fields.get("priority")
+    if isinstance(priority, bytes) and not _array_size(op, "priority", priority, MAX_PRIORITIES):
+        raise ProtocolError(f"op {op!r}: field 'priority' holds no values")
+
+
+def _check_update(op: str, fields: Mapping[str, Any]) -> None:
+    count = _array_size(op, "index", fields["index"], MAX_UPDATES)
+    for name in ("priority", "generation"):
+        if name in fields and _array_size(op, name, fields[name], MAX_UPDATES) != count:
+            raise ProtocolError(
+                f"op {op!r}: field {name!r} holds {len(fields[name]) // 8} values, field "
+                f"'index' {count}: one per index expected"
+            )
+
+
+def _check_read(op: str, fields: Mapping[str, Any]) -> None:
+    count = _array_size(op, "rows", fields["rows"], MAX_INT)
+    if _array_size(op, "gens", fields["gens"], MAX_INT) != count:
+        raise ProtocolError(f"op {op!r}: fields 'rows' and 'gens' must hold as many values")
+
+
+def _check_iterate(op: str, fields: Mapping[str, Any]) -> None:
+    if fields["rank"] >= fields["world_size"]:
+        raise ProtocolError(
+            f"op {op!r}: field 'rank'={fields['rank']} must be below field "
+            f"'world_size'={fields['world_size']}"
+        )
+
+
+def _check_configure(op: str, fields: Mapping[str, Any]) -> None:
+    if not fields:
+        raise ProtocolError(f"op {op!r}: give at least one setting to change")
 
 
 #: Checks across an op's fields (or inside a list) that a per-field :class:`Spec` cannot
 #: express; run by :func:`validate_request` once every field passed its own.
 VALIDATORS: dict[str, Callable[[str, Mapping[str, Any]], None]] = {
-    "reserve": _check_split,
-    "write": _check_split,
+    "reserve": _check_priority,
+    "write": _check_priority,
+    "commit": _check_priority,
     "sample": _check_sample,
+    "update_priorities": _check_update,
+    "iterate": _check_iterate,
+    "read": _check_read,
+    "configure": _check_configure,
 }
 
 
@@ -182,6 +284,31 @@ _BUFFER: dict[str, Spec] = {
     "lease_ttl": Spec(_SECONDS),
     "reservation_ttl": Spec(_SECONDS),
     "max_payload_bytes": Spec((int,)),
+    # since 1.2: what a reader needs to know of the sampler (a consume-once one is never
+    # prefetched: a sample sent ahead would consume data the learner never asked for)
+    "sampler": Spec((str,)),
+    "max_times_sampled": Spec((int, _NIL)),
+}
+#: The ``stats.sampler`` map (since 1.2).
+_SAMPLER: dict[str, Spec] = {
+    "kind": Spec((str,)),
+    "settings": Spec((dict,)),  # its constructor options, as ``--sampler`` flags set them
+    "figures": Spec((dict,)),  # its own counts (kind-specific: epochs, retired items, ...)
+}
+#: The ``stats.rate_limiter`` map.
+_LIMITER: dict[str, Spec] = {
+    "kind": Spec((str,)),
+    "min_size": Spec((int,)),
+    # since 1.2
+    "settings": Spec((dict,)),
+    "inserted": Spec((int,)),
+    "sampled": Spec((int,)),
+    "deleted": Spec((int,)),
+    "size": Spec((int,)),
+    "insert_blocked_s": Spec((float,)),
+    "sample_blocked_s": Spec((float,)),
+    "inserts_waiting": Spec((int,)),
+    "samples_waiting": Spec((int,)),
 }
 #: The ``stats`` map: the buffer's state, then the daemon's counters.
 _STATS: dict[str, Spec] = {
@@ -201,8 +328,9 @@ _STATS: dict[str, Spec] = {
     "pid": Spec((int,)),
     "protocol": Spec((str,)),
     "rate_limiter": Spec((dict,)),
-    "rate_limiter.kind": Spec((str,)),
-    "rate_limiter.min_size": Spec((int,)),
+    **_nested("rate_limiter", _LIMITER),
+    "sampler": Spec((dict,)),
+    **_nested("sampler", _SAMPLER),
     **{
         counter: Spec((int,))
         for counter in (
@@ -216,6 +344,8 @@ _STATS: dict[str, Spec] = {
             "leases_expired",
             "clients_reaped",
             "clients_expired",
+            "priority_updates",
+            "priority_updates_stale",
         )
     },
 }
@@ -248,7 +378,16 @@ REPLIES: dict[str, dict[str, Spec]] = {
         "lengths": _BIN,
         "gens": _BIN,
         "lease": Spec((int,), required=False),
+        # with info (since 1.2): per item, f64 arrays for probability and weight
+        "index": _BIN,
+        "generation": _BIN,
+        "probability": _BIN,
+        "weight": _BIN,
     },
+    "update_priorities": {"updated": Spec((int,)), "stale": Spec((int,))},
+    "iterate": {"rows": Spec((bytes,)), "gens": Spec((bytes,)), "total": Spec((int,))},
+    "read": {},
+    "configure": {"rate_limiter": Spec((dict,)), **_nested("rate_limiter", _LIMITER)},
     "release": {},
     "renew": {"ttl": Spec(_SECONDS)},
     "clear": {},
@@ -288,6 +427,17 @@ def decode_i64(data: bytes) -> npt.NDArray[np.int64]:
     """An index array from the wire, as a writable native int64 copy (a reader patches the
     rows it samples again into it)."""
     return np.frombuffer(data, dtype="<i8").astype(np.int64)
+
+
+def encode_f64(values: npt.ArrayLike) -> bytes:
+    """A float array as the wire carries it (``probability``, ``weight``, ``priority``):
+    msgpack bin of little-endian IEEE 754 float64."""
+    return np.ascontiguousarray(values, dtype="<f8").tobytes()
+
+
+def decode_f64(data: bytes) -> npt.NDArray[np.float64]:
+    """A float array from the wire, as a writable native float64 copy."""
+    return np.frombuffer(data, dtype="<f8").astype(np.float64)
 
 
 _VERSION_RE = re.compile(r"([0-9]{1,6})(?:\.[0-9]{1,6}){0,2}")

@@ -21,6 +21,7 @@ from shmbuffer.daemon.recovery import RecoveryError, restore_service
 from shmbuffer.daemon.service import BufferService
 from shmbuffer.errors import NotFoundError, PermissionDeniedError, ShmBufferError
 from shmbuffer.protocol import request, validate_request
+from shmbuffer.segment import segment_path
 
 SPEC = {"obs": {"dtype": "float32", "shape": [5]}, "act": {"dtype": "int64", "shape": []}}
 W, ADMIN = b"writer", b"admin"
@@ -142,7 +143,7 @@ def test_second_checkpoint_replaces_the_first(storage: str, tmp_path: Path) -> N
     service = make_service(storage)
     fill(service)
     call(service, ADMIN, "checkpoint", to=str(tmp_path))
-    call(service, W, "commit", reservation=service.container._next_reservation - 1)
+    call(service, W, "commit", reservation=service.container.next_reservation - 1)
     write(service, 3, 7.0)
     call(service, ADMIN, "checkpoint", to=str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "checkpoint"]
@@ -272,3 +273,61 @@ def test_restore_refuses_conflicting_settings(storage: str, tmp_path: Path) -> N
     config = DaemonConfig(name="other", capacity=65, unit="episode", storage_dir=storage)
     with pytest.raises(RecoveryError, match="capacity"):
         restore_service(config, tmp_path)
+
+
+# -- sampler state (issue 9) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("unit", ["transition", "episode"])
+def test_priorities_and_sampler_state_survive_journal_and_checkpoint(
+    storage: str, tmp_path: Path, unit: str
+) -> None:
+    extra: dict[str, Any] = {
+        "sampler": "prioritized",
+        "priority_exponent": 1.0,
+        "rate_limiter": "min-size",
+        "min_size": 4,
+    }
+    service = make_service(storage, unit=unit, **extra)
+    fill(service)
+    assert service.segment is not None
+    sampled = np.frombuffer(call(service, W, "sample", kind="rows", n=32)["rows"], "<i8")
+    gens = service.generations[sampled].copy()
+    write(service, 6, 5.0)  # overwrites some of the sampled rows: their updates are stale
+    prio = np.linspace(0.5, 20.0, 32)
+    applied = service.update_priorities(sampled, prio, gens)
+    stale = int((service.generations[sampled] != gens).sum())
+    assert applied == 32 - stale and service.container.priority_updates_stale == stale
+    live = service.container.sampler.state_dict()
+    leaves = np.frombuffer(live["leaves"], dtype=np.float64)
+    if unit == "transition":  # each fresh row has its (last) new priority, plus eps
+        fresh = service.generations[sampled] == gens
+        last = {int(r): p for r, p, ok in zip(sampled, prio, fresh, strict=True) if ok}
+        assert all(np.isclose(leaves[r], p + 1e-6) for r, p in last.items())
+    # a SIGKILLed daemon's journal replays to the same priorities (resume)
+    from shmbuffer.daemon.journal import Journal, restore_container
+
+    resumed = restore_container(Journal(service.segment.path).load())
+    assert resumed.sampler.state_dict()["leaves"] == live["leaves"]
+    # a checkpoint keeps them, with the limiter's counts and the generator's state
+    call(service, ADMIN, "checkpoint", to=str(tmp_path))
+    config = DaemonConfig(
+        name=f"rs-{uuid.uuid4().hex[:8]}", capacity=64, unit=unit, storage_dir=storage, **extra
+    )
+    restored = restore_service(config, tmp_path)
+    assert_same(service, restored)
+    assert restored.container.sampler.state_dict() == live
+    limiter = service.container.rate_limiter.state_dict()
+    assert restored.container.rate_limiter.state_dict() == limiter
+    assert restored.container.priority_updates_stale == stale
+    hello(restored)
+    a = call(service, W, "sample", kind="rows", n=16)
+    b = call(restored, W, "sample", kind="rows", n=16)
+    assert a["rows"] == b["rows"]  # the same draws: same priorities, same generator
+    # restoring into a daemon configured with another sampler is refused, naming both
+    other = DaemonConfig(
+        name=f"rs-{uuid.uuid4().hex[:8]}", capacity=64, unit=unit, storage_dir=storage
+    )
+    with pytest.raises(RecoveryError, match="prioritized"):
+        restore_service(other, tmp_path)
+    assert not segment_path(other.name, storage).exists()  # its fresh segment went again

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
+import msgpack
 import numpy as np
 import pytest
 
 from shmbuffer.container import Container
-from shmbuffer.errors import CapacityError, NotFoundError
+from shmbuffer.errors import CapacityError, InvalidArgumentError, NotFoundError, WaitTimeoutError
+from shmbuffer.samplers import FifoSampler, MinSize, PrioritizedSampler
 
 
 def episodes(c: Container) -> list[tuple[int, int, int]]:
@@ -351,3 +355,70 @@ def test_restore_refuses_an_overlapping_episode() -> None:
     ghost = c.registry.get(0)
     with pytest.raises(ValueError, match="overlaps"):
         c.restore([type(ghost)(0, 2, 4)])
+
+
+# -- sampler, limiter, state (issue 9) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("unit", ["transition", "episode"])
+def test_the_limiter_counts_follow_the_stored_rows(unit: str) -> None:
+    """inserted - deleted is what the registry holds, through evictions, trims, aborts that
+    give evictions back, and clears (the limiter's ``size`` gates min_size samples)."""
+    rng = np.random.default_rng(3)
+    c = Container(30, unit=unit)
+    for step in range(600):
+        n = int(rng.integers(1, 8))
+        r = c.reserve(n)
+        if rng.random() < 0.25:
+            c.abort(r.id, written=int(rng.integers(0, n + 1)))
+        else:
+            c.commit(r.id)
+        if step % 97 == 96:
+            c.clear()
+        assert c.rate_limiter.size == c.registry.num_rows
+
+
+def test_state_survives_json_and_msgpack_and_continues_the_same_draws() -> None:
+    c = Container(40, sampler=PrioritizedSampler(priority_exponent=0.5), seed=9)
+    put(c, 30)
+    c.update_priorities(np.arange(0, 30, 3), np.arange(10.0))
+    c.sample_rows(5)
+    state = c.state()
+    for codec in (lambda s: json.loads(json.dumps(s)), lambda s: msgpack.unpackb(msgpack.packb(s))):
+        back = Container.from_state(codec(state))
+        assert isinstance(back.sampler, PrioritizedSampler)
+        assert back.sampler.priority_exponent == 0.5
+        assert back.sampler.state_dict() == c.sampler.state_dict()
+        assert back.rng.bit_generator.state == c.rng.bit_generator.state
+        assert back.next_reservation == c.next_reservation
+        assert (
+            back.sample_rows(20).rows.tolist()
+            == Container.from_state(state).sample_rows(20).rows.tolist()
+        )
+
+
+def test_blockers_say_why_and_reserve_refuses_the_same() -> None:
+    c = Container(10, unit="episode", sampler=FifoSampler(max_times_sampled=1))
+    assert c.insert_blocker(5) is None and c.sample_blocker(5) is None
+    put(c, 5)
+    put(c, 5)
+    reason = c.insert_blocker(5)
+    assert reason is not None and "rows [0, 5)" in reason and "max_times_sampled=1" in reason
+    with pytest.raises(WaitTimeoutError, match="rows \\[0, 5\\)"):
+        c.reserve(5)
+    assert c.pointer == 0 and c.reservations == {}
+    assert c.sample_episodes(1).ids.tolist() == [0]
+    assert c.insert_blocker(5) is None
+    limited = Container(10, rate_limiter=MinSize(4))
+    assert "min-size" in (limited.sample_blocker(1) or "")
+    with pytest.raises(WaitTimeoutError, match="min-size"):
+        limited.sample_rows(1)
+
+
+def test_a_bad_commit_priority_leaves_the_reservation_open() -> None:
+    c = Container(10, sampler=PrioritizedSampler())
+    r = c.reserve(4)
+    with pytest.raises(InvalidArgumentError, match="4 values"):
+        c.commit(r.id, priority=[1.0, 2.0])
+    assert r.id in c.reservations and len(c.registry) == 0
+    assert c.commit(r.id, priority=[1.0, 2.0, 3.0, 4.0]) == [0]

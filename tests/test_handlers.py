@@ -23,6 +23,7 @@ from shmbuffer.protocol import (
     Spec,
     decode,
     encode,
+    encode_f64,
     ok_reply,
     validate_reply,
 )
@@ -33,7 +34,8 @@ W, R, ADMIN = b"writer-1", b"reader-1", b"admin-1"
 
 @pytest.fixture
 def h(storage: str) -> Iterator[Harness]:  # noqa: F811  (the fixture imported above)
-    harness = Harness(storage)  # no client, no schema yet
+    # no client, no schema yet; a sampler and a limiter that serve every op and field
+    harness = Harness(storage, sampler="prioritized", rate_limiter="min-size")
     yield harness
     harness.close()
 
@@ -114,18 +116,28 @@ def test_real_replies_match_the_reply_table(h: Harness, tmp_path: Path) -> None:
     assert call(W, "define_schema", schema=SPEC)["buffer"]["segment"] is not None
     assert call(b"writer-2", "hello", role="writer", **hello)["buffer"]["segment"] is not None
 
-    first = call(W, "reserve", rows=4, episodes=2)
+    first = call(W, "reserve", rows=4, episodes=2, priority=encode_f64([1.0, 2.0, 3.0, 4.0]))
     h.fill(first["ranges"], 1.0)
     second = call(W, "reserve", rows=2, commit=first["reservation"])
     assert "committed" in second
     h.fill(second["ranges"], 2.0)
-    call(W, "commit", reservation=second["reservation"])
+    call(W, "commit", reservation=second["reservation"], priority=2.0)
     third = call(W, "reserve", rows=1)
     call(W, "abort", reservation=third["reservation"], written=0)
-    call(W, "write", frames=payload(3, 3.0), rows=3, episodes=3)
+    call(W, "write", frames=payload(3, 3.0), rows=3, episodes=3, priority=0.5)
 
     call(R, "sample", kind="rows", n=4)
+    drawn = call(R, "sample", kind="rows", n=4, info=True, beta=0.5, timeout_ms=0)
+    assert set(drawn) >= {"index", "generation", "probability", "weight"}
+    update = dict(index=drawn["index"], priority=encode_f64([5.0] * 4))
+    assert call(R, "update_priorities", **update, generation=drawn["generation"]) == {
+        "updated": 4,
+        "stale": 0,
+    }
     call(R, "sample", kind="slices", n=2, length=2)
+    call(R, "sample", kind="slices", n=2, length=3, strict=False, info=True)
+    listed = call(R, "iterate", rank=0, world_size=2, shuffle=False, drop_last=True, epoch=1)
+    call(R, "read", rows=listed["rows"], gens=listed["gens"])
     call(R, "sample", kind="rows", n=2, payload=True)
     call(R, "sample", kind="episodes", n=2, payload=True)
     leased = call(R, "sample", kind="episodes", n=2, lease=True)
@@ -136,6 +148,7 @@ def test_real_replies_match_the_reply_table(h: Harness, tmp_path: Path) -> None:
     stats = call(R, "stats")["stats"]
     assert stats["rows"] == 9 and stats["segment"] is not None
 
+    call(ADMIN, "configure", min_size=2)
     call(ADMIN, "checkpoint", to=str(tmp_path))
     call(ADMIN, "clear")
     call(R, "bye")
@@ -150,7 +163,7 @@ def test_real_replies_match_the_reply_table(h: Harness, tmp_path: Path) -> None:
 def test_validate_reply_names_what_is_wrong() -> None:
     from shmbuffer.errors import ProtocolError
 
-    good = {"pid": 7, "protocol": "1.1"}
+    good = {"pid": 7, "protocol": "1.2"}
     validate_reply("ping", good)
     for bad, words in [
         ({**good, "extra": 1}, ["'extra'", "not in REPLIES"]),
@@ -163,6 +176,7 @@ def test_validate_reply_names_what_is_wrong() -> None:
             assert word in str(info.value)
     buffer = {"name": "b", "capacity": 1, "unit": "transition", "mode": "circular"}
     buffer |= {"schema": None, "segment": None, "lease_ttl": 30, "reservation_ttl": 60.0}
+    buffer |= {"sampler": "uniform", "max_times_sampled": None}
     hello = {"client": 1, "daemon_pid": 2, "buffer": {**buffer, "max_payload_bytes": 8}}
     validate_reply("hello", hello)  # a nil map has no fields to check
     with pytest.raises(ProtocolError, match=r"'buffer\.max_payload_bytes'"):

@@ -28,6 +28,7 @@ from shmbuffer.daemon.journal import (
     restore_container,
 )
 from shmbuffer.errors import CapacityError, OutOfSpaceError
+from shmbuffer.samplers import FifoSampler, PrioritizedSampler
 
 
 @pytest.fixture
@@ -66,9 +67,16 @@ def _live_equals_loaded(container: Container, loaded: dict[str, Any]) -> None:
     assert restored.registry.next_id == container.registry.next_id
     assert restored.pointer == container.pointer
     assert restored.rows_written == container.rows_written
-    assert restored._next_reservation == container._next_reservation
+    assert restored.next_reservation == container.next_reservation
     committed = container.use_counts >= 0
     assert np.array_equal(restored.use_counts >= 0, committed)
+    # what commits and evictions did to the sampler and the limiter is replayed too
+    assert restored.sampler.state_dict() == container.sampler.state_dict()
+    limiter = container.rate_limiter
+    assert (restored.rate_limiter.inserted, restored.rate_limiter.deleted) == (
+        limiter.inserted,
+        limiter.deleted,
+    )
 
 
 def _drive(
@@ -88,7 +96,7 @@ def _drive(
             except CapacityError:
                 continue
             journal.append_reserve(
-                evict, container.pointer, container.rows_written, container._next_reservation
+                evict, container.pointer, container.rows_written, container.next_reservation
             )
             open_ids.append(r.id)
         elif action in ("commit", "abort") and open_ids:
@@ -239,7 +247,7 @@ def test_aborts_that_give_back_evictions_replay_to_the_live_state(folder: Path, 
         _, evict = container.plan(n)
         r = container.reserve(n)
         journal.append_reserve(
-            evict, container.pointer, container.rows_written, container._next_reservation
+            evict, container.pointer, container.rows_written, container.next_reservation
         )
         if rng.random() < 0.6:
             ids = container.commit(r.id)
@@ -296,7 +304,7 @@ def commit_one(container: Container, journal: Journal, counters: dict[str, int])
     journal.reserve(record_bytes(4 + 2 * len(evict)) + record_bytes(6))
     r = container.reserve(2)
     journal.append_reserve(
-        evict, container.pointer, container.rows_written, container._next_reservation
+        evict, container.pointer, container.rows_written, container.next_reservation
     )
     ids = container.commit(r.id)
     counters["rows_committed"] += 2
@@ -344,3 +352,96 @@ def test_a_full_file_system_is_met_with_a_snapshot_that_rewinds_the_journal(
     assert os.stat(journal.path).st_size == 64 * 1024  # and never grew
     _live_equals_loaded(container, Journal(small_fs).load())
     journal.close()
+
+
+# -- sampler state (issue 9): priorities replayed, sample-side state from the snapshot --------
+
+
+def _commit_journaled(
+    container: Container, journal: Journal, rid: int, priority: Any, counters: dict[str, int]
+) -> None:
+    """Commit the way the service does: the writer's priorities as a PRIORITY record."""
+    reservation = container.reservations[rid]
+    given = container.commit_priorities(rid, priority)
+    ids = container.commit(rid, priority)
+    counters["rows_committed"] += reservation.num_rows
+    counters["episodes_committed"] += len(ids)
+    journal.append_commit(
+        [(i, s, e) for i, (s, e) in zip(ids, reservation.episodes, strict=True)], **counters
+    )
+    if given is not None:
+        journal.append_priorities(given.rows, given.priority)
+
+
+@pytest.mark.parametrize("unit", ["transition", "episode"])
+def test_priorities_survive_replay_exactly(folder: Path, unit: str) -> None:
+    rng = np.random.default_rng(11)
+    container = Container(48, unit=unit, sampler=PrioritizedSampler(priority_exponent=0.8))
+    journal = Journal(folder)
+    journal.start(container_state(container))
+    counters = {"rows_committed": 0, "episodes_committed": 0}
+    updates = 0
+    for step in range(400):
+        n = int(rng.integers(1, 7))
+        _, evict = container.plan(n)
+        r = container.reserve(n)
+        journal.append_reserve(
+            evict, container.pointer, container.rows_written, container.next_reservation
+        )
+        if rng.random() < 0.15:  # a failed copy: what it did not touch comes back
+            restored = container.abort(r.id, written=int(rng.integers(0, n + 1)))
+            journal.append_restore(restored, container.pointer, container.rows_written)
+            continue
+        count = n if unit == "transition" else 1
+        priority = None if rng.random() < 0.5 else rng.uniform(0.1, 9.0, count)
+        _commit_journaled(container, journal, r.id, priority, counters)
+        drawn = container.sample_rows(8)
+        update = container.check_priorities(drawn.rows, rng.uniform(0.0, 12.0, 8))
+        updates += container.apply_priorities(update)
+        journal.append_priorities(update.rows, update.priority)
+        if step == 200:
+            journal.snapshot(container_state(container, counters))
+    assert updates > 1000
+    loaded = Journal(folder).load()
+    assert loaded["replayed"] > 500
+    restored = restore_container(loaded)
+    _live_equals_loaded(container, loaded)
+    live, back = container.sampler.state_dict(), restored.sampler.state_dict()
+    assert back["leaves"] == live["leaves"] and back["max_priority"] == live["max_priority"]
+    journal.close()
+
+
+def test_what_samples_change_comes_from_the_last_snapshot(folder: Path) -> None:
+    """At least once: FIFO consumption after the last snapshot is handed out again after a
+    crash (documented in docs/architecture.md); the generator restarts at the snapshot's."""
+    container = Container(40, unit="episode", sampler=FifoSampler(max_times_sampled=1), seed=5)
+    journal = Journal(folder)
+    journal.start(container_state(container))
+    counters = {"rows_committed": 0, "episodes_committed": 0}
+    for _ in range(4):
+        _, evict = container.plan(5)
+        r = container.reserve(5)
+        journal.append_reserve(
+            evict, container.pointer, container.rows_written, container.next_reservation
+        )
+        _commit_journaled(container, journal, r.id, None, counters)
+    assert container.sample_episodes(2).ids.tolist() == [0, 1]
+    journal.snapshot(container_state(container, counters))
+    at_snapshot = container.rng.bit_generator.state
+    assert container.sample_episodes(1).ids.tolist() == [2]  # after the snapshot: not kept
+    container.rng.random(3)
+    restored = restore_container(Journal(folder).load())
+    assert restored.rng.bit_generator.state == at_snapshot
+    assert restored.rate_limiter.sampled == 10  # the two episodes before the snapshot
+    assert restored.sample_episodes(2).ids.tolist() == [2, 3]  # episode 2 again, never 0 or 1
+    journal.close()
+
+
+def test_a_saved_sampler_of_another_kind_is_refused(folder: Path) -> None:
+    container = Container(16, sampler=PrioritizedSampler())
+    state = container_state(container)
+    with pytest.raises(JournalError, match="prioritized"):
+        restore_container(state, Container(16))
+    assert isinstance(restore_container(state).sampler, PrioritizedSampler)  # the saved kind
+    old = {k: v for k, v in state.items() if k not in ("sampler", "rate_limiter", "rng")}
+    assert restore_container(old).sampler.name == "uniform"  # a state from before samplers

@@ -49,17 +49,22 @@ GOOD: dict[str, dict[str, Any]] = {
     "abort": {"reservation": 1},
     "write": {"rows": 4},
     "sample": {"kind": "rows", "n": 8},
+    "update_priorities": {"index": bytes(16), "priority": bytes(16)},
+    "iterate": {"rank": 0, "world_size": 1},
+    "read": {"rows": bytes(8), "gens": bytes(8)},
     "release": {"lease": 1},
     "renew": {"lease": 1},
     "clear": {},
     "shutdown": {},
     "checkpoint": {"to": "/tmp/ckpt"},
+    "configure": {"min_size": 3},
 }
 GOOD_FULL: dict[str, dict[str, Any]] = {
     **GOOD,
     "hello": {"role": "reader", "pid": 0, "host": "h", "remote": True},
-    "reserve": {"rows": 4, "episodes": 2, "commit": 3, "timeout_ms": 0},
-    "write": {"rows": 4, "episodes": 4, "timeout_ms": 3_600_000},
+    "reserve": {"rows": 4, "episodes": 2, "commit": 3, "timeout_ms": 0, "priority": bytes(32)},
+    "commit": {"reservation": 1, "priority": 0.5},
+    "write": {"rows": 4, "episodes": 4, "timeout_ms": 3_600_000, "priority": 2},
     "sample": {
         "kind": "slices",
         "n": 1 << 20,
@@ -67,8 +72,15 @@ GOOD_FULL: dict[str, dict[str, Any]] = {
         "lease": False,
         "payload": True,
         "release": 7,
+        "strict": False,
+        "beta": 0.4,
+        "info": True,
+        "timeout_ms": 100,
     },
+    "update_priorities": {"index": bytes(16), "priority": bytes(16), "generation": bytes(16)},
+    "iterate": {"rank": 3, "world_size": 4, "shuffle": False, "drop_last": True, "epoch": 7},
     "shutdown": {"keep": True},
+    "configure": {"samples_per_insert": 2.5, "min_size": 0, "error_buffer": 10},
 }
 
 
@@ -271,6 +283,13 @@ def test_refuses_extra_field(op: str) -> None:
         ("hello", "host", None),
         ("define_schema", "schema", [1, 2]),
         ("sample", "kind", 1),
+        ("sample", "beta", True),  # a bool is not a number
+        ("sample", "info", 1),
+        ("reserve", "priority", "1.0"),
+        ("commit", "priority", [1.0]),
+        ("update_priorities", "index", [1, 2]),
+        ("iterate", "rank", 0.0),
+        ("configure", "min_size", 1.0),
     ],
 )
 def test_refuses_wrong_type(op: str, name: str, value: Any) -> None:
@@ -323,6 +342,25 @@ def test_refuses_bad_choice(op: str, name: str, value: str) -> None:
         ("reserve", {"rows": 2, "lengths": [True, 1]}, ["'lengths'", "positive ints"]),
         ("reserve", {"rows": 6, "lengths": [3, 3], "episodes": 2}, ["exclusive"]),
         ("sample", {"kind": "slices", "n": 2}, ["'slices'", "'length'"]),
+        ("sample", {"kind": "rows", "n": 2, "strict": False}, ["'strict'", "'slices' only"]),
+        ("reserve", {"rows": 2, "priority": b""}, ["'priority'", "no values"]),
+        ("reserve", {"rows": 2, "priority": bytes(7)}, ["'priority'", "8-byte values"]),
+        ("commit", {"reservation": 1, "priority": bytes(8 * 4097)}, ["'priority'", "4096"]),
+        ("update_priorities", {"index": bytes(16), "priority": bytes(8)}, ["'priority'", "1"]),
+        (
+            "update_priorities",
+            {"index": bytes(8), "priority": bytes(8), "generation": bytes(16)},
+            ["'generation'", "one per index"],
+        ),
+        ("update_priorities", {"index": bytes(9), "priority": bytes(8)}, ["'index'", "8-byte"]),
+        (
+            "update_priorities",
+            {"index": bytes(8 * 2049), "priority": bytes(8 * 2049)},
+            ["'index'", "2048"],
+        ),
+        ("read", {"rows": bytes(16), "gens": bytes(8)}, ["'rows'", "'gens'"]),
+        ("iterate", {"rank": 2, "world_size": 2}, ["'rank'=2", "'world_size'=2"]),
+        ("configure", {}, ["at least one"]),
     ],
 )
 def test_refuses_fields_that_do_not_fit_together(

@@ -12,7 +12,6 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
-import torch
 
 from shmbuffer.errors import EmptyBufferError
 from shmbuffer.registry import Episode, EpisodeRegistry
@@ -25,8 +24,7 @@ from shmbuffer.samplers import (
     make_sampler,
 )
 from shmbuffer.samplers.index import SliceMass
-
-P_MIN = 1e-3
+from tests._stats import P_MIN, chi2_p
 
 
 class Feed:
@@ -92,13 +90,6 @@ class Feed:
 
 def rng(seed: int = 0) -> np.random.Generator:
     return np.random.default_rng(seed)
-
-
-def chi2_p(observed: np.ndarray, expected: np.ndarray) -> float:
-    """p-value of Pearson's chi-square (torch's regularised upper gamma is chi2's survival)."""
-    stat = float(((observed - expected) ** 2 / expected).sum())
-    dof = observed.size - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
 
 
 def live_rows(reg: EpisodeRegistry) -> np.ndarray:

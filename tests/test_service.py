@@ -605,7 +605,14 @@ def test_stats(h: Harness) -> None:
         assert key in stats
     assert stats["schema"] == Schema.from_spec(SPEC).to_spec()
     assert Path(stats["segment"]["path"]).is_dir()
-    assert stats["rate_limiter"] == {"kind": "none", "min_size": 1}
+    limiter = stats["rate_limiter"]
+    assert {k: limiter[k] for k in ("kind", "min_size", "inserted", "sampled")} == {
+        "kind": "none",
+        "min_size": 1,
+        "inserted": 4,
+        "sampled": 9,
+    }
+    assert stats["sampler"]["kind"] == "uniform"
 
 
 def test_stats_rates(h: Harness) -> None:
@@ -655,3 +662,70 @@ def test_renew_keeps_a_lease_past_its_ttl(make: Any) -> None:
     with pytest.raises(NotFoundError):
         h(R, "renew", lease=lease)
     assert h(W, "reserve", rows=1)["ranges"] == [[0, 1]]
+
+
+# -- samplers and flow control (protocol 1.2) --------------------------------------------------
+
+
+def _ready(h: Harness) -> Harness:
+    h.hello(W)
+    h.hello(R, "reader")
+    h.hello(ADMIN, "admin")
+    h(W, "define_schema", schema=SPEC)
+    return h
+
+
+def test_fifo_sample_with_nothing_to_consume_is_deferred_but_uniform_is_empty(make: Any) -> None:
+    uniform = _ready(make())
+    with pytest.raises(EmptyBufferError):
+        uniform(R, "sample", kind="rows", n=1)
+    fifo = _ready(make(sampler="fifo", max_times_sampled=1))
+    with pytest.raises(Deferred) as info:
+        fifo(R, "sample", kind="rows", n=2, timeout_ms=500)
+    assert info.value.blocked == "sample" and info.value.deadline == pytest.approx(0.5)
+    assert "nothing to consume" in str(info.value)
+    fifo.write(W, 2, 1.0)
+    rows = i64(fifo(R, "sample", kind="rows", n=2)["rows"])
+    assert sorted(rows.tolist()) == [0, 1]
+    with pytest.raises(Deferred):  # both consumed
+        fifo(R, "sample", kind="rows", n=1)
+
+
+def test_rate_limiter_defers_inserts_and_samples_and_configure_is_admin_only(make: Any) -> None:
+    h = _ready(
+        make(rate_limiter="sample-to-insert", samples_per_insert=1.0, min_size=2, error_buffer=2)
+    )
+    with pytest.raises(Deferred) as info:  # fewer than min_size rows: samples wait
+        h(R, "sample", kind="rows", n=1)
+    assert info.value.blocked == "sample" and "sample-to-insert" in str(info.value)
+    h.write(W, 4, 1.0)  # (4 * 1 - 0) <= R N + E = 4
+    with pytest.raises(Deferred) as info:
+        h(W, "reserve", rows=1)
+    assert info.value.blocked == "insert" and "inserted=4" in str(info.value)
+    assert h.service.container.reservations == {}  # nothing reserved, nothing evicted
+    with pytest.raises(PermissionDeniedError):
+        h(R, "configure", samples_per_insert=0.5)
+    from shmbuffer.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="error_buffer"):
+        h(ADMIN, "configure", error_buffer=0.5)
+    limiter = h(ADMIN, "configure", samples_per_insert=0.5)["rate_limiter"]
+    assert limiter["settings"]["samples_per_insert"] == 0.5 and limiter["inserted"] == 4
+    assert h(W, "reserve", rows=1)["ranges"] == [[4, 5]]
+    h.service.record_blocked("insert", 1.5)
+    assert h(R, "stats")["stats"]["rate_limiter"]["insert_blocked_s"] == 1.5
+
+
+def test_a_bad_priority_refuses_a_reserve_whole_piggybacked_commit_included(make: Any) -> None:
+    from shmbuffer.errors import InvalidArgumentError
+    from shmbuffer.protocol import encode_f64
+
+    h = _ready(make(sampler="prioritized"))
+    first = h(W, "reserve", rows=2, priority=encode_f64([1.0, 2.0]))
+    with pytest.raises(InvalidArgumentError, match="priority"):
+        h(W, "reserve", rows=2, commit=first["reservation"], priority=encode_f64([1.0, -1.0]))
+    container = h.service.container
+    assert container.num_rows == 0 and first["reservation"] in container.reservations
+    assert h(W, "commit", reservation=first["reservation"])["episodes"] == [0]
+    sampler = h.service.container.sampler.stats()
+    assert sampler["priority_total"] == pytest.approx(1.0 + 2.0**0.6)  # the reserve's priority

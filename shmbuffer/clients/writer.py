@@ -18,12 +18,23 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+import torch
+
 from shmbuffer import rows
 from shmbuffer.clients.connection import Connection
 from shmbuffer.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
+from shmbuffer.errors import InvalidArgumentError
+from shmbuffer.protocol import MAX_PRIORITIES, encode_f64
+from shmbuffer.samplers.base import check_priority
 from shmbuffer.schema import Schema
 from shmbuffer.segment import Segment
 from shmbuffer.writeplan import env_major, plan_write
+
+#: A write's priority once checked: None (the daemon's default, the largest seen so far), one
+#: number for every item, or one float64 per item (row in transition unit, episode in episode
+#: unit).
+Items = float | np.ndarray | None
 
 
 class Writer:
@@ -79,6 +90,8 @@ class Writer:
         self.capacity: int = self.conn.buffer["capacity"]
         self.unit: str = self.conn.buffer["unit"]
         self.mode: str = self.conn.buffer["mode"]
+        #: The daemon's sampler (a daemon before protocol 1.2 samples uniformly).
+        self.sampler: str = self.conn.buffer.get("sampler", "uniform")
         self.schema: Schema | None = None
         self.segment: Segment | None = None
         self._in_flight: list[tuple[int, int]] = []  # (seq, rows) of unacknowledged commits
@@ -94,6 +107,8 @@ class Writer:
         self._staged_lengths: list[int] = []
         self._staged_rows = 0
         self._staged_since = 0.0
+        #: Per staged piece: its priority (Items) and how many items it holds.
+        self._staged_priority: list[tuple[Items, int]] = []
         self._lock = threading.RLock()  # the ticker thread shares the socket
         self._closed = False
         self.episodes_committed = 0
@@ -110,21 +125,36 @@ class Writer:
 
     # -- the Buffer API -----------------------------------------------------------------------
 
-    def extend(self, batch: Mapping[str, Any]) -> None:
-        """Write a chunk of transitions (or, in episode unit, one whole episode)."""
+    def extend(self, batch: Mapping[str, Any], priority: Any = None) -> None:
+        """Write a chunk of transitions (or, in episode unit, one whole episode).
+
+        ``priority`` (a daemon with ``--sampler prioritized`` only): one number, one value
+        per row (transition unit) or one for the episode (episode unit); None gives the
+        largest priority seen so far. Checked before anything is written (InvalidArgumentError
+        naming the value); at most 4096 distinct values a write."""
         self.conn.check()
         with self._lock:
-            self._write(batch)
+            self._write(batch, priority=priority)
 
-    def add_episode(self, episode: Mapping[str, Any], num_envs: int = 1) -> None:
+    def add_episode(
+        self, episode: Mapping[str, Any], num_envs: int = 1, priority: Any = None
+    ) -> None:
+        """Write a finished episode; with ``num_envs > 1`` its leaves are ``[L, num_envs,
+        ...]`` and each sub-env becomes its own episode. ``priority`` as for :meth:`extend`;
+        with ``num_envs > 1`` one value per sub-episode (episode unit) or per row, shaped
+        ``[L, num_envs]`` like the data (transition unit)."""
         # Checked before the lock (a forked child may inherit it held) and before anything is
         # staged: a closed or forked writer must refuse the write, not drop it.
         self.conn.check()
         with self._lock:
             if num_envs == 1:
-                self._write(episode)
-            else:
-                self._write(env_major(episode, num_envs), num_sub_episodes=num_envs)
+                self._write(episode, priority=priority)
+                return
+            if priority is not None and self.unit == "transition":
+                value = _host(priority)
+                if np.ndim(value) == 2:  # env-major, as the rows are
+                    priority = np.asarray(value).T.reshape(-1)
+            self._write(env_major(episode, num_envs), num_sub_episodes=num_envs, priority=priority)
 
     def add_transition(self, env_id: str, transition: Mapping[str, Any]) -> None:
         self.conn.check()
@@ -146,8 +176,15 @@ class Writer:
 
     # -- the write path -----------------------------------------------------------------------
 
-    def _write(self, batch: Mapping[str, Any], num_sub_episodes: int = 1) -> None:
+    def _write(
+        self, batch: Mapping[str, Any], num_sub_episodes: int = 1, priority: Any = None
+    ) -> None:
         self._check_ticker()
+        if priority is not None and self.sampler != "prioritized":  # before anything else
+            raise InvalidArgumentError(
+                f"priority given, but the daemon's sampler {self.sampler!r} keeps no "
+                "priorities (start it with --sampler prioritized)"
+            )
         if self.schema is None:
             reply = self.conn.call("define_schema", schema=Schema.from_batch(batch).to_spec())
             self._adopt(reply["buffer"])
@@ -156,22 +193,56 @@ class Writer:
         plan = plan_write(self.schema, batch, num_sub_episodes, self.capacity, self.mode)
         if plan is None:
             return
-        leaves, first_row, num_rows, num_sub_episodes = plan
-        lengths = [num_rows // num_sub_episodes] * num_sub_episodes
+        leaves, first_row, num_rows, kept = plan
+        items = self._items(priority, first_row, num_rows, num_sub_episodes, kept)
+        compact = _compact(items)  # refuses too many distinct values before anything is sent
+        lengths = [num_rows // kept] * kept
         if self.remote:
-            self._write_remote(leaves, first_row, num_rows, num_sub_episodes)
+            self._write_remote(leaves, first_row, num_rows, kept, compact)
         elif num_rows * self.schema.row_nbytes * 2 <= self.batch_bytes:
-            self._stage(leaves, first_row, num_rows, lengths)
+            self._stage(leaves, first_row, num_rows, lengths, items)
         else:
             self._write_staged()  # what came first is stored first
-            self._write_local([(leaves, first_row, num_rows)], lengths)
+            self._write_local([(leaves, first_row, num_rows)], lengths, compact)
+
+    def _items(
+        self, priority: Any, first_row: int, num_rows: int, num_sub: int, kept: int
+    ) -> Items:
+        """A write's priority, checked as the daemon checks it, for what ``plan_write`` kept
+        of it (the newest rows or sub-episodes of a batch too large for the ring)."""
+        if priority is None:
+            return None
+        value = _host(priority)
+        try:
+            if np.ndim(value) == 0:
+                return float(check_priority(value, 1)[0])
+            if self.unit == "episode":
+                return check_priority(value, num_sub)[num_sub - kept :]
+            return check_priority(value, first_row + num_rows)[first_row:]
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(str(exc)) from None
 
     def _stage(
-        self, leaves: dict[Any, Any], first_row: int, num_rows: int, lengths: list[int]
+        self,
+        leaves: dict[Any, Any],
+        first_row: int,
+        num_rows: int,
+        lengths: list[int],
+        items: Items = None,
     ) -> None:
         """Keep a copy of a small write, to store several in one round trip: at
-        ``batch_bytes``, once the oldest waited ``commit_delay``, or on flush."""
+        ``batch_bytes``, once the oldest waited ``commit_delay``, or on flush. Writes with a
+        priority and writes without are never gathered together (a reservation carries one
+        priority for all of its items, or one per item)."""
         assert self.schema is not None
+        count = num_rows if self.unit == "transition" else len(lengths)
+        if self._staged_priority:
+            staged = sum(n for _, n in self._staged_priority)
+            with_priority = self._staged_priority[0][0] is not None
+            if with_priority != (items is not None) or (
+                items is not None and staged + count > MAX_PRIORITIES
+            ):
+                self._write_staged()
         # Converted to the columns' dtypes now (validated: the values fit), so storing the
         # batch later is a memcpy that cannot fail and take its neighbours down with it.
         copy = {
@@ -181,6 +252,7 @@ class Writer:
         if not self._staged:
             self._staged_since = time.monotonic()
         self._staged.append((copy, 0, num_rows))
+        self._staged_priority.append((items, count))
         self._staged_lengths.extend(lengths)
         self._staged_rows += num_rows
         full = self._staged_rows * self.schema.row_nbytes >= self.batch_bytes
@@ -192,17 +264,30 @@ class Writer:
     def _write_staged(self) -> None:
         if self._staged:
             pieces, lengths = self._staged, self._staged_lengths
+            priorities = self._staged_priority
             self._staged, self._staged_lengths, self._staged_rows = [], [], 0
-            self._write_local(pieces, lengths)
+            self._staged_priority = []
+            items: Items = None
+            if priorities[0][0] is not None:  # all of them have one (see _stage)
+                items = np.concatenate(
+                    [np.broadcast_to(np.asarray(p, dtype=np.float64), (n,)) for p, n in priorities]
+                )
+            self._write_local(pieces, lengths, _compact(items))
 
     def _write_local(
-        self, pieces: list[tuple[dict[Any, Any], int, int]], lengths: list[int]
+        self,
+        pieces: list[tuple[dict[Any, Any], int, int]],
+        lengths: list[int],
+        priority: float | bytes | None = None,
     ) -> None:
         """Reserve rows for ``pieces`` (laid out one after another), copy each into them, and
-        leave the commit to ride on the next reserve."""
+        leave the commit to ride on the next reserve (which publishes them with
+        ``priority``, as the daemon checked it at this reserve)."""
         assert self.segment is not None
         num_rows = sum(lengths)
         fields: dict[str, Any] = {"rows": num_rows, "timeout_ms": int(self.reserve_timeout * 1000)}
+        if priority is not None:
+            fields["priority"] = priority
         if all(n == lengths[0] for n in lengths):
             fields["episodes"] = len(lengths)
         else:
@@ -273,9 +358,15 @@ class Writer:
             raise error
 
     def _write_remote(
-        self, leaves: dict[Any, Any], first_row: int, num_rows: int, num_sub: int
+        self,
+        leaves: dict[Any, Any],
+        first_row: int,
+        num_rows: int,
+        num_sub: int,
+        priority: float | bytes | None = None,
     ) -> None:
         assert self.schema is not None
+        extra = {} if priority is None else {"priority": priority}
         frames = [
             rows.to_bytes(leaves[f.key][first_row : first_row + num_rows], f.dtype)
             for f in self.schema.fields
@@ -287,6 +378,7 @@ class Writer:
             rows=num_rows,
             episodes=num_sub,
             timeout_ms=int(self.reserve_timeout * 1000),
+            **extra,
         )
         self.episodes_committed += len(reply["episodes"])
         self.rows_committed += num_rows
@@ -346,6 +438,30 @@ class Writer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _host(value: Any) -> Any:
+    """A tensor (on any device, maybe needing grad) as a numpy array; others as given."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    return value
+
+
+def _compact(items: Items) -> float | bytes | None:
+    """A checked priority as a request carries it: one number when every item has the same
+    (whatever the count), else f64 bytes; InvalidArgumentError for more distinct values than
+    one request holds (``MAX_PRIORITIES``)."""
+    if items is None or isinstance(items, float):
+        return items
+    if items.size and bool((items == items[0]).all()):
+        return float(items[0])
+    if items.size > MAX_PRIORITIES:
+        raise InvalidArgumentError(
+            f"priority: {items.size} distinct values in one write, over the limit of "
+            f"{MAX_PRIORITIES} a request carries; write fewer rows per call, or give one "
+            "priority for the whole write"
+        )
+    return encode_f64(items)
 
 
 class _Ticker:

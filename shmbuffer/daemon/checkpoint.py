@@ -11,8 +11,9 @@ Layout of ``<dest>/checkpoint/``::
     manifest.json   the segment's manifest (schema, capacity, layout)
     data.bin        the segment's data file: every column plus the per-row generation stamps
     use_counts.npy  per-row read counters
-    state.json      container + registry + counters (journal.container_state), plus
-                    {"sampler": {"kind": "uniform", "rng": ...}, "rate_limiter": {"kind": "none"}}
+    state.json      journal.container_state: ring, registry, counters, and the sampler
+                    (kind, settings, state), rate limiter (kind, settings, counts) and
+                    generator state of Container.state
     COMPLETE        written last; a folder without it is never restored
 
 Crash safety: everything is written under ``<dest>/.tmp-<uuid>/``; then the previous checkpoint

@@ -13,11 +13,25 @@ from typing import Any
 from shmbuffer.errors import ConfigError
 from shmbuffer.names import MODES, UNITS, check_choice, validate_name
 from shmbuffer.runtime import ENV_RUNTIME_DIR, runtime_dir
+from shmbuffer.samplers import (
+    RATE_LIMITERS,
+    SAMPLERS,
+    RateLimiter,
+    Sampler,
+    build_rate_limiter,
+    build_sampler,
+)
 from shmbuffer.schema import Schema
 
 #: Longest ipc socket path: ``sun_path`` holds 108 bytes on Linux, one of them the final NUL.
 MAX_IPC_PATH_BYTES = 107
 MAX_PORT = 65535
+
+#: The sampler's and the rate limiter's settings (``--priority-exponent`` ...), each None
+#: unless given: the sampler's own default then, and a setting given that the chosen sampler or
+#: limiter does not take is refused at start.
+SAMPLER_OPTIONS = ("priority_exponent", "importance_exponent", "priority_eps", "max_times_sampled")
+LIMITER_OPTIONS = ("min_size", "samples_per_insert", "error_buffer")
 
 
 def check_endpoint(endpoint: str) -> str:
@@ -82,7 +96,19 @@ class DaemonConfig:
     #: Seconds a client holding nothing may stay silent before it is forgotten (local clients
     #: whose process died are forgotten at once: the daemon checks their pids).
     client_idle_ttl: float = 3600.0
+    #: Seeds the daemon's random generator (every draw) and iterate's shuffles.
     seed: int | None = None
+    #: ``uniform``, ``without-replacement``, ``prioritized`` or ``fifo`` (``shmbuffer.samplers``).
+    sampler: str = "uniform"
+    priority_exponent: float | None = None
+    importance_exponent: float | None = None
+    priority_eps: float | None = None
+    max_times_sampled: int | None = None
+    #: ``none``, ``min-size`` or ``sample-to-insert``; its settings are counted in rows.
+    rate_limiter: str = "none"
+    min_size: int | None = None
+    samples_per_insert: float | None = None
+    error_buffer: float | None = None
     #: Access control (see ``shmbuffer/daemon/security.py``): a group name or gid that may
     #: use the segment (0750/0660) and the ipc socket (0660); None keeps them owner-only.
     group: str | int | None = None
@@ -126,6 +152,54 @@ class DaemonConfig:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.seed is not None and (type(self.seed) is not int or self.seed < 0):
+            raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
+        self.make_sampler()  # refuses a bad sampler or limiter setting before anything starts
+        self.make_rate_limiter()
+
+    def make_sampler(self) -> Sampler:
+        """A new sampler as configured; ConfigError naming the setting (as its flag) that is
+        unknown, out of range, or not taken by the chosen sampler."""
+        if self.sampler not in SAMPLERS:
+            raise ConfigError(f"--sampler {self.sampler!r}: expected one of {list(SAMPLERS)}")
+        options = {name: getattr(self, name) for name in SAMPLER_OPTIONS}
+        for name in ("priority_exponent", "importance_exponent", "priority_eps"):
+            _check_number(name, options[name])
+        times = options["max_times_sampled"]
+        if times is not None and type(times) is not int:
+            raise ConfigError(f"--max-times-sampled must be an integer, got {times!r}")
+        try:
+            return build_sampler(self.sampler, **options)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"--sampler {self.sampler}: {_as_flags(str(exc))}") from None
+
+    def make_rate_limiter(self) -> RateLimiter:
+        """A new rate limiter as configured (ConfigError as :meth:`make_sampler`).
+        ``sample-to-insert`` needs ``--samples-per-insert`` and ``--error-buffer``;
+        ``--min-size`` defaults to 1 for it and for ``min-size``."""
+        kind = self.rate_limiter
+        if kind not in RATE_LIMITERS:
+            raise ConfigError(f"--rate-limiter {kind!r}: expected one of {list(RATE_LIMITERS)}")
+        options = {name: getattr(self, name) for name in LIMITER_OPTIONS}
+        for name in ("samples_per_insert", "error_buffer"):
+            _check_number(name, options[name])
+        if options["min_size"] is not None and type(options["min_size"]) is not int:
+            raise ConfigError(f"--min-size must be an integer, got {options['min_size']!r}")
+        if kind == "sample-to-insert":
+            needed = ("samples_per_insert", "error_buffer")
+            missing = [_flag(name) for name in needed if options[name] is None]
+            if missing:
+                raise ConfigError(
+                    f"--rate-limiter sample-to-insert needs {' and '.join(missing)} (Reverb's "
+                    "SampleToInsertRatio: samples per inserted row, and the slack in rows "
+                    "around it, at least max(1, samples_per_insert))"
+                )
+        if kind in ("sample-to-insert", "min-size") and options["min_size"] is None:
+            options["min_size"] = 1
+        try:
+            return build_rate_limiter(kind, **options)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"--rate-limiter {kind}: {_as_flags(str(exc))}") from None
 
     @property
     def resolved_endpoint(self) -> str:
@@ -150,6 +224,25 @@ class DaemonConfig:
             values.update(data)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _as_flags(message: str) -> str:
+    """A sampler's or limiter's message with its option names as the flags that set them."""
+    for name in (*SAMPLER_OPTIONS, *LIMITER_OPTIONS):
+        message = message.replace(name, _flag(name))
+    return message
+
+
+def _check_number(name: str, value: Any) -> None:
+    """A setting that must be a finite number if given (a TOML string or bool is refused)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{_flag(name)} must be a finite number, got {value!r}")
 
 
 def load_schema_file(path: str | Path) -> dict[str, Any]:

@@ -13,8 +13,10 @@ Record format (little endian)::
 Types: ``EPOCH [epoch]`` (first record of every journal generation), ``RESERVE [pointer,
 rows_written, next_reservation, n, (start, stop) * n]`` (the rows a reservation evicted and where
 the ring stands after it), ``COMMIT [rows_committed, episodes_committed, n, (id, start, end) *
-n]``, ``CLEAR [pointer]`` and ``RESTORE [pointer, rows_written, n, (id, start, end) * n]`` (an
-aborted reservation publishing again what it evicted, see :meth:`Container.abort`). A plain
+n]``, ``CLEAR [pointer]``, ``RESTORE [pointer, rows_written, n, (id, start, end) * n]`` (an
+aborted reservation publishing again what it evicted, see :meth:`Container.abort`) and
+``PRIORITY [n, row * n, float64 bits * n]`` (priorities set by ``update_priorities`` or given
+to a commit, rows already filtered for staleness; replayed through the sampler). A plain
 abort needs no record: it changed nothing but what its RESERVE record already holds. A crash
 in the middle of a write leaves a short or CRC-failing last record, which :meth:`Journal.load`
 ignores (its request was never acknowledged).
@@ -27,8 +29,13 @@ it first tries a snapshot (which resets the journal to its start) and otherwise 
 :class:`OutOfSpaceError`, so the request is refused, nothing was applied, and no record is ever
 torn in the middle of the journal: what was acknowledged is always replayed.
 
-Replay runs the records through :meth:`Container._evict` / :meth:`EpisodeRegistry.add`, the same
-code that produced them, so a replayed registry equals the live one (ids included).
+Replay runs the records through the container's ``replay_*`` methods, the same code as the live
+requests (eviction, registry add, and what both tell the sampler and the rate limiter), so a
+replayed registry equals the live one (ids included) and sampler state follows it: priorities
+come back exactly. What only a *sample* changes is not journaled (one record per sample would
+cost more than the sample): FIFO consumed marks, epoch progress, ``max_times_sampled`` counts,
+the limiter's sampled count and the generator come from the last snapshot, so after a daemon
+crash what was handed out since may be handed out again (at least once, not exactly once).
 
 Snapshots bound replay time: :meth:`Journal.snapshot` writes ``state.json`` under a new epoch
 (temp file + ``os.replace``) and then truncates the journal and starts it with an ``EPOCH``
@@ -55,13 +62,14 @@ import numpy as np
 
 from shmbuffer.container import Container, Range
 from shmbuffer.errors import JournalError, OutOfSpaceError
-from shmbuffer.registry import Episode, EpisodeRegistry
+from shmbuffer.registry import Episode
+from shmbuffer.samplers import RateLimiter, Sampler
 
 JOURNAL_FILE = "journal.bin"
 STATE_FILE = "state.json"
 STATE_FORMAT = 1
 
-EPOCH, RESERVE, COMMIT, CLEAR, RESTORE = 0, 1, 2, 3, 4
+EPOCH, RESERVE, COMMIT, CLEAR, RESTORE, PRIORITY = 0, 1, 2, 3, 4, 5
 _HEAD = struct.Struct("<II")
 #: Snapshot once the journal holds this many records (and more than twice the episodes).
 SNAPSHOT_EVERY = 20_000
@@ -75,48 +83,29 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def container_state(container: Container, counters: dict[str, int] | None = None) -> dict[str, Any]:
-    """What a restart needs to rebuild ``container`` (JSON-able)."""
-    return {
-        "format": STATE_FORMAT,
-        "capacity": container.capacity,
-        "unit": container.unit,
-        "mode": container.mode,
-        "pointer": container.pointer,
-        "rows_written": container.rows_written,
-        "next_reservation": container._next_reservation,
-        "registry": container.registry.to_state(),
-        "counters": dict(counters or {}),
-    }
+    """What a restart needs to rebuild ``container`` (:meth:`Container.state`: ring, registry,
+    sampler, limiter, generator), plus the daemon's counters; JSON-able."""
+    return {"format": STATE_FORMAT, **container.state(), "counters": dict(counters or {})}
 
 
-def restore_container(state: dict[str, Any], container: Container | None = None) -> Container:
-    """A container (or ``container``, updated in place) in ``state``, with no open reservation;
-    use counters restart at 0 for every committed row."""
+def restore_container(
+    state: dict[str, Any],
+    container: Container | None = None,
+    *,
+    sampler: Sampler | None = None,
+    rate_limiter: RateLimiter | None = None,
+) -> Container:
+    """A container in ``state`` with no open reservation (use counters restart at 0 for every
+    committed row): ``container`` updated in place (its sampler must be of the saved kind), or
+    a new one with ``sampler``/``rate_limiter`` (None: the saved kinds and settings)."""
     if state.get("format") != STATE_FORMAT:
         raise JournalError(f"state format {state.get('format')!r}, expected {STATE_FORMAT}")
-    if container is None:
-        container = Container(int(state["capacity"]), mode=state["mode"], unit=state["unit"])
-    elif (container.capacity, container.unit, container.mode) != (
-        state["capacity"],
-        state["unit"],
-        state["mode"],
-    ):
-        raise JournalError(
-            f"saved state is capacity={state['capacity']} unit={state['unit']} "
-            f"mode={state['mode']}, the buffer is capacity={container.capacity} "
-            f"unit={container.unit} mode={container.mode}"
-        )
     try:
-        container.registry = EpisodeRegistry.from_state(state["registry"])
+        if container is None:
+            return Container.from_state(state, sampler=sampler, rate_limiter=rate_limiter)
+        container.load_state(state)
     except (KeyError, TypeError, ValueError) as exc:
-        raise JournalError(f"saved registry is inconsistent: {exc}") from exc
-    container.reservations.clear()
-    container.pointer = int(state["pointer"])
-    container.rows_written = int(state["rows_written"])
-    container._next_reservation = int(state["next_reservation"])
-    container.use_counts[:] = -1
-    for ep in container.registry:
-        container.use_counts[ep.start : ep.end] = 0
+        raise JournalError(f"saved state does not fit: {exc}") from exc
     return container
 
 
@@ -124,8 +113,18 @@ def restore_container(state: dict[str, Any], container: Container | None = None)
 
 
 def encode_record(kind: int, fields: Iterable[int]) -> bytes:
-    body = np.array([kind, *fields], dtype="<i8").tobytes()
+    return _framed(np.array([kind, *fields], dtype="<i8").tobytes())
+
+
+def _framed(body: bytes) -> bytes:
     return _HEAD.pack(len(body), zlib.crc32(body)) + body
+
+
+def priority_fields(rows: np.ndarray, priority: np.ndarray) -> np.ndarray:
+    """The fields of a PRIORITY record: ``[n, rows..., float64 bits...]``."""
+    head = np.array([rows.size], dtype="<i8")
+    bits = np.ascontiguousarray(priority, dtype="<f8").view("<i8")
+    return np.concatenate([head, np.asarray(rows, dtype="<i8"), bits])
 
 
 def record_bytes(num_fields: int) -> int:
@@ -153,32 +152,29 @@ def iter_records(data: bytes) -> Iterator[tuple[int, np.ndarray, int]]:
 
 
 def apply_record(container: Container, counters: dict[str, int], kind: int, f: np.ndarray) -> None:
-    """Redo one record on ``container`` (JournalError if it does not fit)."""
+    """Redo one record on ``container`` through its replay methods (JournalError if it does
+    not fit)."""
     try:
         if kind == RESERVE:
             pointer, rows_written, next_reservation, n = (int(v) for v in f[:4])
-            for i in range(n):
-                container._evict(int(f[4 + 2 * i]), int(f[5 + 2 * i]))
-            container.pointer, container.rows_written = pointer, rows_written
-            container._next_reservation = next_reservation
+            evicted = [(int(f[4 + 2 * i]), int(f[5 + 2 * i])) for i in range(n)]
+            container.replay_reserve(evicted, pointer, rows_written, next_reservation)
         elif kind == COMMIT:
             counters["rows_committed"], counters["episodes_committed"] = int(f[0]), int(f[1])
-            for i in range(int(f[2])):
-                episode_id, start, end = (int(v) for v in f[3 + 3 * i : 6 + 3 * i])
-                got = container.registry.add(start, end)
-                if got != episode_id:
-                    raise JournalError(f"replayed episode got id {got}, journal says {episode_id}")
-                container.use_counts[start:end] = 0
+            n = int(f[2])
+            episodes = f[3 : 3 + 3 * n].reshape(n, 3).tolist()  # ValueError if cut short
+            container.replay_commit([(i, s, e) for i, s, e in episodes])
         elif kind == CLEAR:
-            container.registry.clear()
-            container.use_counts[:] = -1
-            container.pointer = int(f[0])
+            container.replay_clear(int(f[0]))
         elif kind == RESTORE:
             pointer, rows_written, n = (int(v) for v in f[:3])
-            container.restore(
-                [Episode(*(int(v) for v in f[3 + 3 * i : 6 + 3 * i])) for i in range(n)]
-            )
-            container.pointer, container.rows_written = pointer, rows_written
+            restored = [Episode(*(int(v) for v in f[3 + 3 * i : 6 + 3 * i])) for i in range(n)]
+            container.replay_restore(restored, pointer, rows_written)
+        elif kind == PRIORITY:
+            n = int(f[0])
+            if f.size != 1 + 2 * n:
+                raise ValueError(f"PRIORITY record of {f.size} fields for {n} rows")
+            container.replay_priorities(f[1 : 1 + n], f[1 + n :].view("<f8"))
         elif kind != EPOCH:
             raise JournalError(f"unknown journal record type {kind}")
     except (IndexError, ValueError) as exc:
@@ -316,10 +312,14 @@ class Journal:
         for offset in range(start, stop, len(block) or 1):
             self._pwrite(block[: stop - offset], offset)
 
-    def _append(self, kind: int, fields: list[int]) -> None:
+    def _append(self, kind: int, fields: list[int] | np.ndarray) -> None:
         if self._fd is None:
             return
-        record = encode_record(kind, fields)
+        if isinstance(fields, np.ndarray):  # vectorised: no Python int per field
+            body = np.concatenate([np.array([kind], dtype="<i8"), fields.astype("<i8")])
+            record = _framed(body.tobytes())
+        else:
+            record = encode_record(kind, fields)
         if self._offset + len(record) > self._allocated:
             self._grow(len(record))  # a caller that did not reserve: grow, never snapshot
         try:
@@ -353,6 +353,11 @@ class Journal:
     def append_restore(self, episodes: list[Episode], pointer: int, rows_written: int) -> None:
         flat = [v for ep in episodes for v in (ep.id, ep.start, ep.end)]
         self._append(RESTORE, [pointer, rows_written, len(episodes), *flat])
+
+    def append_priorities(self, rows: np.ndarray, priority: np.ndarray) -> None:
+        """Priorities applied to ``rows`` (validated, stale rows left out); reserve
+        ``record_bytes(1 + 2 * len(rows))`` first."""
+        self._append(PRIORITY, priority_fields(rows, priority))
 
     def close(self) -> None:
         if self._fd is not None:

@@ -5,13 +5,18 @@
   Reservations that were open at the crash are gone: their rows were evicted when reserved and
   never committed, so they are never published.
 * **restore** creates a fresh segment from a checkpoint folder (see ``checkpoint.py``), copies
-  the rows in and rebuilds the same state, sampler RNG and use counters included.
+  the rows in and rebuilds the same state, sampler state (priorities, epochs, consumed
+  marks), rate limiter counts, generator state and use counters included.
 * **cleanup** removes every segment folder and runtime file (logs included) whose daemon is
   gone, and nothing else; what it cannot read (another user's) it skips.
 
 Settings on ``start --resume/--restore``: capacity, unit, mode and schema come from what is
 resumed; values given on the command line or in the config file must agree with them (a clear
-error names the conflict).
+error names the conflict). So do the sampler and its settings (``--sampler``,
+``--priority-exponent``, ...): the saved priorities, epochs and consumed marks belong to that
+sampler. The rate limiter is the saved one (kind, and settings as ``configure`` last left
+them) unless any limiter setting is given: then the command line wins, and the saved counts
+are kept.
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shmbuffer import runtime
-from shmbuffer.daemon.config import DaemonConfig
-from shmbuffer.daemon.journal import Journal, restore_container
+from shmbuffer.daemon.config import LIMITER_OPTIONS, SAMPLER_OPTIONS, DaemonConfig
+from shmbuffer.daemon.journal import STATE_FILE, Journal, restore_container
 from shmbuffer.errors import JournalError, RecoveryError, ShmBufferError
 from shmbuffer.runtime import runtime_dir
 from shmbuffer.schema import Schema
@@ -48,6 +53,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("shmbuffer.daemon")
 
 SETTINGS = ("capacity", "unit", "mode", "schema")
+#: The sampler's settings must match what was saved; the limiter's are adopted unless given.
+SAMPLER_SETTINGS = ("sampler", *SAMPLER_OPTIONS)
+LIMITER_SETTINGS = ("rate_limiter", *LIMITER_OPTIONS)
 
 
 # -- settings ---------------------------------------------------------------------------------
@@ -73,14 +81,33 @@ def _read_manifest(path: Path) -> dict[str, Any]:
 
 
 def saved_settings(config: DaemonConfig, restore: str | None) -> dict[str, Any]:
-    """capacity/unit/mode/schema of what ``--resume`` (restore None) or ``--restore`` loads."""
+    """capacity/unit/mode/schema of what ``--resume`` (restore None) or ``--restore`` loads,
+    and the sampler and limiter settings it was saved with (none for a state saved before
+    samplers existed)."""
     if restore is not None:
         from shmbuffer.daemon.checkpoint import read_checkpoint
 
         _, manifest, state = read_checkpoint(restore)
-        return _saved_settings(manifest, state)
+        return {**_saved_settings(manifest, state), **_saved_parts(state)}
     path = segment_path(config.name, _storage_dir(config))
-    return _saved_settings(_read_manifest(path), None)
+    manifest = _read_manifest(path)
+    try:  # the journal's last snapshot: the sampler never changes, configure snapshots
+        snapshot = json.loads((path / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        snapshot = None  # resume_service reports what is wrong with the journal
+    return {**_saved_settings(manifest, None), **_saved_parts(snapshot)}
+
+
+def _saved_parts(state: dict[str, Any] | None) -> dict[str, Any]:
+    """The sampler and rate limiter settings of a saved container state, as config fields."""
+    out: dict[str, Any] = {}
+    for part, options in (("sampler", SAMPLER_OPTIONS), ("rate_limiter", LIMITER_OPTIONS)):
+        saved = (state or {}).get(part) or {}
+        if isinstance(saved, dict) and "name" in saved:
+            settings = saved.get("settings") or {}
+            out[part] = saved["name"]
+            out.update({name: settings.get(name) for name in options})
+    return out
 
 
 def adopt_settings(
@@ -91,12 +118,15 @@ def adopt_settings(
     saved = saved_settings(config, restore)
     from_file = DaemonConfig.load(args.config) if getattr(args, "config", None) else DaemonConfig()
     defaults = DaemonConfig()
-    conflicts = []
-    for key in SETTINGS:
-        given = getattr(args, key, None) is not None or (
+
+    def given(key: str) -> bool:
+        return getattr(args, key, None) is not None or (
             getattr(from_file, key) != getattr(defaults, key)
         )
-        if not given or saved[key] is None:
+
+    conflicts = []
+    for key in (*SETTINGS, *SAMPLER_SETTINGS):
+        if not given(key) or saved.get(key) is None:
             continue
         mine, theirs = getattr(config, key), saved[key]
         if key == "schema":
@@ -106,7 +136,11 @@ def adopt_settings(
     what = f"checkpoint {restore}" if restore is not None else f"segment of {config.name!r}"
     if conflicts:
         raise RecoveryError(f"settings conflict with the {what}: " + "; ".join(conflicts))
-    adopted = {k: v for k, v in saved.items() if v is not None}
+    adopted = {k: v for k, v in saved.items() if v is not None and k in SETTINGS}
+    if "sampler" in saved:  # every setting of the saved sampler, None ones included
+        adopted.update({k: saved[k] for k in SAMPLER_SETTINGS})
+    if "rate_limiter" in saved and not any(given(k) for k in LIMITER_SETTINGS):
+        adopted.update({k: saved[k] for k in LIMITER_SETTINGS})
     if restore is None:  # resume: the segment stays where the dead daemon had it
         adopted["storage_dir"] = _storage_dir(config)
     return dataclasses.replace(config, **adopted)
@@ -211,11 +245,14 @@ def restore_service(config: DaemonConfig, source: str | Path) -> BufferService:
     if segment.nbytes != manifest["size"]:
         raise RecoveryError(f"checkpoint {folder}: layout differs from this version's segment")
     copy_data(folder / DATA_FILE, segment.path / segment.manifest["data_file"], segment.nbytes)
-    restore_container(state, service.container)
+    try:  # registry, ring, sampler state, limiter counts and generator state
+        restore_container(state, service.container)
+    except JournalError as exc:  # another sampler kind, say: the fresh segment goes again
+        service.journal.close()
+        segment.close()
+        Segment.unlink(config.name, config.storage_dir)
+        raise RecoveryError(f"cannot restore checkpoint {folder}: {exc}") from exc
     service.counters.restore(state.get("counters", {}))
-    rng = (state.get("sampler") or {}).get("rng")
-    if rng is not None:
-        service._rng.bit_generator.state = rng
     counts = folder / USE_COUNTS
     if counts.is_file():
         service.container.use_counts[:] = np.load(counts)

@@ -2,8 +2,14 @@
 
 Each request is decoded and validated before it reaches the service; anything wrong becomes an
 error reply with a typed code and a log line, and the loop goes on. A request the service
-defers (a reservation waiting for readers' leases) is parked and retried after every batch of
-messages until it succeeds or its own timeout runs out, without blocking anyone else.
+defers (a reservation waiting for readers' leases or for the rate limiter, a sample waiting for
+data to consume or for the limiter) is parked and retried after every batch of messages until
+it succeeds or its own timeout runs out, without blocking anyone else.
+
+Parked inserts (``reserve``, ``write``) and parked samples wait in separate FIFO queues, as
+Reverb keeps them: a parked sample never holds up the insert that would let it through, nor the
+other way round. Each pass retries the inserts first, then the samples, and passes repeat while
+one of them got through (a sample that proceeds may be what a parked insert waited for).
 """
 
 from __future__ import annotations
@@ -77,6 +83,16 @@ class Parked:
     fields: dict[str, Any]
     frames: Frames
     deadline: float
+    arrived: float
+    #: Why it waits now (the latest Deferred's reason; a WaitTimeoutError names it).
+    reason: str
+    #: ``"insert"``/``"sample"`` once the rate limiter or the sampler held it back: the time
+    #: it waited counts as blocked in the limiter's figures (a lease wait does not).
+    blocked: str | None
+
+
+#: Ops parked in the insert queue; every other deferred op is a sample.
+INSERT_OPS = ("reserve", "write")
 
 
 class Server:
@@ -88,7 +104,8 @@ class Server:
         self.socket.setsockopt(zmq.LINGER, 1000)
         self.socket.setsockopt(zmq.MAXMSGSIZE, service.config.max_payload_bytes + MAX_HEADER_BYTES)
         self._bind(endpoint)
-        self._parked: deque[Parked] = deque()
+        self._inserts: deque[Parked] = deque()
+        self._samples: deque[Parked] = deque()
         self._stopping = False
         self._refusals = _LogBudget(LOG_REFUSALS_PER_S)
         self.keep_segment = False
@@ -147,7 +164,7 @@ class Server:
             if now - last_tick >= TICK_S:
                 self.service.tick(now)
                 last_tick = now
-            if self._parked:
+            if self._inserts or self._samples:
                 self._retry_parked(now)
         self._drain_on_stop()
 
@@ -167,7 +184,15 @@ class Server:
             log.exception("internal error validating a request")
             self._reply_error(identity, header.get("seq"), ShmBufferError(f"internal: {exc!r}"))
             return
-        self._dispatch(identity, header, fields, payload, time.monotonic(), first=True)
+        now = time.monotonic()
+        wait = self._dispatch(identity, header, fields, payload, now, retry=False)
+        if wait is not None:
+            queue = self._inserts if header["op"] in INSERT_OPS else self._samples
+            queue.append(
+                Parked(identity, header, fields, payload, wait.deadline, now, str(wait), None)
+            )
+            self._note_wait(queue[-1], wait)
+            self._count_waiting()
 
     def _dispatch(
         self,
@@ -176,48 +201,87 @@ class Server:
         fields: dict[str, Any],
         payload: Frames,
         now: float,
-        first: bool,
-    ) -> bool:
-        """Run one request; False if it was (re)parked."""
+        retry: bool,
+    ) -> Deferred | None:
+        """Run one request: reply, or return the Deferred that says it must wait."""
         try:
-            reply, out = self.service.handle(identity, header["op"], fields, payload, now)
+            reply, out = self.service.handle(
+                identity, header["op"], fields, payload, now, retry=retry
+            )
         except Deferred as wait:
-            if first:
-                self._parked.append(Parked(identity, header, fields, payload, wait.deadline))
-            return False
+            return wait
         except ShmBufferError as exc:
             self._reply_error(identity, header["seq"], exc)
-            return True
+            return None
         except Exception as exc:  # a bug must not kill the daemon: report it and go on
             log.exception("internal error handling %s", header.get("op"))
             self._reply_error(identity, header["seq"], ShmBufferError(f"internal error: {exc!r}"))
-            return True
+            return None
         self._send(identity, ok_reply(header["seq"], **reply), out)
         if header["op"] == "shutdown":
             self.keep_segment = bool(fields.get("keep", False))
             self.stop()
-        return True
+        return None
+
+    @staticmethod
+    def _note_wait(item: Parked, wait: Deferred) -> None:
+        item.reason = str(wait)
+        item.blocked = item.blocked or wait.blocked
 
     def _retry_parked(self, now: float) -> None:
+        """Retry parked inserts, then parked samples, and again while either got through."""
+        while self._retry_queue(self._inserts, now) | self._retry_queue(self._samples, now):
+            pass
+        self._count_waiting()
+
+    def _retry_queue(self, queue: deque[Parked], now: float) -> bool:
+        """Retry ``queue`` in FIFO order up to the first request still blocked (those behind it
+        want the same rows or data: they stay behind it, but time out on their own deadline);
+        True if any went through."""
+        progressed = False
         still: deque[Parked] = deque()
-        while self._parked:
-            item = self._parked.popleft()
+        while queue:
+            item = queue.popleft()
             if now >= item.deadline:
-                self._reply_error(
-                    item.identity,
-                    item.header["seq"],
-                    WaitTimeoutError(
-                        f"op {item.header['op']!r} waited too long: its rows are leased by "
-                        "readers or still being written"
-                    ),
-                )
-            elif not self._dispatch(
-                item.identity, item.header, item.fields, item.frames, now, first=False
-            ):
+                self._time_out(item, now)
+                continue
+            wait = self._dispatch(
+                item.identity, item.header, item.fields, item.frames, now, retry=True
+            )
+            if wait is None:
+                progressed = True
+                self._blocked_for(item, now)
+                continue
+            self._note_wait(item, wait)
+            still.append(item)
+            break
+        for item in queue:  # behind the blocked one: only their deadlines are checked
+            if now >= item.deadline:
+                self._time_out(item, now)
+            else:
                 still.append(item)
-                break  # FIFO: later requests want the same rows; keep them behind this one
-        still.extend(self._parked)
-        self._parked = still
+        queue.clear()
+        queue.extend(still)
+        return progressed
+
+    def _time_out(self, item: Parked, now: float) -> None:
+        self._blocked_for(item, now)
+        waited = now - item.arrived
+        self._reply_error(
+            item.identity,
+            item.header["seq"],
+            WaitTimeoutError(
+                f"op {item.header['op']!r} waited {waited:.1f}s, its timeout: {item.reason}"
+            ),
+        )
+
+    def _blocked_for(self, item: Parked, now: float) -> None:
+        """Count the time a request the limiter or sampler held back spent parked."""
+        if item.blocked is not None:
+            self.service.record_blocked(item.blocked, now - item.arrived)
+
+    def _count_waiting(self) -> None:
+        self.service.waiting = {"insert": len(self._inserts), "sample": len(self._samples)}
 
     def _reply_error(self, identity: bytes, seq: Any, exc: ShmBufferError) -> None:
         self.service.counters.errors += 1
@@ -236,11 +300,13 @@ class Server:
             log.warning("could not reply to a client: %s", exc)
 
     def _drain_on_stop(self) -> None:
-        for item in self._parked:
-            self._reply_error(
-                item.identity, item.header["seq"], ShmBufferError("the daemon is shutting down")
-            )
-        self._parked.clear()
+        for queue in (self._inserts, self._samples):
+            for item in queue:
+                self._reply_error(
+                    item.identity, item.header["seq"], ShmBufferError("the daemon is shutting down")
+                )
+            queue.clear()
+        self._count_waiting()
 
     def close(self) -> None:
         self.socket.close()

@@ -5,7 +5,10 @@ the per-row generation stamps, leases and client records. The server feeds it va
 requests one at a time; a handler either returns reply fields (plus payload frames for remote
 clients), raises a :class:`~shmbuffer.errors.ShmBufferError` that becomes an error reply, or
 raises :class:`Deferred` when the request must wait (a reservation that would evict leased
-episodes), in which case the server retries it later.
+episodes, or that the rate limiter or a FIFO sampler's unconsumed rows hold back; a sample the
+limiter holds back, or one with nothing to consume yet), in which case the server retries it
+later. A handler that defers has changed nothing, or only what it took out of ``fields`` so
+that a retry does not do it twice (a piggybacked commit, a lease released first).
 
 Generation stamps make copies provably untorn without a lease: every reservation bumps the
 stamp of its rows *before* the writer learns which rows it got, and a sample reply carries the
@@ -25,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from shmbuffer import rows
-from shmbuffer.container import Container, Reservation
+from shmbuffer.container import Container, EpisodeSample, Reservation, RowSample, SliceSample
 from shmbuffer.daemon.clients import Client, ClientTable
 from shmbuffer.daemon.config import DaemonConfig
 from shmbuffer.daemon.journal import Journal, container_state, record_bytes, restore_container
@@ -33,14 +36,26 @@ from shmbuffer.daemon.leases import LeaseTable
 from shmbuffer.daemon.security import segment_access
 from shmbuffer.daemon.stats import Counters, RateMeter
 from shmbuffer.errors import (
+    EmptyBufferError,
+    InvalidArgumentError,
     LimitExceededError,
     NotFoundError,
     OutOfSpaceError,
     PermissionDeniedError,
     SchemaError,
+    TornReadError,
     UnknownClientError,
+    WaitTimeoutError,
 )
-from shmbuffer.protocol import PROTOCOL_VERSION, encode_i64, episode_split, payload_sizes
+from shmbuffer.protocol import (
+    PROTOCOL_VERSION,
+    decode_f64,
+    decode_i64,
+    encode_f64,
+    encode_i64,
+    episode_split,
+    payload_sizes,
+)
 from shmbuffer.schema import Schema
 from shmbuffer.segment import Segment, check_fits
 
@@ -57,11 +72,16 @@ OpenHandler = Callable[[bytes, dict[str, Any], float], Reply]
 
 
 class Deferred(Exception):
-    """The request cannot proceed yet; retry it until ``deadline`` (monotonic seconds)."""
+    """The request cannot proceed yet; retry it until ``deadline`` (monotonic seconds).
 
-    def __init__(self, reason: str, deadline: float) -> None:
+    ``blocked``: ``"insert"`` or ``"sample"`` when flow control holds it back (the rate
+    limiter, or a FIFO sampler), so the time it waits counts in the limiter's figures; None
+    for a wait on leases or on another writer."""
+
+    def __init__(self, reason: str, deadline: float, blocked: str | None = None) -> None:
         super().__init__(reason)
         self.deadline = deadline
+        self.blocked = blocked
 
 
 #: A RESERVE record evicts at most two ranges (a wrap).
@@ -70,6 +90,13 @@ _RESERVE_BYTES = record_bytes(4 + 2 * 2)
 
 def _commit_bytes(reservation: Reservation) -> int:
     return record_bytes(3 + 3 * len(reservation.episodes))
+
+
+def wire_priority(value: bytes | float | int | None) -> float | np.ndarray | None:
+    """A request's ``priority`` field: f64 bytes (one value per item) or one number."""
+    if isinstance(value, bytes):
+        return decode_f64(value)
+    return None if value is None else float(value)
 
 
 class BufferService:
@@ -81,7 +108,14 @@ class BufferService:
                 config.name, Schema.from_spec(config.schema), config.capacity, config.storage_dir
             )
         try:
-            self.container = Container(config.capacity, mode=config.mode, unit=config.unit)
+            self.container = Container(
+                config.capacity,
+                mode=config.mode,
+                unit=config.unit,
+                sampler=config.make_sampler(),
+                rate_limiter=config.make_rate_limiter(),
+                seed=config.seed,
+            )
         except MemoryError:
             raise OutOfSpaceError(
                 f"capacity {config.capacity:,} rows: the daemon cannot allocate its per-row "
@@ -91,8 +125,15 @@ class BufferService:
         self.clients = ClientTable(config.max_clients, config.client_idle_ttl)
         self.counters = Counters()
         self.started = time.time()
-        self._rng = np.random.default_rng(config.seed)
         self.rates = RateMeter()
+        #: Requests the server holds parked, by queue (it keeps this up to date, for stats).
+        self.waiting = {"insert": 0, "sample": 0}
+        #: Validated priorities of open reservations, for their commit (``reserve priority``).
+        self._priorities: dict[int, Any] = {}
+        #: iterate's shuffles are seeded with (this, epoch): every reader's k-th pass agrees,
+        #: and agrees with an in-process Buffer of the same seed.
+        entropy = np.random.SeedSequence(config.seed).entropy
+        self._iterate_seed = int(entropy)  # type: ignore[arg-type]
         #: One handler per op of ``protocol.REQUESTS``, both tables together (an op is its
         #: table entry plus its handler; tests/test_handlers.py checks they match one to one).
         self.open_handlers: dict[str, OpenHandler] = {"hello": self.op_hello, "ping": self.op_ping}
@@ -105,11 +146,15 @@ class BufferService:
             "abort": self.op_abort,
             "write": self.op_write,
             "sample": self.op_sample,
+            "update_priorities": self.op_update_priorities,
+            "iterate": self.op_iterate,
+            "read": self.op_read,
             "release": self.op_release,
             "renew": self.op_renew,
             "clear": self.op_clear,
             "shutdown": self.op_shutdown,
             "checkpoint": self.op_checkpoint,
+            "configure": self.op_configure,
         }
         #: Why admin ops are refused on this daemon's transport (set by the Server from
         #: ``security.admin_refusal``; None: the role is enough, as on the ipc socket).
@@ -177,15 +222,25 @@ class BufferService:
             "lease_ttl": self.config.lease_ttl,
             "reservation_ttl": self.config.reservation_ttl,
             "max_payload_bytes": self.config.max_payload_bytes,
+            "sampler": self.container.sampler.name,
+            "max_times_sampled": self.container.sampler.max_times_sampled,
         }
 
     # -- dispatch ---------------------------------------------------------------------------
 
     def handle(
-        self, identity: bytes, op: str, fields: dict[str, Any], frames: Frames, now: float
+        self,
+        identity: bytes,
+        op: str,
+        fields: dict[str, Any],
+        frames: Frames,
+        now: float,
+        retry: bool = False,
     ) -> Reply:
-        """Run one validated request (``protocol.validate_request``) of ``identity``."""
-        self.counters.messages += 1
+        """Run one validated request (``protocol.validate_request``) of ``identity``;
+        ``retry``: a parked request tried again (not counted as another message)."""
+        if not retry:
+            self.counters.messages += 1
         open_handler = self.open_handlers.get(op)
         if open_handler is not None:
             return open_handler(identity, fields, now)
@@ -221,6 +276,7 @@ class BufferService:
             return
         for rid in list(client.reservations):
             self.container.abort(rid)
+            self._priorities.pop(rid, None)
         self.leases.release_owner(client.id)
         log.info("client %d (pid %d) gone", client.id, client.pid)
 
@@ -251,6 +307,7 @@ class BufferService:
     ) -> Reply:
         if "commit" in fields:  # commit the previous episode in the same round trip; kept
             # out of ``fields`` so a deferred retry does not commit twice
+            self._checked_priority(fields)  # a bad one refuses the request whole, commit too
             reservation = self._owned(client, fields["commit"])
             # Room for both records first, so a full disk refuses the pair, not half of it.
             self._journal_room(_commit_bytes(reservation) + _RESERVE_BYTES)
@@ -270,6 +327,7 @@ class BufferService:
                 f"(limit {self.config.max_reservations_per_client}); commit or abort some"
             )
         num_rows, num_sub = fields["rows"], episode_split(fields)
+        priority = self._checked_priority(fields)  # refused before anything is evicted
         _, evict = self.container.plan(num_rows, num_sub)
         deadline = now + fields.get("timeout_ms", 30_000) / 1000
         leased = len(self.leases) and self.leases.pinned(  # no lease, no lookup: the hot path
@@ -279,14 +337,30 @@ class BufferService:
             raise Deferred(f"rows are leased by readers (episodes {leased[:5]})", deadline)
         if self.container.conflicts(evict):  # the ring lapped a writer that is still copying
             raise Deferred("rows are still being written by another writer", deadline)
+        # The rate limiter, or a FIFO sampler whose rows are not consumed yet: wait for readers.
+        blocked = self.container.insert_blocker(num_rows, num_sub)
+        if blocked is not None:
+            raise Deferred(f"cannot reserve {num_rows} rows now: {blocked}", deadline, "insert")
         self._journal_room(record_bytes(4 + 2 * len(evict)))  # OutOfSpaceError: nothing done
         reservation = self.container.reserve(num_rows, num_sub, owner=client.id)
+        if priority is not None:
+            self._priorities[reservation.id] = priority
         self._journal_reserve(evict)  # before the reply hands out the rows
         for start, stop in reservation.ranges:
             self.generations[start:stop] += 1
         reservation.deadline = now + self.config.reservation_ttl
         client.reservations.add(reservation.id)
         return reservation
+
+    def _checked_priority(self, fields: dict[str, Any]) -> Any:
+        """A reserve's or write's ``priority`` as the commit will store it (None: none given);
+        InvalidArgumentError if negative, NaN, of the wrong length or for a sampler without
+        priorities."""
+        if "priority" not in fields:
+            return None
+        return self.container.check_priority(
+            fields["rows"], episode_split(fields), wire_priority(fields["priority"])
+        )
 
     def _owned(self, client: Client, reservation_id: int) -> Reservation:
         reservation = self.container.reservations.get(reservation_id)
@@ -298,22 +372,32 @@ class BufferService:
             raise PermissionDeniedError(f"reservation {reservation_id} belongs to another client")
         return reservation
 
-    def _commit(self, client: Client, reservation_id: int) -> list[int]:
+    def _commit(self, client: Client, reservation_id: int, priority: Any = None) -> list[int]:
         reservation = self._owned(client, reservation_id)
+        if priority is None:  # what its reserve (or write) gave, if anything
+            priority = self._priorities.get(reservation_id)
+        # A writer's priorities are checked first (invalid_argument: nothing done) and go to
+        # the journal as a PRIORITY record after the COMMIT, so a resume sets them again.
+        given = self.container.commit_priorities(reservation.id, priority)
+        extra = 0 if given is None else record_bytes(1 + 2 * given.rows.size)
         # A commit the journal cannot hold is refused (out_of_space), never acknowledged: the
         # reservation stays open, so the writer may retry once there is room.
-        self._journal_room(_commit_bytes(reservation))
-        ids = self.container.commit(reservation.id)
+        self._journal_room(_commit_bytes(reservation) + extra)
+        ids = self.container.commit(reservation.id, priority)
+        self._priorities.pop(reservation_id, None)
         client.reservations.discard(reservation.id)
         self.counters.rows_committed += reservation.num_rows
         self.counters.episodes_committed += len(ids)
         self._journal_commit(ids, reservation.episodes)  # before the reply acknowledges it
+        if given is not None and self.journal is not None:
+            self.journal.append_priorities(given.rows, given.priority)
         return ids
 
     def op_commit(
         self, client: Client, fields: dict[str, Any], frames: Frames, now: float
     ) -> Reply:
-        return {"episodes": self._commit(client, fields["reservation"])}, []
+        priority = wire_priority(fields.get("priority"))  # replaces what the reserve gave
+        return {"episodes": self._commit(client, fields["reservation"], priority)}, []
 
     def op_abort(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Reply:
         self._abort(client, self._owned(client, fields["reservation"]), fields.get("written"))
@@ -323,6 +407,7 @@ class BufferService:
         """Abort; with ``written`` (rows the writer's copy may have touched) what the
         reservation evicted from untouched rows is published again, and journaled."""
         client.reservations.discard(reservation.id)
+        self._priorities.pop(reservation.id, None)
         if written is not None and self.journal is not None:
             restorable = len(reservation.evicted) + len(reservation.trimmed)
             try:
@@ -349,9 +434,11 @@ class BufferService:
         leaves = self._leaves_from_frames(fields["rows"], frames)
         num_sub = episode_split(fields)
         episodes = num_sub if isinstance(num_sub, int) else len(num_sub)
-        # Room for both records first (a sub-episode across the wrap is two): a full disk
-        # refuses the write whole, never after its rows were copied.
-        self._journal_room(_RESERVE_BYTES + record_bytes(3 + 3 * (episodes + 1)))
+        # Room for both records first (a sub-episode across the wrap is two), and for its
+        # priorities (at most one per row): a full disk refuses the write whole, never after
+        # its rows were copied.
+        extra = record_bytes(1 + 2 * fields["rows"]) if "priority" in fields else 0
+        self._journal_room(_RESERVE_BYTES + record_bytes(3 + 3 * (episodes + 1)) + extra)
         reservation = self._reserve(client, fields, now)
         assert self.segment is not None
         with rows.Progress(functools.partial(self._abort, client, reservation)) as progress:
@@ -386,38 +473,80 @@ class BufferService:
     def op_sample(
         self, client: Client, fields: dict[str, Any], frames: Frames, now: float
     ) -> Reply:
-        if "release" in fields:
-            self.leases.release(fields["release"], client.id)
-        kind, n = fields["kind"], fields["n"]
-        registry = self.container.registry
+        if "release" in fields:  # applied once, even if the sample is then deferred
+            self.leases.release(fields.pop("release"), client.id)
+        deadline = now + fields.get("timeout_ms", 30_000) / 1000
+        try:
+            return self._sample(client, fields, now)
+        except WaitTimeoutError as exc:  # the rate limiter refuses it now: wait in the daemon
+            raise Deferred(str(exc), deadline, "sample") from None
+        except EmptyBufferError as exc:
+            # A FIFO or consume-once sampler with nothing to hand out waits for writers; an
+            # empty buffer under any other sampler is an error at once, as it always was.
+            if not self._waits_for_data():
+                raise
+            raise Deferred(f"nothing to consume yet: {exc}", deadline, "sample") from None
+
+    def _waits_for_data(self) -> bool:
+        sampler = self.container.sampler
+        return sampler.name == "fifo" or sampler.max_times_sampled is not None
+
+    def _sample(self, client: Client, fields: dict[str, Any], now: float) -> Reply:
+        """Draw through the container's sampler (which counts the reads and tells the limiter),
+        as in the in-process Buffer; every size limit is checked before the draw, since a
+        consume-once sampler hands its items out for good."""
+        kind, n, beta = fields["kind"], fields["n"], fields.get("beta")
+        c = self.container
         reply: dict[str, Any] = {}
+        drawn: RowSample | SliceSample | EpisodeSample
+        leased = fields.get("lease", False) and not fields.get("payload", False)
+        held = self.leases.count_owner(client.id) if leased else 0
+        if held >= self.config.max_leases_per_client:
+            raise LimitExceededError(
+                f"client {client.id} holds {held} leases (limit max_leases_per_client="
+                f"{self.config.max_leases_per_client}); release some"
+            )
         if kind == "rows":
             self._check_sample_size(n, fields)
-            physical = registry.sample_rows(n, self._rng)
+            drawn = c.sample_rows(n, beta=beta)
+            physical = index = drawn.rows
             reply["rows"] = encode_i64(physical)
         elif kind == "slices":
             length = fields["length"]  # validation made sure of it
             self._check_sample_size(n * length, fields)
-            starts = registry.sample_slices(n, length, self._rng)
-            physical = rows.slice_rows(starts, length)
-            reply["starts"] = encode_i64(starts)
+            strict = fields.get("strict", True)
+            sliced = c.sample_slices(n, length, strict=strict, beta=beta)
+            drawn, physical, index = sliced, sliced.rows, sliced.starts
+            reply["starts"] = encode_i64(sliced.starts)
+            if not strict:  # a padded slice's real rows: a prefix of its length
+                reply["lengths"] = encode_i64(sliced.lengths)
         else:
-            ids, starts, ends = registry.sample_episodes(n, self._rng)
-            lengths = ends - starts
-            self._check_sample_size(int(lengths.sum()), fields)
-            physical = rows.episode_rows(starts, lengths)
+            if c.num_episodes:  # the lengths are known after the draw: judge by the mean
+                self._check_sample_size(n * max(1, c.num_rows // c.num_episodes), fields)
+            episodes = c.sample_episodes(n, beta=beta)
+            ids, index = episodes.ids, episodes.starts
+            drawn, physical = episodes, episodes.rows
+            if not self._waits_for_data():  # drawn for good otherwise: never refuse them now
+                self._check_sample_size(physical.size, fields)
             reply.update(
-                ids=encode_i64(ids), starts=encode_i64(starts), lengths=encode_i64(lengths)
+                ids=encode_i64(ids),
+                starts=encode_i64(index),
+                lengths=encode_i64(episodes.ends - index),
             )
-            if fields.get("lease", False) and not fields.get("payload", False):
-                held = self.leases.count_owner(client.id)
-                if held >= self.config.max_leases_per_client:
-                    raise LimitExceededError(
-                        f"client {client.id} holds {held} leases (limit max_leases_per_client="
-                        f"{self.config.max_leases_per_client}); release some"
-                    )
+            if leased:
                 reply["lease"] = self.leases.grant(client.id, ids.tolist(), now).id
-        self.container.count_use(physical)
+        if leased and kind != "episodes":
+            # The episodes holding the rows, pinned until the reader's copy is done: what a
+            # consume-once sampler hands out may be overwritten the moment it is consumed
+            # (the writer waiting for it is retried at once), before the reader copied it.
+            reply["lease"] = self.leases.grant(client.id, self._holding(physical), now).id
+        if fields.get("info", False):  # per item: its physical (first) row and its stamp
+            reply.update(
+                index=encode_i64(index),
+                generation=encode_i64(self.generations[index]),
+                probability=encode_f64(drawn.probability),
+                weight=encode_f64(drawn.weight),
+            )
         self.counters.samples += 1
         self.counters.rows_sampled += len(physical)
         if fields.get("payload", False):  # remote reader: the daemon copies the rows out
@@ -427,6 +556,17 @@ class BufferService:
         if kind != "episodes":  # leased episodes need no stamps: no writer can reach them
             reply["gens"] = encode_i64(self.generations[physical])
         return reply, []
+
+    def _holding(self, physical: np.ndarray) -> list[int]:
+        """Ids of the episodes holding ``physical`` rows (one registry query per run of
+        consecutive rows: a FIFO's rows and a slice are runs)."""
+        order = np.unique(physical)
+        breaks = np.flatnonzero(np.diff(order) != 1) + 1
+        registry = self.container.registry
+        ids: set[int] = set()
+        for run in np.split(order, breaks) if order.size else []:
+            ids.update(ep.id for ep in registry.overlapping(int(run[0]), int(run[-1]) + 1))
+        return sorted(ids)
 
     def _check_sample_size(self, num_rows: int, fields: dict[str, Any]) -> None:
         """Refuse a sample whose reply would exceed ``max_payload_bytes`` before any of it is
@@ -440,6 +580,77 @@ class BufferService:
                 f"op 'sample': {num_rows:,} rows make a reply of {size:,} bytes, over the "
                 f"limit max_payload_bytes={self.config.max_payload_bytes:,}; sample fewer rows"
             )
+
+    def update_priorities(self, rows: Any, priority: Any, generation: Any = None) -> int:
+        """Set priorities of sampled rows (the ``update_priorities`` op's work): validated
+        (invalid_argument, nothing done), rows whose generation stamp changed since the sample
+        left out and counted stale, the rest journaled (PRIORITY) before the reply."""
+        update = self.container.check_priorities(rows, priority, generation, self.generations)
+        self._journal_room(record_bytes(1 + 2 * update.rows.size))
+        applied = self.container.apply_priorities(update)
+        if self.journal is not None and update.rows.size:
+            self.journal.append_priorities(update.rows, update.priority)
+        return applied
+
+    def op_update_priorities(
+        self, client: Client, fields: dict[str, Any], frames: Frames, now: float
+    ) -> Reply:
+        generation = fields.get("generation")
+        stale = self.container.priority_updates_stale
+        updated = self.update_priorities(
+            decode_i64(fields["index"]),
+            decode_f64(fields["priority"]),
+            None if generation is None else decode_i64(generation),
+        )
+        return {"updated": updated, "stale": self.container.priority_updates_stale - stale}, []
+
+    def op_iterate(
+        self, client: Client, fields: dict[str, Any], frames: Frames, now: float
+    ) -> Reply:
+        """This rank's rows of one pass over everything stored (``Container.rank_rows``),
+        with their stamps: the reader copies them batch by batch and checks the stamps."""
+        world_size = fields["world_size"]
+        total = self.container.num_rows
+        share = -(-total // world_size)
+        if share * 16 > self.config.max_payload_bytes:
+            raise LimitExceededError(
+                f"op 'iterate': {share:,} rows per rank make a reply of {share * 16:,} bytes, "
+                f"over the limit max_payload_bytes={self.config.max_payload_bytes:,}; use "
+                "more ranks"
+            )
+        physical = self.container.rank_rows(
+            fields["rank"],
+            world_size,
+            shuffle=fields.get("shuffle", True),
+            drop_last=fields.get("drop_last", False),
+            seed=[self._iterate_seed, fields.get("epoch", 0)],
+        )
+        self.container.count_use(physical)
+        gens = self.generations[physical]
+        return {"rows": encode_i64(physical), "gens": encode_i64(gens), "total": total}, []
+
+    def op_read(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Reply:
+        """A remote reader's copy of rows it was handed by physical index (``iterate``),
+        refused whole (``torn``) if a writer reached any of them since ``gens`` were taken."""
+        if self.segment is None:
+            raise SchemaError("the buffer has no schema yet: nothing to read")
+        physical, gens = decode_i64(fields["rows"]), decode_i64(fields["gens"])
+        outside = (physical < 0) | (physical >= self.config.capacity)
+        if outside.any():
+            raise InvalidArgumentError(
+                f"op 'read': row {int(physical[outside][0])} is out of range for a buffer of "
+                f"capacity {self.config.capacity}"
+            )
+        self._check_sample_size(physical.size, {"payload": True})
+        moved = self.generations[physical] != gens
+        if moved.any():
+            raise TornReadError(
+                f"op 'read': {int(moved.sum())} of {physical.size} rows were overwritten since "
+                f"they were listed (row {int(physical[moved][0])}); iterate over a buffer no "
+                "writer is writing to"
+            )
+        data = rows.gather_columns(self.segment.columns, physical)
+        return {}, [rows.to_bytes(t, t.dtype) for t in data.values()]
 
     def op_release(
         self, client: Client, fields: dict[str, Any], frames: Frames, now: float
@@ -478,6 +689,25 @@ class BufferService:
         self._require_admin(client, "shut the daemon down")
         return {}, []
 
+    def op_configure(
+        self, client: Client, fields: dict[str, Any], frames: Frames, now: float
+    ) -> Reply:
+        """Change the rate limiter's settings live (its counts are kept); parked requests
+        are retried by the server's next pass under the new settings."""
+        self._require_admin(client, "configure the rate limiter")
+        limiter = self.container.rate_limiter
+        try:
+            limiter.configure(**fields)
+        except (TypeError, ValueError) as exc:  # nothing was changed
+            raise InvalidArgumentError(f"op 'configure': {exc}") from None
+        log.warning("rate limiter reconfigured: %s", limiter.blocked_reason())
+        if self.journal is not None:  # a resume keeps the new settings
+            try:
+                self.journal.snapshot(self.persistent_state())
+            except (OSError, OutOfSpaceError) as exc:
+                log.warning("journal snapshot after configure failed: %s", exc)
+        return {"rate_limiter": self.limiter_stats()}, []
+
     # -- persistence: journal (for --resume) and checkpoints --------------------------------
 
     def _start_journal(self) -> None:
@@ -495,7 +725,7 @@ class BufferService:
     def _journal_reserve(self, evicted: list[tuple[int, int]]) -> None:
         if self.journal is not None:
             c = self.container
-            self.journal.append_reserve(evicted, c.pointer, c.rows_written, c._next_reservation)
+            self.journal.append_reserve(evicted, c.pointer, c.rows_written, c.next_reservation)
 
     def _journal_commit(self, ids: list[int], bounds: list[tuple[int, int]]) -> None:
         if self.journal is not None:
@@ -528,12 +758,8 @@ class BufferService:
         self._require_admin(client, "checkpoint the buffer")
         from shmbuffer.daemon.checkpoint import write_checkpoint
 
-        state = {
-            **self.persistent_state(),
-            "name": self.config.name,
-            "sampler": {"kind": "uniform", "rng": self._rng.bit_generator.state},
-            "rate_limiter": {"kind": "none"},
-        }
+        # The container's state holds the sampler, the rate limiter and the generator.
+        state = {**self.persistent_state(), "name": self.config.name}
         use_counts = self.container.use_counts
         return write_checkpoint(self.segment, state, use_counts, fields["to"]), []
 
@@ -546,6 +772,7 @@ class BufferService:
         for reservation in list(self.container.reservations.values()):
             if reservation.deadline <= now:
                 self.container.abort(reservation.id)
+                self._priorities.pop(reservation.id, None)
                 self.clients.discard_reservation(reservation.id)
                 self.counters.reservations_expired += 1
                 log.warning("reservation %d expired uncommitted; rows dropped", reservation.id)
@@ -607,6 +834,37 @@ class BufferService:
             "uptime_s": time.time() - self.started,
             "pid": os.getpid(),
             "protocol": PROTOCOL_VERSION,
-            "rate_limiter": {"kind": "none", "min_size": 1},
+            "rate_limiter": self.limiter_stats(),
+            "sampler": {
+                "kind": container.sampler.name,
+                "settings": container.sampler.settings(),
+                "figures": container.sampler.stats(),
+            },
             **{k: v for k, v in self.counters.__dict__.items()},
+            "priority_updates": container.priority_updates,
+            "priority_updates_stale": container.priority_updates_stale,
         }
+
+    def limiter_stats(self) -> dict[str, Any]:
+        """The rate limiter for ``stats`` and ``configure``: kind, settings, counts, the
+        seconds parked requests waited for it, and how many wait now."""
+        limiter = self.container.rate_limiter
+        settings = limiter.settings()
+        return {
+            "kind": limiter.name,
+            # rows stored before a sample may proceed (without a limiter: the first row)
+            "min_size": int(settings.get("min_size", 1)),
+            "settings": settings,
+            "inserted": limiter.inserted,
+            "sampled": limiter.sampled,
+            "deleted": limiter.deleted,
+            "size": limiter.size,
+            "insert_blocked_s": float(limiter.insert_blocked_s),
+            "sample_blocked_s": float(limiter.sample_blocked_s),
+            "inserts_waiting": self.waiting["insert"],
+            "samples_waiting": self.waiting["sample"],
+        }
+
+    def record_blocked(self, kind: str, seconds: float) -> None:
+        """The server's report: a request flow control held back waited ``seconds``."""
+        self.container.rate_limiter.record_blocked(kind, seconds)

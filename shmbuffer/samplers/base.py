@@ -238,6 +238,11 @@ class Sampler(ABC):
 
     # -- state -------------------------------------------------------------------------------
 
+    def settings(self) -> dict[str, Any]:
+        """The constructor options this sampler was made with (``make_sampler(name, **it)``
+        builds an equal one: how a resumed buffer rebuilds the saved sampler)."""
+        return {"max_times_sampled": self.max_times_sampled}
+
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:
         """msgpack-able state (ints, floats, str, lists, bytes); the index is rebuilt on attach."""

@@ -399,6 +399,14 @@ class PrioritizedSampler(Sampler):
 
     # -- state -------------------------------------------------------------------------------
 
+    def settings(self) -> dict[str, Any]:
+        return {
+            **super().settings(),
+            "priority_exponent": self.priority_exponent,
+            "importance_exponent": self.importance_exponent,
+            "priority_eps": self.priority_eps,
+        }
+
     def state_dict(self) -> dict[str, Any]:
         return {
             **self._header(),

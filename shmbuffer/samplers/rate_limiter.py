@@ -9,7 +9,8 @@ waited past its deadline. Each check is O(1).
 
 Counts are in rows: ``inserted`` rows committed, ``sampled`` rows handed out (a slice of L rows
 counts L), ``deleted`` rows evicted; ``size = inserted - deleted``. The owner calls
-``on_insert`` / ``on_sample`` / ``on_delete`` when each happens.
+``on_insert`` / ``on_sample`` / ``on_delete`` when each happens, and ``on_restore`` when an
+aborted reservation publishes evicted rows again.
 
 SampleToInsertRatio (Reverb's, counted in rows): with ratio ``R``, min size ``N`` and error
 buffer ``E``, ``diff = inserted * R - sampled`` must stay in ``[R*N - E, R*N + E]``:
@@ -91,6 +92,11 @@ class RateLimiter(ABC):
 
     def on_delete(self, n: int) -> None:
         self.deleted += _rows(n, "deleted")
+
+    def on_restore(self, n: int) -> None:
+        """``n`` rows counted deleted hold data again: an aborted reservation published back
+        what it evicted. Not an insert: the ratio counts what writers added, once."""
+        self.deleted -= min(_rows(n, "restored"), self.deleted)
 
     def record_blocked(self, kind: str, seconds: float) -> None:
         """Add ``seconds`` a parked ``"insert"`` or ``"sample"`` request waited."""

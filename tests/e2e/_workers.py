@@ -261,3 +261,108 @@ def chaos_learner(
     except BaseException:
         out.send(("error", learner_id, traceback.format_exc()))
         raise SystemExit(1) from None
+
+
+# -- sampling workers (tests/e2e/test_sampling.py) ---------------------------------------------
+
+
+def sample_row_ids(name: str, batches: int, batch_size: int, say: Any) -> list[int]:
+    """``batches`` samples of ``batch_size`` rows; the ``id`` column of every row, in order."""
+    from shmbuffer import Reader
+
+    with Reader(name, timeout=5.0) as reader:
+        assert not reader.prefetch, "a consume-once sampler must never be sampled ahead"
+        say("ready")
+        ids: list[int] = []
+        for _ in range(batches):
+            ids += reader.sample(batch_size)["id"].flatten().tolist()
+    return ids
+
+
+def count_sampled_rows(name: str, n: int, batch_size: int, say: Any) -> list[int]:
+    """How often each physical row came up in ``n`` sampled rows (by the ``id`` column)."""
+    import numpy as np
+
+    from shmbuffer import Reader
+
+    with Reader(name, timeout=5.0) as reader:
+        counts = np.zeros(reader.capacity, dtype=np.int64)
+        for _ in range(n // batch_size):
+            batch, info = reader.sample(batch_size, return_info=True)
+            assert (batch["id"].flatten() == info["index"]).all()
+            np.add.at(counts, info["index"].numpy(), 1)
+    return [int(c) for c in counts]
+
+
+def consume_fifo_episodes(
+    name: str, pause: float, first_wait: float, wait: float, say: Any
+) -> list[int]:
+    """Take leased episodes one at a time until none comes within ``wait`` seconds (the first
+    within ``first_wait``); the ``ep`` id of each, in the order received, each checked whole
+    (one id, steps 0..L-1)."""
+    from shmbuffer import Reader
+    from shmbuffer.errors import WaitTimeoutError
+
+    got: list[int] = []
+    with Reader(name, timeout=5.0, sample_timeout=first_wait) as reader:
+        assert not reader.prefetch
+        say("ready")
+        while True:
+            try:
+                with reader.sample_episodes(1) as episodes:
+                    ep = episodes[0]
+                    ids = ep["ep"].unique().tolist()
+                    assert len(ids) == 1, f"an episode mixes ids {ids}"
+                    assert ep["step"].tolist() == list(range(len(ep))), "steps out of order"
+                    got.append(int(ids[0]))
+            except WaitTimeoutError:
+                return got
+            reader.sample_timeout = wait
+            time.sleep(pause)
+
+
+def write_fifo_episodes(name: str, episodes: int, length: int, say: Any) -> float:
+    """``episodes`` episodes ``ep = 0, 1, ...`` of ``length`` steps, each flushed; returns how
+    long the writes took in all (the daemon holds them back while rows are unconsumed)."""
+    import torch
+
+    from shmbuffer import Writer
+
+    t0 = time.monotonic()
+    with Writer(name, timeout=5.0, reserve_timeout=20.0) as writer:
+        for ep in range(episodes):
+            steps = torch.arange(length)
+            writer.add_episode({"ep": torch.full((length,), ep), "step": steps})
+            writer.flush()
+    return time.monotonic() - t0
+
+
+def write_rows_steadily(name: str, chunks: int, rows: int, say: Any) -> int:
+    """``chunks`` writes of ``rows`` rows, each its own reservation (no gathering), flushed."""
+    import torch
+
+    from shmbuffer import Writer
+
+    with Writer(name, timeout=5.0, reserve_timeout=20.0, batch_bytes=0) as writer:
+        for i in range(chunks):
+            writer.extend({"id": torch.arange(i * rows, (i + 1) * rows)})
+        writer.flush()
+        return writer.rows_committed
+
+
+def sample_until_starved(
+    name: str, batch_size: int, first_wait: float, wait: float, say: Any
+) -> int:
+    """Sample ``batch_size`` rows at a time until the daemon holds a sample ``wait`` seconds
+    (the first one ``first_wait``: the writer may still be starting); rows sampled."""
+    from shmbuffer import Reader
+    from shmbuffer.errors import WaitTimeoutError
+
+    sampled = 0
+    with Reader(name, timeout=5.0, sample_timeout=first_wait) as reader:
+        while True:
+            try:
+                sampled += len(reader.sample(batch_size))
+            except WaitTimeoutError:
+                return sampled
+            reader.sample_timeout = wait

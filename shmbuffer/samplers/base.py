@@ -79,7 +79,7 @@ def check_priority(priority: npt.ArrayLike, count: int, what: str = "priority") 
     bad = ~np.isfinite(arr) | (arr < 0)
     if bad.any():
         i = int(np.argmax(bad))
-        raise ValueError(f"{what}[{i}] = {arr[i]!r}: priorities must be finite and >= 0")
+        raise ValueError(f"{what}[{i}] = {float(arr[i])}: priorities must be finite and >= 0")
     return arr
 
 

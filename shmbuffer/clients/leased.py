@@ -8,7 +8,7 @@ a live reader's views safe and a lapsed one detectable:
 * **Views cost O(1) per call.** :class:`EpisodeViews` builds each episode's view when it is
   accessed (one slice per column, ~2 µs), not all of them before the block starts: building
   2**20 TensorDict views up front took 33 s, longer than the TTL (issue 7).
-* **Renewal.** While a block is open a :class:`Renewer` thread of the reader sends ``renew``
+* **Renewal.** While a block is open a ticker thread of the reader sends ``renew``
   every ``lease_ttl / 3`` seconds, for at most ``max_lease_hold`` seconds per lease (so a hung
   learner cannot stall writers forever); ``EpisodeViews.renew()`` is the explicit heartbeat.
 * **Staleness is detectable.** :class:`ClientLease` keeps a conservative deadline: the send time
@@ -20,10 +20,8 @@ a live reader's views safe and a lapsed one detectable:
 
 from __future__ import annotations
 
-import threading
 import time
-import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
 import numpy as np
@@ -153,28 +151,3 @@ class EpisodeViews(Sequence[TensorDict]):
     def __repr__(self) -> str:
         state = "copies" if self._lease is None else f"lease {self._lease.id}"
         return f"EpisodeViews({len(self)} episodes, {state}, valid={self.valid()})"
-
-
-class Renewer:
-    """A reader's daemon thread: every ``interval`` seconds calls ``fn()`` (a weak reference
-    to the reader's renewal method, so an unclosed reader is still collected) until stopped."""
-
-    def __init__(self, interval: float, fn: weakref.WeakMethod[Callable[[], None]]) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(interval, fn), name="shmbuffer-renew", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, interval: float, ref: weakref.WeakMethod[Callable[[], None]]) -> None:
-        while not self._stop.wait(interval):
-            fn = ref()
-            if fn is None:
-                return
-            fn()
-            del fn  # no strong reference while waiting
-
-    def stop(self, timeout: float) -> None:
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)

@@ -33,7 +33,8 @@ from tensordict import TensorDict
 
 from shmbuffer import rows
 from shmbuffer.clients.connection import Connection
-from shmbuffer.clients.leased import ClientLease, EpisodeViews, Renewer
+from shmbuffer.clients.leased import ClientLease, EpisodeViews
+from shmbuffer.clients.ticker import Ticker
 from shmbuffer.errors import (
     EmptyBufferError,
     InvalidArgumentError,
@@ -154,7 +155,7 @@ class Reader:
         self.auto_renew = auto_renew
         self.max_lease_hold = max_lease_hold
         self._leases: dict[int, ClientLease] = {}  # of the sample_episodes blocks now open
-        self._renewer: Renewer | None = None
+        self._renewer: Ticker | None = None
         self._ahead: tuple[Any, int] | None = None  # (request, seq) of a sample sent ahead
         self.conn = Connection(
             target,
@@ -585,7 +586,8 @@ class Reader:
 
     def _start_renewer(self, ttl: float) -> None:
         if self.auto_renew and self._renewer is None:
-            self._renewer = Renewer(ttl / 3, weakref.WeakMethod(self._renew_leases))
+            renew = weakref.WeakMethod(self._renew_leases)
+            self._renewer = Ticker(ttl / 3, renew, "shmbuffer-renew")
 
     def _renew_leases(self) -> None:
         """The renewer's tick: renew every open lease still within ``max_lease_hold``. A lease

@@ -23,6 +23,7 @@ import torch
 
 from shmbuffer import rows
 from shmbuffer.clients.connection import Connection
+from shmbuffer.clients.ticker import Ticker
 from shmbuffer.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
 from shmbuffer.errors import InvalidArgumentError
 from shmbuffer.protocol import MAX_PRIORITIES, encode_f64
@@ -99,7 +100,7 @@ class Writer:
         # episode instead of two), or goes alone once it has waited ``commit_delay`` seconds.
         self.commit_delay = commit_delay
         self._uncommitted: tuple[int, int, float] | None = None  # (reservation, rows, since)
-        self._ticker: _Ticker | None = None
+        self._ticker: Ticker | None = None
         self._ticker_error: Exception | None = None
         # Small writes (transitions of small rows) wait here to share one round trip.
         self.batch_bytes = batch_bytes
@@ -328,7 +329,7 @@ class Writer:
         if self._ticker is None and self.commit_delay > 0:
             # A weak reference: the thread must not keep an unclosed writer alive forever.
             tick = weakref.WeakMethod(self._commit_from_ticker)
-            self._ticker = _Ticker(self.commit_delay / 2, tick)
+            self._ticker = Ticker(self.commit_delay / 2, tick, "shmbuffer-commit")
 
     def _commit_if_due(self, now: bool = False) -> None:
         """Send the pending commit on its own (without waiting for the reply) once it has
@@ -462,27 +463,3 @@ def _compact(items: Items) -> float | bytes | None:
             "priority for the whole write"
         )
     return encode_f64(items)
-
-
-class _Ticker:
-    """Calls ``fn()`` every ``interval`` seconds on a daemon thread until stopped, or until
-    ``fn`` (a weak reference) is gone: an unclosed writer is collected, not kept alive."""
-
-    def __init__(self, interval: float, fn: weakref.WeakMethod[Callable[[], None]]) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(interval, fn), name="shmbuffer-commit", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, interval: float, ref: weakref.WeakMethod[Callable[[], None]]) -> None:
-        while not self._stop.wait(interval):
-            fn = ref()
-            if fn is None:
-                return
-            fn()
-            del fn  # no strong reference while waiting
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)

@@ -94,10 +94,15 @@ def iter_leaves(batch: Mapping[Any, Any], prefix: Key = ()) -> Iterator[tuple[Ke
     for name in batch.keys():
         value = batch[name]
         key = (*prefix, str(name))
-        if isinstance(value, Mapping) or _is_tensordict(value):
+        if type(value) in _LEAF_TYPES:  # the common case, without the ABC checks below
+            yield key, value
+        elif isinstance(value, Mapping) or _is_tensordict(value):
             yield from iter_leaves(value, key)
         else:
             yield key, value
+
+
+_LEAF_TYPES = (np.ndarray, torch.Tensor)
 
 
 def _is_tensordict(value: Any) -> bool:
@@ -407,8 +412,14 @@ class Schema:
             field = self._by_key.get(key)
             if field is None:
                 raise SchemaError(self._unknown_key(key))
-            value = seen[key] = _as_leaf(key, given)
-            dtype, shape = _dtype_of(value), _shape_of(value)
+            # Arrays of a dtype seen before skip _as_leaf's checks (this runs per key per write).
+            dtype = _NUMPY_DTYPES.get(given.dtype) if type(given) is np.ndarray else None
+            if dtype is not None:
+                value = seen[key] = given
+            else:
+                value = seen[key] = _as_leaf(key, given)
+                dtype = _dtype_of(value)
+            shape = _shape_of(value)
             if not _can_cast(dtype, field.dtype):
                 raise SchemaError(
                     f"key {key_str(key)!r}: dtype {dtype_name(dtype)} cannot be stored safely "

@@ -55,9 +55,6 @@ RANDOM_RETURN = 22.0  # mean return of random play on CartPole-v1
 LAST_N = 20  # "mean return over the last 20 episodes"
 DAEMON_START_TIMEOUT_S = 60.0  # a busy 2-core machine imports torch slowly
 STOP_TIMEOUT_S = 15.0
-#: TODO(issue 9): one test for the samplers (prioritized, fifo, max-times-sampled) and the
-#: Reader calls that go with them; remove with the fallbacks once they have landed.
-HAVE_SAMPLERS = hasattr(shmbuffer.Reader, "update_priorities")
 
 
 # -- policies -------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ import time
 import torch
 import torch.nn.functional as F
 from cartpole_common import (
-    HAVE_SAMPLERS,
     Daemon,
     Progress,
     Rollout,
@@ -144,7 +143,7 @@ def update(
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)  # small batches: intra-op threads cost more than they give
-    prioritized = HAVE_SAMPLERS and not args.uniform  # TODO(issue 9): `not args.uniform`
+    prioritized = not args.uniform
     # On Ctrl-C train() stops the workers and prints its figures; our daemon stops after.
     if args.buffer:
         with contextlib.suppress(KeyboardInterrupt):

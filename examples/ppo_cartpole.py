@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 from cartpole_common import (
-    HAVE_SAMPLERS,
     ActorCritic,
     Daemon,
     Progress,
@@ -57,7 +56,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def collect(
-    reader: shmbuffer.Reader, version: int, expected: int, used: set[int], progress: Progress
+    reader: shmbuffer.Reader, version: int, expected: int, progress: Progress
 ) -> list[TensorDict]:
     """The ``expected`` rollout entries acted with policy ``version``, each taken once."""
     got: list[TensorDict] = []
@@ -65,22 +64,10 @@ def collect(
     while len(got) < expected and time.monotonic() < deadline:
         progress.update()
         try:
-            if HAVE_SAMPLERS:
-                # TODO(issue 9): the only path then: the daemon's FIFO hands each entry out
-                # once, oldest first, and waits in the daemon while there is none.
-                with reader.sample_episodes(expected - len(got)) as entries:
-                    got += [entry.clone() for entry in entries]
-                continue
-            # TODO(issue 9): remove. Today's sampler is uniform with replacement: draw more
-            # than needed and keep the entries of this version not taken yet, by their ids.
-            with reader.sample_episodes(4 * expected) as entries:
-                for i, entry_id in enumerate(entries.ids.tolist()):
-                    if entry_id in used:
-                        continue
-                    entry = entries[i]
-                    if int(entry["policy_version"][0]) == version:
-                        used.add(entry_id)
-                        got.append(entry.clone())
+            # The daemon's FIFO hands each entry out once, oldest first, and waits in the
+            # daemon while there is none.
+            with reader.sample_episodes(expected - len(got)) as entries:
+                got += [entry.clone() for entry in entries]
         except (EmptyBufferError, WaitTimeoutError):
             pass
         if len(got) < expected:
@@ -164,7 +151,6 @@ def train(args: argparse.Namespace, daemon: Daemon) -> None:
         progress = Progress(rollout, args.curve)
         deadline = progress.began + args.minutes * 60
         rollout.start()
-        used: set[int] = set()
         stats: dict[str, float] = {}
         try:
             daemon.wait_ready()
@@ -173,15 +159,9 @@ def train(args: argparse.Namespace, daemon: Daemon) -> None:
                     raise SystemExit(
                         f"buffer {buffer!r} is in {reader.unit} unit; PPO needs episode"
                     )
-                # TODO: remove once Reader.sample_episodes attaches the segment when its reply
-                # brings episodes; today a first sample that races the first commit fails
-                # `assert self.segment is not None` (the schema was read before the commit).
-                while reader.stats()["schema"] is None and time.monotonic() < deadline:
-                    progress.update()
-                    time.sleep(0.05)
                 while time.monotonic() < deadline and not progress.reached(args.target):
                     version = weights.version
-                    entries = collect(reader, version, expected, used, progress)
+                    entries = collect(reader, version, expected, progress)
                     progress.samples += sum(int(e.batch_size[0]) for e in entries)
                     if not entries:
                         continue
@@ -212,9 +192,8 @@ def main() -> None:
         return
     # Two versions' worth of rows: the entries being consumed and the next ones.
     capacity = 2 * args.workers * args.envs_per_worker * args.rollout_len
-    # TODO(issue 9): always FIFO consume-once; the fallback samples uniformly and filters.
-    sampler = ["--sampler", "fifo", "--max-times-sampled", "1"] if HAVE_SAMPLERS else []
-    queue = "FIFO consume-once" if HAVE_SAMPLERS else "uniform, filtered by policy version"
+    sampler = ["--sampler", "fifo", "--max-times-sampled", "1"]
+    queue = "FIFO consume-once"
     with Daemon.own(unique_name("ppo"), capacity, "episode", sampler) as daemon:
         print(f"daemon {daemon.name!r}: {capacity:,} rows, episode unit, {queue}", flush=True)
         with contextlib.suppress(KeyboardInterrupt):

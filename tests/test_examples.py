@@ -130,16 +130,45 @@ def check_figures(run: Run) -> None:
 # -- short runs (default) -------------------------------------------------------------------
 
 
-def test_dqn_learns_above_random_play(folders: tuple[Path, Path]) -> None:
-    run = run_example("dqn_cartpole.py", folders, "--workers", "2", "--target", "100", minutes=0.6)
+# Each stops once its last-20 mean reaches SHORT_TARGET (tens of seconds on a quiet machine);
+# the time limit only bounds a machine so busy that the workers start late.
+SHORT_TARGET = "60"
+SHORT_MINUTES = 2.0
+
+
+@pytest.mark.timeout(SHORT_MINUTES * 60 + SHUTDOWN_S + 30)
+def test_dqn_learns_above_random_play(folders: tuple[Path, Path], tmp_path: Path) -> None:
+    curve = tmp_path / "dqn.csv"
+    run = run_example(
+        "dqn_cartpole.py", folders, "--workers", "2", "--target", SHORT_TARGET,
+        "--curve", str(curve), minutes=SHORT_MINUTES,
+    )  # fmt: skip
     check_figures(run)
     assert run.final_return > CLEARLY_ABOVE_RANDOM, run.describe()
+    check_curve_plot(curve, tmp_path / "curves.png")
 
 
+@pytest.mark.timeout(SHORT_MINUTES * 60 + SHUTDOWN_S + 30)
 def test_ppo_learns_above_random_play(folders: tuple[Path, Path]) -> None:
-    run = run_example("ppo_cartpole.py", folders, "--workers", "2", "--target", "150", minutes=0.4)
+    run = run_example(
+        "ppo_cartpole.py", folders, "--workers", "2", "--target", SHORT_TARGET,
+        minutes=SHORT_MINUTES,
+    )  # fmt: skip
     check_figures(run)
     assert run.final_return > CLEARLY_ABOVE_RANDOM, run.describe()
+
+
+def check_curve_plot(curve: Path, png: Path) -> None:
+    """The --curve CSV holds every episode, and plot_curves.py draws it."""
+    lines = curve.read_text().splitlines()
+    assert lines[0] == "env_steps,seconds,return" and len(lines) > 20, lines[:3]
+    steps = [int(line.split(",")[0]) for line in lines[1:]]
+    assert steps == sorted(steps) and steps[-1] > 0
+    pytest.importorskip("matplotlib")
+    argv = [sys.executable, str(EXAMPLES / "plot_curves.py"), str(curve), "-o", str(png)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_ctrl_c_stops_workers_and_daemon(folders: tuple[Path, Path]) -> None:

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shmbuffer import curve, runtime
 from shmbuffer.daemon import security
@@ -23,7 +23,10 @@ from shmbuffer.errors import ShmBufferError
 from shmbuffer.protocol import PROTOCOL_VERSION
 from shmbuffer.runtime import runtime_dir
 from shmbuffer.samplers import RATE_LIMITERS, SAMPLERS
-from shmbuffer.statusview import format_status
+from shmbuffer.statusview import LiveStatus, format_status
+
+if TYPE_CHECKING:
+    from shmbuffer.daemon.metrics import MetricsServer
 
 log = logging.getLogger("shmbuffer.daemon")
 
@@ -64,6 +67,8 @@ def cmd_start(args: argparse.Namespace) -> int:
         min_size=args.min_size,
         samples_per_insert=args.samples_per_insert,
         error_buffer=args.error_buffer,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
     )
     if args.resume or args.restore:  # capacity/unit/mode/schema come from what is loaded
         from shmbuffer.daemon.recovery import adopt_settings
@@ -107,6 +112,26 @@ def _claim_name(config: DaemonConfig, keep_segment: bool = False) -> None:
 def run_daemon(
     config: DaemonConfig, keep: bool = False, resume: bool = False, restore: str | None = None
 ) -> int:
+    """Serve ``config`` in this process until stopped; with ``metrics_port``, Prometheus
+    metrics too (listening first: a busy port fails before a segment is allocated)."""
+    if config.metrics_port is None:
+        return _serve(config, keep, resume, restore, None)
+    from shmbuffer.daemon.metrics import serve_metrics
+
+    metrics = serve_metrics(config.metrics_host, config.metrics_port)
+    try:
+        return _serve(config, keep, resume, restore, metrics)
+    finally:
+        metrics.close()
+
+
+def _serve(
+    config: DaemonConfig,
+    keep: bool,
+    resume: bool,
+    restore: str | None,
+    metrics: MetricsServer | None,
+) -> int:
     from shmbuffer.daemon.server import Server
     from shmbuffer.daemon.service import BufferService
 
@@ -123,18 +148,18 @@ def run_daemon(
             service = recovery.restore_service(config, restore)
     else:
         service = BufferService(config)
-    server = Server(service, config.resolved_endpoint)
+    server = Server(service, config.resolved_endpoint, metrics.metrics if metrics else None)
     server.install_signal_handlers()
-    runtime.write(
-        config.name,
-        {
-            "name": config.name,
-            "endpoint": server.endpoint,
-            "pid": os.getpid(),
-            "storage_dir": config.storage_dir,
-            "protocol": PROTOCOL_VERSION,
-        },
-    )
+    info = {
+        "name": config.name,
+        "endpoint": server.endpoint,
+        "pid": os.getpid(),
+        "storage_dir": config.storage_dir,
+        "protocol": PROTOCOL_VERSION,
+    }
+    if metrics is not None:  # the port 0 chose is found here
+        info["metrics"] = metrics.url
+    runtime.write(config.name, info)
     _write_private(runtime_dir() / f"{config.name}.pid", f"{os.getpid()}\n".encode())
     security.share_runtime(config)  # with --group: the runtime dir and file become group-readable
     log.info(
@@ -273,12 +298,27 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    """One status; with ``--watch`` one every SECONDS: a live rich view on a terminal, plain
+    text frames otherwise (a pipe, a log file), JSON lines with ``--json``."""
+    live = args.watch is not None and not args.json and sys.stdout.isatty()
+    if live:
+        try:
+            import rich  # noqa: F401
+        except ImportError:
+            print(
+                "shmbuffer-daemon status --watch: the live view needs rich, which is not "
+                "installed: pip install 'shmbuffer[live]' (piped, --watch prints plain text)",
+                file=sys.stderr,
+            )
+            return 1
     try:
         conn = _admin(args.name, timeout=args.timeout)
     except ShmBufferError as exc:
         print(str(exc), file=sys.stderr)
         return 1
     try:
+        if live:
+            return _watch_live(conn, args.watch)
         while True:
             stats = conn.call("stats")["stats"]
             if args.json:
@@ -296,6 +336,21 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 1
     finally:
         conn.close()
+
+
+def _watch_live(conn: Any, every: float) -> int:
+    """Redraw the live view (statusview.LiveStatus) in place every ``every`` seconds until
+    Ctrl-C; the last frame stays on the screen."""
+    from rich.console import Console
+    from rich.live import Live
+
+    view = LiveStatus()
+    with Live(
+        view.render(conn.call("stats")["stats"]), console=Console(), auto_refresh=False
+    ) as live:
+        while True:
+            time.sleep(every)
+            live.update(view.render(conn.call("stats")["stats"]), refresh=True)
 
 
 # -- configure ----------------------------------------------------------------------------
@@ -480,6 +535,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="allow clear/shutdown/checkpoint on a tcp endpoint without CURVE (any client)",
     )
+    start.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="P",
+        help="serve Prometheus metrics on http://HOST:P/metrics (0: any free port; "
+        "needs the live extra)",
+    )
+    start.add_argument(
+        "--metrics-host", default=None, help="address for --metrics-port (default 127.0.0.1)"
+    )
     _add_sampler_flags(start)
     recover = start.add_mutually_exclusive_group()
     recover.add_argument(
@@ -524,7 +590,16 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show a daemon's state")
     status.add_argument("--name", default="default")
     status.add_argument("--json", action="store_true")
-    status.add_argument("--watch", type=_seconds, nargs="?", const=1.0, default=None)
+    status.add_argument(
+        "--watch",
+        type=_seconds,
+        nargs="?",
+        const=1.0,
+        default=None,
+        metavar="SECONDS",
+        help="redraw every SECONDS (1): a live view on a terminal (the live extra), plain "
+        "text frames otherwise",
+    )
     status.add_argument("--timeout", type=_seconds, default=5.0)
     status.set_defaults(func=cmd_status)
 

@@ -321,6 +321,9 @@ _STATS: dict[str, Spec] = {
     "sample_rows_per_s": Spec((float,)),
     "writers": Spec((int,)),
     "readers": Spec((int,)),
+    # one map per client: id, role, pid, host, remote, idle_s, reservations, leases,
+    # rows_committed, rows_sampled (for `status --watch`; a client ignores what it lacks)
+    "clients": Spec((list,)),
     "reservations": Spec((int,)),
     "reserved_rows": Spec((int,)),
     "leases": Spec((int,)),

@@ -44,6 +44,9 @@ class Client:
     #: Same host, and its pid was alive from here at hello (so not another pid namespace):
     #: the daemon may reap it the moment that pid dies.
     watch_pid: bool = False
+    #: Rows this client committed and sampled (``stats.clients``).
+    rows_committed: int = 0
+    rows_sampled: int = 0
 
     @property
     def local(self) -> bool:

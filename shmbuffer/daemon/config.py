@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -122,6 +123,12 @@ class DaemonConfig:
     #: Allow admin requests (clear, shutdown, checkpoint) on a tcp endpoint without CURVE,
     #: where any local user can connect and claim the admin role (see security.py).
     insecure_tcp_admin: bool = False
+    #: Serve Prometheus metrics over HTTP on this port (``--metrics-port``; 0: any free port,
+    #: logged and written to the runtime file); None serves none. Needs ``prometheus_client``
+    #: (the ``live`` extra). See ``shmbuffer/daemon/metrics.py``.
+    metrics_port: int | None = None
+    #: The address the metrics server listens on: loopback unless asked otherwise.
+    metrics_host: str = "127.0.0.1"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -154,8 +161,30 @@ class DaemonConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.seed is not None and (type(self.seed) is not int or self.seed < 0):
             raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
+        self._check_metrics()
         self.make_sampler()  # refuses a bad sampler or limiter setting before anything starts
         self.make_rate_limiter()
+
+    def _check_metrics(self) -> None:
+        """``--metrics-port``/``--metrics-host``: a port of 0-65535 and a host name, and
+        ``prometheus_client`` installed when a port is given (checked before anything
+        starts, so a missing extra is not found after the segment was allocated)."""
+        if not isinstance(self.metrics_host, str) or not self.metrics_host.strip():
+            raise ConfigError(
+                f"--metrics-host must be a host name or address, got {self.metrics_host!r}"
+            )
+        port = self.metrics_port
+        if port is None:
+            return
+        if type(port) is not int or not 0 <= port <= MAX_PORT:
+            raise ConfigError(
+                f"--metrics-port must be a port of 1-{MAX_PORT} (0: any free port), got {port!r}"
+            )
+        if importlib.util.find_spec("prometheus_client") is None:
+            raise ConfigError(
+                "--metrics-port needs prometheus_client, which is not installed: "
+                "pip install 'shmbuffer[live]'"
+            )
 
     def make_sampler(self) -> Sampler:
         """A new sampler as configured; ConfigError naming the setting (as its flag) that is

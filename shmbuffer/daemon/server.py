@@ -21,7 +21,7 @@ import signal
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -43,6 +43,9 @@ from shmbuffer.protocol import (
     validate_request,
 )
 from shmbuffer.protocol_zmq import send_frames
+
+if TYPE_CHECKING:
+    from shmbuffer.daemon.metrics import Metrics
 
 log = logging.getLogger("shmbuffer.daemon")
 
@@ -96,9 +99,14 @@ INSERT_OPS = ("reserve", "write")
 
 
 class Server:
-    def __init__(self, service: BufferService, endpoint: str) -> None:
+    def __init__(
+        self, service: BufferService, endpoint: str, metrics: Metrics | None = None
+    ) -> None:
         self.service = service
         self.endpoint = endpoint
+        #: ``--metrics-port``: answered requests are timed and a stats snapshot is published
+        #: from this loop (the HTTP thread reads only that; see daemon/metrics.py).
+        self.metrics = metrics
         self._context = zmq.Context()
         self.socket = self._context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 1000)
@@ -164,6 +172,8 @@ class Server:
             if now - last_tick >= TICK_S:
                 self.service.tick(now)
                 last_tick = now
+            if self.metrics is not None:
+                self.metrics.publish(now, self.service.stats)
             if self._inserts or self._samples:
                 self._retry_parked(now)
         self._drain_on_stop()
@@ -203,7 +213,26 @@ class Server:
         now: float,
         retry: bool,
     ) -> Deferred | None:
-        """Run one request: reply, or return the Deferred that says it must wait."""
+        """Run one request: reply, or return the Deferred that says it must wait. With
+        metrics, an answered request's handling time is observed (a deferred attempt's is
+        not: its wait shows in the blocked seconds)."""
+        if self.metrics is None:
+            return self._run(identity, header, fields, payload, now, retry)
+        t0 = time.perf_counter()
+        wait = self._run(identity, header, fields, payload, now, retry)
+        if wait is None:
+            self.metrics.observe(header["op"], time.perf_counter() - t0)
+        return wait
+
+    def _run(
+        self,
+        identity: bytes,
+        header: dict[str, Any],
+        fields: dict[str, Any],
+        payload: Frames,
+        now: float,
+        retry: bool,
+    ) -> Deferred | None:
         try:
             reply, out = self.service.handle(
                 identity, header["op"], fields, payload, now, retry=retry

@@ -34,7 +34,7 @@ from shmbuffer.daemon.config import DaemonConfig
 from shmbuffer.daemon.journal import Journal, container_state, record_bytes, restore_container
 from shmbuffer.daemon.leases import LeaseTable
 from shmbuffer.daemon.security import segment_access
-from shmbuffer.daemon.stats import Counters, RateMeter
+from shmbuffer.daemon.stats import Counters, RateMeter, client_figures
 from shmbuffer.errors import (
     EmptyBufferError,
     InvalidArgumentError,
@@ -387,6 +387,7 @@ class BufferService:
         self._priorities.pop(reservation_id, None)
         client.reservations.discard(reservation.id)
         self.counters.rows_committed += reservation.num_rows
+        client.rows_committed += reservation.num_rows
         self.counters.episodes_committed += len(ids)
         self._journal_commit(ids, reservation.episodes)  # before the reply acknowledges it
         if given is not None and self.journal is not None:
@@ -549,6 +550,7 @@ class BufferService:
             )
         self.counters.samples += 1
         self.counters.rows_sampled += len(physical)
+        client.rows_sampled += len(physical)
         if fields.get("payload", False):  # remote reader: the daemon copies the rows out
             assert self.segment is not None
             data = rows.gather_columns(self.segment.columns, physical)
@@ -828,6 +830,7 @@ class BufferService:
             "sample_rows_per_s": sample_rate,
             "writers": self.clients.count_role("writer"),
             "readers": self.clients.count_role("reader"),
+            "clients": client_figures(self.clients, self.leases.count_by_owner(), now),
             "reservations": len(container.reservations),
             "reserved_rows": container.reserved_rows,
             "leases": len(self.leases),

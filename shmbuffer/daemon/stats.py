@@ -1,11 +1,14 @@
-"""The daemon's counters and the insert/sample rates ``shmbuffer-daemon status`` shows."""
+"""The daemon's counters, the insert/sample rates and the per-client figures that
+``shmbuffer-daemon status`` shows."""
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from shmbuffer.daemon.clients import Client
 
 RATE_WINDOW_S = 3.0  # rates are averaged over the last few seconds, up to "now"
 
@@ -52,3 +55,27 @@ class RateMeter:
             (counters.rows_committed - committed) / (now - t0),
             (counters.rows_sampled - sampled) / (now - t0),
         )
+
+
+def client_figures(
+    clients: Iterable[Client], leases_by_owner: Mapping[int, int], now: float
+) -> list[dict[str, Any]]:
+    """One map per client for ``stats.clients``: who it is, what it holds open, the rows it
+    committed and sampled, and its lag (``idle_s``: seconds since its last request, so a
+    stalled writer or learner stands out). ``leases_by_owner``: leases held per client id
+    (one pass over the lease table, not one per client)."""
+    return [
+        {
+            "id": client.id,
+            "role": client.role,
+            "pid": client.pid,
+            "host": client.host,
+            "remote": client.remote,
+            "idle_s": max(0.0, now - client.last_seen),
+            "reservations": len(client.reservations),
+            "leases": int(leases_by_owner.get(client.id, 0)),
+            "rows_committed": client.rows_committed,
+            "rows_sampled": client.rows_sampled,
+        }
+        for client in clients
+    ]

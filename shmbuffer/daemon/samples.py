@@ -1,0 +1,231 @@
+"""The daemon's read ops: ``sample`` (rows, slices, episodes), ``iterate`` and ``read``, lease
+``release``/``renew``, and ``update_priorities``.
+
+A sample reply carries the generation stamps of the rows it names: a reader that copies them
+and finds the same stamps afterwards knows no writer touched them meanwhile (a mismatch means
+"sample again"). Leased episodes need no stamps: no writer can reach them until released. A
+sample that flow control holds back, or that a consume-once sampler has nothing for yet,
+raises :class:`~shmbuffer.daemon.state.Deferred`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from shmbuffer import rows
+from shmbuffer.container import EpisodeSample, RowSample, SliceSample
+from shmbuffer.daemon.clients import Client
+from shmbuffer.daemon.journal import record_bytes
+from shmbuffer.daemon.state import DaemonState, Deferred, Frames, Reply
+from shmbuffer.errors import (
+    EmptyBufferError,
+    InvalidArgumentError,
+    LimitExceededError,
+    SchemaError,
+    TornReadError,
+    WaitTimeoutError,
+)
+from shmbuffer.protocol import (
+    decode_f64,
+    decode_i64,
+    encode_f64,
+    encode_i64,
+)
+
+
+class SampleOps(DaemonState):
+    def op_sample(
+        self, client: Client, fields: dict[str, Any], frames: Frames, now: float
+    ) -> Reply:
+        if "release" in fields:  # applied once, even if the sample is then deferred
+            self.leases.release(fields.pop("release"), client.id)
+        deadline = now + fields.get("timeout_ms", 30_000) / 1000
+        try:
+            return self._sample(client, fields, now)
+        except WaitTimeoutError as exc:  # the rate limiter refuses it now: wait in the daemon
+            raise Deferred(str(exc), deadline, "sample") from None
+        except EmptyBufferError as exc:
+            # A FIFO or consume-once sampler with nothing to hand out waits for writers; an
+            # empty buffer under any other sampler is an error at once, as it always was.
+            if not self._waits_for_data():
+                raise
+            raise Deferred(f"nothing to consume yet: {exc}", deadline, "sample") from None
+
+    def _waits_for_data(self) -> bool:
+        sampler = self.container.sampler
+        return sampler.name == "fifo" or sampler.max_times_sampled is not None
+
+    def _sample(self, client: Client, fields: dict[str, Any], now: float) -> Reply:
+        """Draw through the container's sampler (which counts the reads and tells the limiter),
+        as in the in-process Buffer; every size limit is checked before the draw, since a
+        consume-once sampler hands its items out for good."""
+        kind, n, beta = fields["kind"], fields["n"], fields.get("beta")
+        c = self.container
+        reply: dict[str, Any] = {}
+        drawn: RowSample | SliceSample | EpisodeSample
+        leased = fields.get("lease", False) and not fields.get("payload", False)
+        held = self.leases.count_owner(client.id) if leased else 0
+        if held >= self.config.max_leases_per_client:
+            raise LimitExceededError(
+                f"client {client.id} holds {held} leases (limit max_leases_per_client="
+                f"{self.config.max_leases_per_client}); release some"
+            )
+        if kind == "rows":
+            self._check_sample_size(n, fields)
+            drawn = c.sample_rows(n, beta=beta)
+            physical = index = drawn.rows
+            reply["rows"] = encode_i64(physical)
+        elif kind == "slices":
+            length = fields["length"]  # validation made sure of it
+            self._check_sample_size(n * length, fields)
+            strict = fields.get("strict", True)
+            sliced = c.sample_slices(n, length, strict=strict, beta=beta)
+            drawn, physical, index = sliced, sliced.rows, sliced.starts
+            reply["starts"] = encode_i64(sliced.starts)
+            if not strict:  # a padded slice's real rows: a prefix of its length
+                reply["lengths"] = encode_i64(sliced.lengths)
+        else:
+            if c.num_episodes:  # the lengths are known after the draw: judge by the mean
+                self._check_sample_size(n * max(1, c.num_rows // c.num_episodes), fields)
+            episodes = c.sample_episodes(n, beta=beta)
+            ids, index = episodes.ids, episodes.starts
+            drawn, physical = episodes, episodes.rows
+            if not self._waits_for_data():  # drawn for good otherwise: never refuse them now
+                self._check_sample_size(physical.size, fields)
+            reply.update(
+                ids=encode_i64(ids),
+                starts=encode_i64(index),
+                lengths=encode_i64(episodes.ends - index),
+            )
+            if leased:
+                reply["lease"] = self.leases.grant(client.id, ids.tolist(), now).id
+        if leased and kind != "episodes":
+            # The episodes holding the rows, pinned until the reader's copy is done: what a
+            # consume-once sampler hands out may be overwritten the moment it is consumed
+            # (the writer waiting for it is retried at once), before the reader copied it.
+            reply["lease"] = self.leases.grant(client.id, self._holding(physical), now).id
+        if fields.get("info", False):  # per item: its physical (first) row and its stamp
+            reply.update(
+                index=encode_i64(index),
+                generation=encode_i64(self.generations[index]),
+                probability=encode_f64(drawn.probability),
+                weight=encode_f64(drawn.weight),
+            )
+        self.counters.samples += 1
+        self.counters.rows_sampled += len(physical)
+        client.rows_sampled += len(physical)
+        if fields.get("payload", False):  # remote reader: the daemon copies the rows out
+            assert self.segment is not None
+            data = rows.gather_columns(self.segment.columns, physical)
+            return reply, [rows.to_bytes(t, t.dtype) for t in data.values()]
+        if kind != "episodes":  # leased episodes need no stamps: no writer can reach them
+            reply["gens"] = encode_i64(self.generations[physical])
+        return reply, []
+
+    def _holding(self, physical: np.ndarray) -> list[int]:
+        """Ids of the episodes holding ``physical`` rows (one registry query per run of
+        consecutive rows: a FIFO's rows and a slice are runs)."""
+        order = np.unique(physical)
+        breaks = np.flatnonzero(np.diff(order) != 1) + 1
+        registry = self.container.registry
+        ids: set[int] = set()
+        for run in np.split(order, breaks) if order.size else []:
+            ids.update(ep.id for ep in registry.overlapping(int(run[0]), int(run[-1]) + 1))
+        return sorted(ids)
+
+    def _check_sample_size(self, num_rows: int, fields: dict[str, Any]) -> None:
+        """Refuse a sample whose reply would exceed ``max_payload_bytes`` before any of it is
+        built (rows travel as frames to a remote reader; as indices and stamps otherwise)."""
+        per_row = 16  # an index and a generation stamp
+        if fields.get("payload", False) and self.schema is not None:
+            per_row = self.schema.row_nbytes
+        size = num_rows * per_row
+        if size > self.config.max_payload_bytes:
+            raise LimitExceededError(
+                f"op 'sample': {num_rows:,} rows make a reply of {size:,} bytes, over the "
+                f"limit max_payload_bytes={self.config.max_payload_bytes:,}; sample fewer rows"
+            )
+
+    def update_priorities(self, rows: Any, priority: Any, generation: Any = None) -> int:
+        """Set priorities of sampled rows (the ``update_priorities`` op's work): validated
+        (invalid_argument, nothing done), rows whose generation stamp changed since the sample
+        left out and counted stale, the rest journaled (PRIORITY) before the reply."""
+        update = self.container.check_priorities(rows, priority, generation, self.generations)
+        self._journal_room(record_bytes(1 + 2 * update.rows.size))
+        applied = self.container.apply_priorities(update)
+        if self.journal is not None and update.rows.size:
+            self.journal.append_priorities(update.rows, update.priority)
+        return applied
+
+    def op_update_priorities(
+        self, client: Client, fields: dict[str, Any], frames: Frames, now: float
+    ) -> Reply:
+        generation = fields.get("generation")
+        stale = self.container.priority_updates_stale
+        updated = self.update_priorities(
+            decode_i64(fields["index"]),
+            decode_f64(fields["priority"]),
+            None if generation is None else decode_i64(generation),
+        )
+        return {"updated": updated, "stale": self.container.priority_updates_stale - stale}, []
+
+    def op_iterate(
+        self, client: Client, fields: dict[str, Any], frames: Frames, now: float
+    ) -> Reply:
+        """This rank's rows of one pass over everything stored (``Container.rank_rows``),
+        with their stamps: the reader copies them batch by batch and checks the stamps."""
+        world_size = fields["world_size"]
+        total = self.container.num_rows
+        share = -(-total // world_size)
+        if share * 16 > self.config.max_payload_bytes:
+            raise LimitExceededError(
+                f"op 'iterate': {share:,} rows per rank make a reply of {share * 16:,} bytes, "
+                f"over the limit max_payload_bytes={self.config.max_payload_bytes:,}; use "
+                "more ranks"
+            )
+        physical = self.container.rank_rows(
+            fields["rank"],
+            world_size,
+            shuffle=fields.get("shuffle", True),
+            drop_last=fields.get("drop_last", False),
+            seed=[self._iterate_seed, fields.get("epoch", 0)],
+        )
+        self.container.count_use(physical)
+        gens = self.generations[physical]
+        return {"rows": encode_i64(physical), "gens": encode_i64(gens), "total": total}, []
+
+    def op_read(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Reply:
+        """A remote reader's copy of rows it was handed by physical index (``iterate``),
+        refused whole (``torn``) if a writer reached any of them since ``gens`` were taken."""
+        if self.segment is None:
+            raise SchemaError("the buffer has no schema yet: nothing to read")
+        physical, gens = decode_i64(fields["rows"]), decode_i64(fields["gens"])
+        outside = (physical < 0) | (physical >= self.config.capacity)
+        if outside.any():
+            raise InvalidArgumentError(
+                f"op 'read': row {int(physical[outside][0])} is out of range for a buffer of "
+                f"capacity {self.config.capacity}"
+            )
+        self._check_sample_size(physical.size, {"payload": True})
+        moved = self.generations[physical] != gens
+        if moved.any():
+            raise TornReadError(
+                f"op 'read': {int(moved.sum())} of {physical.size} rows were overwritten since "
+                f"they were listed (row {int(physical[moved][0])}); iterate over a buffer no "
+                "writer is writing to"
+            )
+        data = rows.gather_columns(self.segment.columns, physical)
+        return {}, [rows.to_bytes(t, t.dtype) for t in data.values()]
+
+    def op_release(
+        self, client: Client, fields: dict[str, Any], frames: Frames, now: float
+    ) -> Reply:
+        self.leases.release(fields["lease"], client.id)
+        return {}, []
+
+    def op_renew(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Reply:
+        """A reader's heartbeat for a lease it still uses: another ``lease_ttl`` from now."""
+        self.leases.renew(fields["lease"], client.id, now)
+        return {"ttl": self.config.lease_ttl}, []

@@ -1,0 +1,187 @@
+"""What every part of the daemon's request handling shares: the container (ring, registry,
+reservations, sampler, rate limiter), the shared segment and its per-row generation stamps,
+leases, client records, counters and the journal.
+
+:class:`DaemonState` holds them and the steps they share (creating the segment, reserving
+journal room before a change, journaling it after); the ops that change them are grouped by
+job on top of it: :class:`~shmbuffer.daemon.writes.WriteOps` (reserve, commit, abort, write),
+:class:`~shmbuffer.daemon.samples.SampleOps` (sample, iterate, read, leases, priorities), and
+:class:`~shmbuffer.daemon.service.BufferService` (clients, admin, time, stats), which is all of
+them together. A handler returns reply fields and payload frames, raises a
+:class:`~shmbuffer.errors.ShmBufferError` that becomes an error reply, or raises
+:class:`Deferred` when the request must wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from shmbuffer.container import Container
+from shmbuffer.daemon.clients import ClientTable
+from shmbuffer.daemon.config import DaemonConfig
+from shmbuffer.daemon.journal import Journal, container_state
+from shmbuffer.daemon.leases import LeaseTable
+from shmbuffer.daemon.security import segment_access
+from shmbuffer.daemon.stats import Counters, RateMeter
+from shmbuffer.errors import OutOfSpaceError
+from shmbuffer.schema import Schema
+from shmbuffer.segment import Segment, check_fits
+
+log = logging.getLogger("shmbuffer.daemon")
+
+Frames = list[bytes | memoryview]
+#: What a handler returns: the reply's fields (``protocol.REPLIES`` lists them; the tests hold
+#: real replies to it) and payload frames (rows for remote clients; usually none).
+Reply = tuple[dict[str, Any], Frames]
+
+
+class Deferred(Exception):
+    """The request cannot proceed yet; retry it until ``deadline`` (monotonic seconds).
+
+    ``blocked``: ``"insert"`` or ``"sample"`` when flow control holds it back (the rate
+    limiter, or a FIFO sampler), so the time it waits counts in the limiter's figures; None
+    for a wait on leases or on another writer."""
+
+    def __init__(self, reason: str, deadline: float, blocked: str | None = None) -> None:
+        super().__init__(reason)
+        self.deadline = deadline
+        self.blocked = blocked
+
+
+class DaemonState:
+    def __init__(self, config: DaemonConfig, segment: Segment | None = None) -> None:
+        self.config = config
+        if segment is None and config.schema is not None:
+            # before any per-row allocation below
+            check_fits(
+                config.name, Schema.from_spec(config.schema), config.capacity, config.storage_dir
+            )
+        try:
+            self.container = Container(
+                config.capacity,
+                mode=config.mode,
+                unit=config.unit,
+                sampler=config.make_sampler(),
+                rate_limiter=config.make_rate_limiter(),
+                seed=config.seed,
+            )
+        except MemoryError:
+            raise OutOfSpaceError(
+                f"capacity {config.capacity:,} rows: the daemon cannot allocate its per-row "
+                f"bookkeeping (about {12 * config.capacity:,} bytes of memory)"
+            ) from None
+        self.leases = LeaseTable(config.lease_ttl)
+        self.clients = ClientTable(config.max_clients, config.client_idle_ttl)
+        self.counters = Counters()
+        self.started = time.time()
+        self.rates = RateMeter()
+        #: Requests the server holds parked, by queue (it keeps this up to date, for stats).
+        self.waiting = {"insert": 0, "sample": 0}
+        #: Validated priorities of open reservations, for their commit (``reserve priority``).
+        self._priorities: dict[int, Any] = {}
+        #: iterate's shuffles are seeded with (this, epoch): every reader's k-th pass agrees,
+        #: and agrees with an in-process Buffer of the same seed.
+        entropy = np.random.SeedSequence(config.seed).entropy
+        self._iterate_seed = int(entropy)  # type: ignore[arg-type]
+        #: Why admin ops are refused on this daemon's transport (set by the Server from
+        #: ``security.admin_refusal``; None: the role is enough, as on the ipc socket).
+        self.admin_refused: str | None = None
+        self.segment = segment
+        self.journal: Journal | None = None  # metadata log for --resume; see journal.py
+        self.generations = (
+            np.zeros(config.capacity, dtype=np.int64) if segment is None else segment.generations
+        )
+        if segment is None and config.schema is not None:
+            self._create_segment(Schema.from_spec(config.schema))
+
+    @property
+    def schema(self) -> Schema | None:
+        return None if self.segment is None else self.segment.schema
+
+    def _create_segment(self, schema: Schema) -> None:
+        self.segment = Segment.create(
+            self.config.name,
+            schema,
+            self.config.capacity,
+            storage_dir=self.config.storage_dir,
+            exist_ok=True,
+            extra={"unit": self.config.unit, "mode": self.config.mode, "daemon_pid": os.getpid()},
+            **segment_access(self.config.group),  # owner-only, or 0660 for --group
+        )
+        self.generations = self.segment.generations
+        try:
+            self._start_journal()
+        except BaseException:  # no journal, no segment: a later schema must start over
+            self.segment.close()
+            Segment.unlink(self.config.name, self.config.storage_dir)
+            self.segment = None
+            raise
+        log.info(
+            "allocated %s: %d rows x %d bytes = %.1f MB (%s)",
+            self.segment.path,
+            self.config.capacity,
+            schema.row_nbytes,
+            self.segment.nbytes / 1e6,
+            schema,
+        )
+
+    def segment_info(self) -> dict[str, Any] | None:
+        if self.segment is None:
+            return None
+        return {
+            "name": self.segment.name,
+            "path": str(self.segment.path),
+            # the root itself, never None: the default root is per user, so a --group member
+            # would look for it in a folder of its own
+            "storage_dir": str(self.segment.path.parent),
+        }
+
+    def buffer_info(self) -> dict[str, Any]:
+        return {
+            "name": self.config.name,
+            "capacity": self.config.capacity,
+            "unit": self.config.unit,
+            "mode": self.config.mode,
+            "schema": None if self.schema is None else self.schema.to_spec(),
+            "segment": self.segment_info(),
+            "lease_ttl": self.config.lease_ttl,
+            "reservation_ttl": self.config.reservation_ttl,
+            "max_payload_bytes": self.config.max_payload_bytes,
+            "sampler": self.container.sampler.name,
+            "max_times_sampled": self.container.sampler.max_times_sampled,
+        }
+
+    def _start_journal(self) -> None:
+        assert self.segment is not None
+        journal = Journal(self.segment.path)
+        journal.start(self.persistent_state(), state_fn=self.persistent_state)
+        self.journal = journal  # only once it can take records
+
+    def _journal_room(self, nbytes: int) -> None:
+        """Reserve journal space for a request's records before it changes anything, so an
+        acknowledged change is always on disk (OutOfSpaceError refuses the request)."""
+        if self.journal is not None:
+            self.journal.reserve(nbytes)
+
+    def _journal_reserve(self, evicted: list[tuple[int, int]]) -> None:
+        if self.journal is not None:
+            c = self.container
+            self.journal.append_reserve(evicted, c.pointer, c.rows_written, c.next_reservation)
+
+    def _journal_commit(self, ids: list[int], bounds: list[tuple[int, int]]) -> None:
+        if self.journal is not None:
+            self.journal.append_commit(
+                [(i, s, e) for i, (s, e) in zip(ids, bounds, strict=True)],
+                self.counters.rows_committed,
+                self.counters.episodes_committed,
+            )
+
+    def persistent_state(self) -> dict[str, Any]:
+        """The container and counters as JSON (what the journal snapshots and checkpoints
+        store; open reservations are left out: their rows are never published)."""
+        return container_state(self.container, dict(self.counters.__dict__))

@@ -1,0 +1,217 @@
+"""The daemon's write ops: ``reserve`` (with a piggybacked commit), ``commit``, ``abort`` and a
+remote writer's ``write``.
+
+A reservation bumps the generation stamp of its rows *before* the writer learns which rows it
+got, and is journaled before the reply hands them out; a commit is journaled before the reply
+acknowledges it. A reserve that would evict leased episodes, lap a writer still copying, or
+that flow control holds back raises :class:`~shmbuffer.daemon.state.Deferred` having changed
+nothing (a piggybacked commit is taken out of ``fields`` first, so a retry does not redo it).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+
+from shmbuffer import rows
+from shmbuffer.container import Reservation
+from shmbuffer.daemon.clients import Client
+from shmbuffer.daemon.journal import record_bytes
+from shmbuffer.daemon.state import DaemonState, Deferred, Frames, Reply
+from shmbuffer.errors import (
+    LimitExceededError,
+    NotFoundError,
+    OutOfSpaceError,
+    PermissionDeniedError,
+    SchemaError,
+)
+from shmbuffer.protocol import (
+    decode_f64,
+    episode_split,
+    payload_sizes,
+)
+
+#: A RESERVE record evicts at most two ranges (a wrap).
+_RESERVE_BYTES = record_bytes(4 + 2 * 2)
+
+
+def _commit_bytes(reservation: Reservation) -> int:
+    return record_bytes(3 + 3 * len(reservation.episodes))
+
+
+def wire_priority(value: bytes | float | int | None) -> float | np.ndarray | None:
+    """A request's ``priority`` field: f64 bytes (one value per item) or one number."""
+    if isinstance(value, bytes):
+        return decode_f64(value)
+    return None if value is None else float(value)
+
+
+class WriteOps(DaemonState):
+    def op_reserve(
+        self, client: Client, fields: dict[str, Any], frames: Frames, now: float
+    ) -> Reply:
+        if "commit" in fields:  # commit the previous episode in the same round trip; kept
+            # out of ``fields`` so a deferred retry does not commit twice
+            self._checked_priority(fields)  # a bad one refuses the request whole, commit too
+            reservation = self._owned(client, fields["commit"])
+            # Room for both records first, so a full disk refuses the pair, not half of it.
+            self._journal_room(_commit_bytes(reservation) + _RESERVE_BYTES)
+            fields["_committed"] = self._commit(client, fields.pop("commit"))
+        reservation = self._reserve(client, fields, now)
+        reply = {"reservation": reservation.id, "ranges": [list(r) for r in reservation.ranges]}
+        if "_committed" in fields:
+            reply["committed"] = fields["_committed"]
+        return reply, []
+
+    def _reserve(self, client: Client, fields: dict[str, Any], now: float) -> Reservation:
+        if self.segment is None:
+            raise SchemaError("the buffer has no schema yet: send 'define_schema' first")
+        if len(client.reservations) >= self.config.max_reservations_per_client:
+            raise LimitExceededError(
+                f"client {client.id} holds {len(client.reservations)} open reservations "
+                f"(limit {self.config.max_reservations_per_client}); commit or abort some"
+            )
+        num_rows, num_sub = fields["rows"], episode_split(fields)
+        priority = self._checked_priority(fields)  # refused before anything is evicted
+        _, evict = self.container.plan(num_rows, num_sub)
+        deadline = now + fields.get("timeout_ms", 30_000) / 1000
+        leased = len(self.leases) and self.leases.pinned(  # no lease, no lookup: the hot path
+            ep.id for s, e in evict for ep in self.container.registry.overlapping(s, e)
+        )
+        if leased:
+            raise Deferred(f"rows are leased by readers (episodes {leased[:5]})", deadline)
+        if self.container.conflicts(evict):  # the ring lapped a writer that is still copying
+            raise Deferred("rows are still being written by another writer", deadline)
+        # The rate limiter, or a FIFO sampler whose rows are not consumed yet: wait for readers.
+        blocked = self.container.insert_blocker(num_rows, num_sub)
+        if blocked is not None:
+            raise Deferred(f"cannot reserve {num_rows} rows now: {blocked}", deadline, "insert")
+        self._journal_room(record_bytes(4 + 2 * len(evict)))  # OutOfSpaceError: nothing done
+        reservation = self.container.reserve(num_rows, num_sub, owner=client.id)
+        if priority is not None:
+            self._priorities[reservation.id] = priority
+        self._journal_reserve(evict)  # before the reply hands out the rows
+        for start, stop in reservation.ranges:
+            self.generations[start:stop] += 1
+        reservation.deadline = now + self.config.reservation_ttl
+        client.reservations.add(reservation.id)
+        return reservation
+
+    def _checked_priority(self, fields: dict[str, Any]) -> Any:
+        """A reserve's or write's ``priority`` as the commit will store it (None: none given);
+        InvalidArgumentError if negative, NaN, of the wrong length or for a sampler without
+        priorities."""
+        if "priority" not in fields:
+            return None
+        return self.container.check_priority(
+            fields["rows"], episode_split(fields), wire_priority(fields["priority"])
+        )
+
+    def _owned(self, client: Client, reservation_id: int) -> Reservation:
+        reservation = self.container.reservations.get(reservation_id)
+        if reservation is None:
+            raise NotFoundError(
+                f"no open reservation {reservation_id} (committed, aborted, or expired)"
+            )
+        if reservation.owner != client.id:
+            raise PermissionDeniedError(f"reservation {reservation_id} belongs to another client")
+        return reservation
+
+    def _commit(self, client: Client, reservation_id: int, priority: Any = None) -> list[int]:
+        reservation = self._owned(client, reservation_id)
+        if priority is None:  # what its reserve (or write) gave, if anything
+            priority = self._priorities.get(reservation_id)
+        # A writer's priorities are checked first (invalid_argument: nothing done) and go to
+        # the journal as a PRIORITY record after the COMMIT, so a resume sets them again.
+        given = self.container.commit_priorities(reservation.id, priority)
+        extra = 0 if given is None else record_bytes(1 + 2 * given.rows.size)
+        # A commit the journal cannot hold is refused (out_of_space), never acknowledged: the
+        # reservation stays open, so the writer may retry once there is room.
+        self._journal_room(_commit_bytes(reservation) + extra)
+        ids = self.container.commit(reservation.id, priority)
+        self._priorities.pop(reservation_id, None)
+        client.reservations.discard(reservation.id)
+        self.counters.rows_committed += reservation.num_rows
+        client.rows_committed += reservation.num_rows
+        self.counters.episodes_committed += len(ids)
+        self._journal_commit(ids, reservation.episodes)  # before the reply acknowledges it
+        if given is not None and self.journal is not None:
+            self.journal.append_priorities(given.rows, given.priority)
+        return ids
+
+    def op_commit(
+        self, client: Client, fields: dict[str, Any], frames: Frames, now: float
+    ) -> Reply:
+        priority = wire_priority(fields.get("priority"))  # replaces what the reserve gave
+        return {"episodes": self._commit(client, fields["reservation"], priority)}, []
+
+    def op_abort(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Reply:
+        self._abort(client, self._owned(client, fields["reservation"]), fields.get("written"))
+        return {}, []
+
+    def _abort(self, client: Client, reservation: Reservation, written: int | None) -> None:
+        """Abort; with ``written`` (rows the writer's copy may have touched) what the
+        reservation evicted from untouched rows is published again, and journaled."""
+        client.reservations.discard(reservation.id)
+        self._priorities.pop(reservation.id, None)
+        if written is not None and self.journal is not None:
+            restorable = len(reservation.evicted) + len(reservation.trimmed)
+            try:
+                self.journal.reserve(record_bytes(3 + 3 * restorable))
+            except OutOfSpaceError:
+                written = None  # no room to journal it: keep them evicted, as before
+        c = self.container
+        before = (c.pointer, c.rows_written)
+        restored = c.abort(reservation.id, written)
+        if (restored or before != (c.pointer, c.rows_written)) and self.journal is not None:
+            self.journal.append_restore(restored, c.pointer, c.rows_written)
+
+    def op_write(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Reply:
+        """A remote writer's rows arrive as frames; the daemon does the copy."""
+        size = payload_sizes(frames)
+        expected = fields["rows"] * (0 if self.schema is None else self.schema.row_nbytes)
+        limit = self.config.max_payload_bytes
+        if max(size, expected) > limit:
+            raise LimitExceededError(
+                f"op 'write': a payload of {max(size, expected):,} bytes "
+                f"({fields['rows']:,} rows) exceeds the limit max_payload_bytes={limit:,}; "
+                "write fewer rows per call"
+            )
+        leaves = self._leaves_from_frames(fields["rows"], frames)
+        num_sub = episode_split(fields)
+        episodes = num_sub if isinstance(num_sub, int) else len(num_sub)
+        # Room for both records first (a sub-episode across the wrap is two), and for its
+        # priorities (at most one per row): a full disk refuses the write whole, never after
+        # its rows were copied.
+        extra = record_bytes(1 + 2 * fields["rows"]) if "priority" in fields else 0
+        self._journal_room(_RESERVE_BYTES + record_bytes(3 + 3 * (episodes + 1)) + extra)
+        reservation = self._reserve(client, fields, now)
+        assert self.segment is not None
+        with rows.Progress(functools.partial(self._abort, client, reservation)) as progress:
+            rows.write(
+                self.segment.columns, self.segment.arrays, reservation.ranges, leaves, 0, progress
+            )
+        return {"episodes": self._commit(client, reservation.id)}, []
+
+    def _leaves_from_frames(self, num_rows: int, frames: Frames) -> dict[Any, Any]:
+        if self.schema is None:
+            raise SchemaError("the buffer has no schema yet: send 'define_schema' first")
+        fields = self.schema.fields
+        if len(frames) != len(fields):
+            raise SchemaError(
+                f"expected {len(fields)} payload frames (one per key: "
+                f"{['.'.join(f.key) for f in fields]}), got {len(frames)}"
+            )
+        leaves = {}
+        for f, frame in zip(fields, frames, strict=True):
+            expected = num_rows * f.row_nbytes
+            if len(frame) != expected:
+                raise SchemaError(
+                    f"key {'.'.join(f.key)!r}: payload of {len(frame)} bytes, expected "
+                    f"{expected} ({num_rows} rows of {f.dtype} {list(f.shape)})"
+                )
+            array = np.frombuffer(frame, dtype=np.uint8)
+            leaves[f.key] = rows.from_bytes(array, f.dtype, (num_rows, *f.shape))
+        return leaves

@@ -3,6 +3,8 @@
 - core (every module directly under ``shmbuffer/`` and ``shmbuffer/samplers/``, except the
   layers above both sides) imports neither ``shmbuffer.daemon`` nor ``shmbuffer.clients``;
 - ``daemon/`` never imports ``clients/`` and ``clients/`` never imports ``daemon/``;
+- interop layers (``shmbuffer.torchrl``) sit above the clients: core and clients, never the
+  daemon;
 - no import circle anywhere, counting lazy imports and ``TYPE_CHECKING`` ones alike.
 """
 
@@ -17,6 +19,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "shmbuffer"
 #: Modules above both sides: the command line launches the daemon and is its client; the demo
 #: runs both; the package root only hands names on, lazily.
 ABOVE_BOTH = {"shmbuffer", "shmbuffer.cli", "shmbuffer.demo"}
+#: Packages above the clients only: adapters that give other libraries' APIs a daemon's buffer
+#: through Reader and Writer (TorchRL's Storage/Writer/Sampler); a job's processes are clients.
+INTEROP = {"shmbuffer.torchrl"}
 
 
 def module_name(path: Path) -> str:
@@ -55,6 +60,8 @@ def import_graph() -> dict[str, set[str]]:
 def side(module: str) -> str:
     if module in ABOVE_BOTH:
         return "above"
+    if any(module == name or module.startswith(f"{name}.") for name in INTEROP):
+        return "interop"
     for name in ("daemon", "clients"):
         if module == f"shmbuffer.{name}" or module.startswith(f"shmbuffer.{name}."):
             return name
@@ -70,6 +77,7 @@ def test_import_direction(module: str) -> None:
         "core": {"core"},
         "daemon": {"core", "daemon"},
         "clients": {"core", "clients"},
+        "interop": {"core", "clients", "interop"},
         "above": {"core", "daemon", "clients", "above"},
     }[side(module)]
     wrong = sorted(dep for dep in GRAPH[module] if side(dep) not in allowed)
@@ -102,3 +110,24 @@ def test_the_scan_sees_imports() -> None:
     assert "shmbuffer.clients.connection" in GRAPH["shmbuffer.clients.admin"]
     assert side("shmbuffer.daemon.service") == "daemon"
     assert side("shmbuffer.registry") == "core"
+    assert side("shmbuffer.torchrl.storage") == "interop"
+    assert "shmbuffer.clients.reader" in GRAPH["shmbuffer.torchrl.storage"]
+
+
+def test_only_the_interop_layer_imports_torchrl() -> None:
+    # `import shmbuffer` (and every client) must work without the torchrl extra
+    for path in PACKAGE.rglob("*.py"):
+        module = module_name(path)
+        if side(module) == "interop":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and node.level == 0
+                else []
+            )
+            wrong = [n for n in names if n == "torchrl" or n.startswith("torchrl.")]
+            assert not wrong, f"{module} imports {wrong[0]}: only shmbuffer.torchrl may"

@@ -1,0 +1,469 @@
+"""``DaemonStorage``: a TorchRL ``Storage`` whose rows live in a running shmbuffer daemon.
+
+Indices are the daemon's physical rows, ``0 .. capacity - 1``: the positions of a ring, as in
+TorchRL's own ring storages (``max_size`` is the capacity, a full ring wraps round, and
+``_last_cursor_index`` is the row written last). TorchRL's client-side samplers therefore run
+unchanged on it, and the rows :class:`~shmbuffer.torchrl.DaemonSampler` gets from the daemon
+(and ``update_priority`` takes) are indices of this storage too.
+
+``len()`` counts the ring positions in use: before the ring first wraps round, the rows
+written so far; after it, the capacity. It is the daemon's row count plus the rows writers
+have reserved and not committed yet (until their next commit, milliseconds), so that every
+index below ``len`` holds data or soon will, as a TorchRL sampler assumes.
+
+A read (``get``) copies the rows out of shared memory (remotely: the daemon sends them) and
+checks them against the daemon's list of committed rows and their generation stamps: a row
+still being written is waited for until its writer commits it, and a row a writer reached
+during the copy is copied again (what that position holds now). A read is never torn. The
+list is kept between reads and asked again (one ``iterate`` request, 16 bytes a stored row)
+only when a read finds it out of date.
+
+The Reader and the Writer are opened lazily, per process: a storage pickled into a spawned
+worker, or inherited by a forked one, opens its own there.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+from torchrl.data.replay_buffers.storages import StoreStorage
+
+from shmbuffer import rows
+from shmbuffer.clients.reader import Reader
+from shmbuffer.clients.writer import Writer
+from shmbuffer.errors import TornReadError, WaitTimeoutError
+from shmbuffer.protocol import decode_i64, encode_i64
+from shmbuffer.schema import Schema
+
+__all__ = ["DaemonStorage", "daemon_storage_of"]
+
+#: The key a batch that is one bare tensor is stored under (TorchRL's StoreStorage does the
+#: same); a storage whose schema has only this key reads back bare tensors.
+TENSOR_KEY = "_tensor"
+#: Rounds of copying again the rows a writer reached during the copy, then TornReadError.
+MAX_RECOPIES = 8
+#: Arguments DaemonStorage sets itself, so the options may not carry them.
+_OWN = ("target", "timeout", "remote")
+
+_NOT_HERE = (
+    "the rows live in the daemon that every process of the job shares: {what} is not done "
+    "through a TorchRL buffer. Checkpoint with `shmbuffer-daemon checkpoint`; to start "
+    "afresh, restart the daemon (or use a FIFO daemon, whose rows are consumed once)"
+)
+
+
+@dataclass
+class _Listing:
+    """The daemon's committed rows when last asked: a flag and a generation stamp per row."""
+
+    committed: np.ndarray  # bool [capacity]
+    stamps: np.ndarray  # int64 [capacity]
+
+
+def _checked_options(options: Mapping[str, Any] | None, client: type, name: str) -> dict[str, Any]:
+    """``options`` for ``client(...)``, refused now (naming the key) rather than at first use."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise TypeError(f"{name} must be a mapping of keyword arguments, got {options!r}")
+    known = set(inspect.signature(client).parameters) - {"self", *_OWN}
+    for key in options:
+        if key not in known:
+            raise TypeError(
+                f"{name}: {key!r} is not an argument of shmbuffer.{client.__name__} "
+                f"(accepted: {', '.join(sorted(known))}; target, timeout and remote are "
+                "DaemonStorage's own)"
+            )
+    return dict(options)
+
+
+class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type hints
+    """A TorchRL ``Storage`` backed by a shmbuffer daemon in transition unit.
+
+    Subclasses TorchRL's ``StoreStorage`` (the storage for rows kept in a server) only so
+    that TorchRL picks its collate function (none: reads are already batched TensorDicts);
+    nothing of the Redis machinery is used.
+
+    Args:
+        target: a buffer name or endpoint, as ``shmbuffer.Reader``/``Writer`` take.
+        timeout: seconds any single wait on the daemon may take, and how long a read waits
+            for rows a writer has not committed yet.
+        remote: as for ``Reader``/``Writer`` (None: automatic).
+        reader_options, writer_options: further keyword arguments of the Reader and the
+            Writer (CURVE keys, ``sample_timeout``, ``commit_delay``, ...). The Reader samples
+            without ``prefetch`` unless asked, so a sample reflects every priority update
+            made before it.
+
+    Writes go through :class:`~shmbuffer.torchrl.DaemonWriter` only (``set`` is refused: the
+    daemon decides where rows go). ``rb.empty()``, ``state_dict`` and ``dumps`` are refused
+    too: the data belongs to every process of the job, not to this buffer object.
+    """
+
+    def __init__(
+        self,
+        target: str = "default",
+        *,
+        timeout: float = 10.0,
+        remote: bool | None = None,
+        reader_options: Mapping[str, Any] | None = None,
+        writer_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        # Neither StoreStorage.__init__ (it needs Redis) nor Storage.__init__ (it sets
+        # max_size, here the daemon's capacity, known once a client has said hello).
+        if not isinstance(target, str) or not target:
+            raise TypeError(f"target must be a buffer name or an endpoint, got {target!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.target = target
+        self.timeout = float(timeout)
+        self.remote = remote
+        self.reader_options = {"prefetch": False} | _checked_options(
+            reader_options, Reader, "reader_options"
+        )
+        self.writer_options = _checked_options(writer_options, Writer, "writer_options")
+        self._compilable = False
+        self.checkpointer = None  # TorchRL's default (unused: dumps is refused)
+        self._attached_entities_list: list[Any] = []
+        self._capacity: int | None = None
+        self._pid = os.getpid()
+        self._reader: Reader | None = None
+        self._writer: Writer | None = None
+        self._listing: _Listing | None = None
+        self._stats: dict[str, Any] | None = None  # the daemon's stats when last asked
+        #: ``(index, data)`` a DaemonSampler drew, for the ``get(index)`` that follows it.
+        self._handed: tuple[Any, Any] | None = None
+
+    # -- the clients, one of each per process -------------------------------------------------
+
+    def _own_clients(self) -> None:
+        """Forget clients inherited through ``fork``: their sockets are the parent's."""
+        if self._pid == os.getpid():
+            return
+        for client in (self._reader, self._writer):
+            if client is not None:
+                client.close()  # in a forked child this only marks the copy closed
+        self._reader = self._writer = None
+        self._listing = self._stats = self._handed = None
+        self._pid = os.getpid()
+
+    def _adopt(self, client: Reader | Writer) -> None:
+        if client.unit != "transition":
+            client.close()
+            raise ValueError(
+                f"DaemonStorage({self.target!r}) needs a daemon in transition unit (TorchRL "
+                f"indexes rows): this one runs in {client.unit} unit; start it with "
+                "`shmbuffer-daemon start --unit transition`"
+            )
+        self._capacity = client.capacity
+
+    @property
+    def reader(self) -> Reader:
+        """This process's Reader (opened at first use)."""
+        self._own_clients()
+        if self._reader is None:
+            reader = Reader(
+                self.target, timeout=self.timeout, remote=self.remote, **self.reader_options
+            )
+            self._adopt(reader)
+            self._reader = reader
+        return self._reader
+
+    @property
+    def writer(self) -> Writer:
+        """This process's Writer (opened at first use)."""
+        self._own_clients()
+        if self._writer is None:
+            writer = Writer(
+                self.target, timeout=self.timeout, remote=self.remote, **self.writer_options
+            )
+            self._adopt(writer)
+            self._writer = writer
+        return self._writer
+
+    @property
+    def max_size(self) -> int:
+        """The daemon's capacity in rows."""
+        if self._capacity is None:  # an open Writer would have set it: ask through a Reader
+            self._capacity = self.reader.capacity
+        return self._capacity
+
+    def flush(self) -> None:
+        """Wait until everything this process wrote is committed (a no-op before any write)."""
+        self._own_clients()
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and close this process's clients; the storage opens new ones if used again."""
+        self._own_clients()
+        reader, writer = self._reader, self._writer
+        self._reader = self._writer = None
+        self._listing = self._stats = self._handed = None
+        try:
+            if writer is not None:
+                writer.close()
+        finally:
+            if reader is not None:
+                reader.close()
+
+    def __enter__(self) -> DaemonStorage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- pickling: settings travel, clients do not --------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(
+            _reader=None, _writer=None, _listing=None, _stats=None, _handed=None, _rng=None
+        )
+        state["_pid"] = -1  # whoever unpickles it opens its own clients
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    # -- sizes --------------------------------------------------------------------------------
+
+    def _fresh_stats(self) -> dict[str, Any]:
+        stats = self.reader.stats()
+        self._stats = stats
+        return stats
+
+    @staticmethod
+    def _extent(stats: Mapping[str, Any]) -> int:
+        """Ring positions in use: committed or being written. Before the ring wraps round
+        they are ``[0, pointer)``; once it has, every row (committed plus reserved rows then
+        exceed the pointer)."""
+        pointer, capacity = int(stats["pointer"]), int(stats["capacity"])
+        in_use = int(stats["rows"]) + int(stats["reserved_rows"])
+        return pointer if in_use <= pointer else capacity
+
+    def __len__(self) -> int:
+        return self._extent(self._fresh_stats())
+
+    @property
+    def _last_cursor_index(self) -> int | None:
+        """The row written last (SliceSampler ends a trajectory there in a full ring), from
+        the daemon's state at the last ``len()``."""
+        stats = self._stats if self._stats is not None else self._fresh_stats()
+        if self._extent(stats) == 0:
+            return None
+        return (int(stats["pointer"]) - 1) % int(stats["capacity"])
+
+    @property
+    def _mutation_revision(self) -> int:
+        """Changes whenever the daemon commits rows (TorchRL's boundary caches key on it)."""
+        return int(self._fresh_stats()["rows_committed"])
+
+    def contains(self, item: Any) -> Any:
+        size = len(self)
+        if isinstance(item, torch.Tensor):
+            return (item >= 0) & (item < size)
+        index = operator.index(item)
+        return 0 <= index < size
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def get(self, index: Any) -> Any:
+        """The rows at ``index`` (an int, a slice of ``[0, len)``, a sequence, array or tensor
+        of rows, or a 1-tuple of one): a TensorDict of ``index``'s shape (one row: batch size
+        ``[]``), or a tensor if the storage was written bare tensors."""
+        handed, self._handed = self._handed, None
+        if handed is not None and handed[0] is index:
+            return handed[1]  # a DaemonSampler's draw, already copied and checked
+        physical, shape = self._physical(index)
+        data = self._read(physical)
+        if shape == ():
+            data = data[0]
+        elif len(shape) > 1:
+            data = data.reshape(*shape)
+        return self._unwrap(data)
+
+    def _unwrap(self, data: TensorDict) -> Any:
+        schema = self.reader.schema
+        if schema is not None and [f.key for f in schema.fields] == [(TENSOR_KEY,)]:
+            return data[TENSOR_KEY]
+        return data
+
+    def _physical(self, index: Any) -> tuple[np.ndarray, tuple[int, ...]]:
+        """``index`` as int64 physical rows, and the shape of the result (``()``: one row)."""
+        if isinstance(index, tuple):
+            if len(index) != 1:
+                raise IndexError(
+                    f"DaemonStorage is one-dimensional (ndim=1), got an index of {len(index)} "
+                    "dimensions"
+                )
+            (index,) = index
+        if isinstance(index, slice):
+            positions = np.arange(len(self), dtype=np.int64)[index]
+            return positions, positions.shape
+        if isinstance(index, torch.Tensor):
+            index = index.detach().cpu().numpy()
+        array = np.asarray(index)
+        if array.dtype == np.bool_:
+            raise IndexError("DaemonStorage takes row numbers, not a boolean mask")
+        if array.size and array.dtype.kind not in "iu":
+            raise IndexError(f"DaemonStorage indices must be integers, got {array.dtype}")
+        physical = array.astype(np.int64).reshape(-1)
+        if (physical < 0).any():  # from the end of the rows in use, as a TorchRL storage
+            physical = np.where(physical < 0, physical + len(self), physical)
+        outside = (physical < 0) | (physical >= self.max_size)
+        if outside.any():
+            raise IndexError(
+                f"row {int(array.reshape(-1)[outside][0])} is out of range for a buffer of "
+                f"capacity {self.max_size}"
+            )
+        return physical, array.shape
+
+    def _read(self, physical: np.ndarray) -> TensorDict:
+        """A checked copy of ``physical`` (see the module docstring): the rows the list says
+        are committed are copied at once, and only those a writer holds or reached during
+        the copy wait for a fresh list (with many rows, some are always being written)."""
+        reader = self.reader
+        reader._ready()  # attaches the segment once the buffer has a schema
+        schema = reader.schema
+        if schema is None:
+            if physical.size:
+                raise IndexError(f"row {int(physical[0])}: nothing has been written yet")
+            return TensorDict({}, batch_size=[0])
+        if not physical.size:
+            return _unfilled(schema, 0)
+        data: TensorDict | None = None
+        deadline = time.monotonic() + self.timeout
+        fresh = self._listing is None
+        listing = self._refresh() if self._listing is None else self._listing
+        todo = np.arange(physical.size)
+        recopies, pause = 0, 0.001
+        while todo.size:
+            want = physical[todo]
+            ready = listing.committed[want]
+            if ready.any():
+                part, moved = self._copy(want[ready], listing.stamps[want[ready]])
+                if data is None and bool(ready.all()) and not moved.any():
+                    return part  # the usual case: one copy, nothing to patch
+                if data is None:
+                    data = _unfilled(schema, physical.size)
+                copied = todo[ready]
+                if part is not None:
+                    data[torch.from_numpy(copied)] = part
+                if moved.any():
+                    recopies += 1
+                    if recopies > MAX_RECOPIES:
+                        raise TornReadError(
+                            f"rows kept being overwritten through {MAX_RECOPIES} copies (row "
+                            f"{int(physical[copied[moved][0]])}): the ring is far too small "
+                            "for the write rate"
+                        )
+                todo = np.concatenate([todo[~ready], copied[moved]])
+            elif fresh:  # the daemon's current list lacks them all: wait for their writers
+                self._check_pending(want, deadline)
+                time.sleep(pause)
+                pause = min(2 * pause, 0.05)
+            if todo.size:
+                listing, fresh = self._refresh(), True
+        assert data is not None
+        return data
+
+    def _copy(self, want: np.ndarray, stamps: np.ndarray) -> tuple[TensorDict | None, np.ndarray]:
+        """Copy rows ``want`` listed with ``stamps``; also says which moved during the copy
+        (those must be copied again; remotely a torn copy is refused whole: all of them)."""
+        reader = self.reader
+        segment = reader.segment
+        if segment is None:  # remote: the daemon copies
+            try:
+                seq = reader.conn.send("read", rows=encode_i64(want), gens=encode_i64(stamps))
+                _, frames = reader.conn.wait(seq)
+            except TornReadError:
+                return None, np.ones(want.size, dtype=bool)
+            return reader._from_frames(frames, [want.size]), np.zeros(want.size, dtype=bool)
+        part = rows.gather(segment.columns, want)
+        # A reservation bumps a row's stamp before its writer may touch the row.
+        return part, segment.generations[want] != stamps
+
+    def _refresh(self) -> _Listing:
+        """Ask the daemon which rows are committed, and their stamps (then its stats: a row
+        missing from the list and past the ring's extent after it was never written)."""
+        reader = self.reader
+        reply = reader.conn.call(
+            "iterate", rank=0, world_size=1, shuffle=False, drop_last=False, epoch=0
+        )
+        self._fresh_stats()
+        physical, gens = decode_i64(reply["rows"]), decode_i64(reply["gens"])
+        committed = np.zeros(reader.capacity, dtype=bool)
+        stamps = np.full(reader.capacity, -1, dtype=np.int64)
+        committed[physical], stamps[physical] = True, gens
+        self._listing = _Listing(committed, stamps)
+        return self._listing
+
+    def _check_pending(self, absent: np.ndarray, deadline: float) -> None:
+        """Raise unless the uncommitted rows ``absent`` may still be committed in time.
+
+        Whether a writer holds them cannot be told from here (the daemon's stats count
+        reserved rows, not which), so a row inside the ring's extent is waited for: a
+        reservation ends, committed or aborted, within the daemon's ``--reservation-ttl``."""
+        stats = self._stats
+        assert stats is not None  # _refresh took them
+        extent, row = self._extent(stats), int(absent[0])
+        if row >= extent:
+            raise IndexError(f"row {row} holds no data: {extent} rows of the ring are in use")
+        if time.monotonic() > deadline:
+            raise WaitTimeoutError(
+                f"row {row} holds no committed data after {self.timeout}s: its writer is slow "
+                "to commit, or died mid-write and left a gap that stays until the ring comes "
+                "round to it"
+            )
+
+    # -- what a daemon-backed storage does not do ---------------------------------------------
+
+    def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
+        raise TypeError(
+            "DaemonStorage is written through DaemonWriter: pass "
+            "writer=shmbuffer.torchrl.DaemonWriter() to the ReplayBuffer (the daemon, not "
+            "this process's cursor, decides where rows go; rows are never set in place)"
+        )
+
+    def _empty(self) -> None:
+        raise NotImplementedError(_NOT_HERE.format(what="emptying"))
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError(_NOT_HERE.format(what="saving a state_dict"))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise NotImplementedError(_NOT_HERE.format(what="loading a state_dict"))
+
+    def dumps(self, path: Any) -> None:
+        raise NotImplementedError(_NOT_HERE.format(what="dumping"))
+
+    def loads(self, path: Any) -> None:
+        raise NotImplementedError(_NOT_HERE.format(what="loading"))
+
+    def __repr__(self) -> str:
+        return f"DaemonStorage({self.target!r})"
+
+
+def _unfilled(schema: Schema, num_rows: int) -> TensorDict:
+    """``num_rows`` rows of ``schema``, not yet filled in."""
+    columns = {f.key: torch.empty((num_rows, *f.shape), dtype=f.dtype) for f in schema}
+    return rows.nest(columns, [num_rows])
+
+
+def daemon_storage_of(storage: Any, who: str) -> DaemonStorage:
+    """``storage`` if it is a DaemonStorage, else a TypeError saying ``who`` needs one."""
+    if not isinstance(storage, DaemonStorage):
+        raise TypeError(
+            f"{who} works with a DaemonStorage only (storage=shmbuffer.torchrl."
+            f"DaemonStorage(name)), got {type(storage).__name__}"
+        )
+    return storage

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from shmbuffer import curve, runtime
@@ -388,14 +389,48 @@ def cmd_configure(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from shmbuffer import progress
     from shmbuffer.clients.admin import checkpoint
 
-    reply = checkpoint(args.name, os.path.abspath(args.to), timeout=args.timeout)
+    dest = os.path.abspath(args.to)
+    total, measure = _checkpoint_measure(args, dest) if progress.enabled() else (0, lambda: 0)
+    reply = progress.wait_with_progress(
+        "checkpoint", total, measure, lambda: checkpoint(args.name, dest, timeout=args.timeout)
+    )
     print(
         f"checkpoint of {args.name!r} at {reply['path']}: {reply['bytes'] / 1e6:.1f} MB "
         f"in {reply['seconds']:.2f}s"
     )
     return 0
+
+
+def _checkpoint_measure(args: argparse.Namespace, dest: str) -> tuple[int, Callable[[], int]]:
+    """(bytes to copy, bytes copied so far) of a checkpoint the daemon is writing to ``dest``:
+    its segment's data file against the one growing in the checkpoint's temp folder. (0, ...)
+    when either cannot be read (no bar then)."""
+    from pathlib import Path
+
+    from shmbuffer.segment import DATA_FILE, MANIFEST
+
+    try:
+        conn = _admin(args.name, timeout=args.timeout)
+        try:
+            segment = conn.call("stats")["stats"]["segment"]
+        finally:
+            conn.close()
+        folder = Path(segment["path"])
+        data_file = json.loads((folder / MANIFEST).read_text()).get("data_file", DATA_FILE)
+        total = int((folder / data_file).stat().st_size)
+    except (ShmBufferError, OSError, ValueError, KeyError, TypeError):
+        return 0, lambda: 0
+
+    def measure() -> int:
+        try:
+            return sum(p.stat().st_size for p in Path(dest).glob(f".tmp-*/{DATA_FILE}"))
+        except OSError:  # renamed into place between the glob and the stat
+            return total
+
+    return total, measure
 
 
 def cmd_cleanup(args: argparse.Namespace) -> int:

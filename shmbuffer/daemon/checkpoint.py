@@ -33,7 +33,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,9 +66,12 @@ def _copy_chunk(src: int, dst: int, offset: int, count: int) -> int:
         return os.pwrite(dst, data, offset)
 
 
-def copy_data(src_path: Path, dst_path: Path, size: int) -> None:
+def copy_data(
+    src_path: Path, dst_path: Path, size: int, progress: Callable[[int], None] | None = None
+) -> None:
     """Copy ``size`` bytes of ``src_path`` into ``dst_path`` (created or overwritten in place,
-    never truncated: the destination may be a live segment's data file)."""
+    never truncated: the destination may be a live segment's data file); ``progress`` is
+    told the bytes copied so far after each chunk."""
     src = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         dst = os.open(dst_path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -79,6 +82,8 @@ def copy_data(src_path: Path, dst_path: Path, size: int) -> None:
                 if n <= 0:
                     raise CheckpointError(f"{src_path} ended at {offset} of {size} bytes")
                 offset += n
+                if progress is not None:
+                    progress(offset)
             os.fsync(dst)
         finally:
             os.close(dst)

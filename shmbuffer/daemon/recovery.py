@@ -234,6 +234,7 @@ def restore_service(config: DaemonConfig, source: str | Path) -> BufferService:
 
     from shmbuffer.daemon.checkpoint import USE_COUNTS, copy_data, read_checkpoint
     from shmbuffer.daemon.service import BufferService
+    from shmbuffer.progress import copy_progress
 
     t0 = time.perf_counter()
     folder, manifest, state = read_checkpoint(source)
@@ -244,7 +245,13 @@ def restore_service(config: DaemonConfig, source: str | Path) -> BufferService:
     assert segment is not None and service.journal is not None
     if segment.nbytes != manifest["size"]:
         raise RecoveryError(f"checkpoint {folder}: layout differs from this version's segment")
-    copy_data(folder / DATA_FILE, segment.path / segment.manifest["data_file"], segment.nbytes)
+    update, done = copy_progress("restore", segment.nbytes)  # a bar on a terminal only
+    try:
+        copy_data(
+            folder / DATA_FILE, segment.path / segment.manifest["data_file"], segment.nbytes, update
+        )
+    finally:
+        done()
     try:  # registry, ring, sampler state, limiter counts and generator state
         restore_container(state, service.container)
     except JournalError as exc:  # another sampler kind, say: the fresh segment goes again

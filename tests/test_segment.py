@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
+import mmap
 import os
 import queue
 import shutil
@@ -18,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from shmbuffer import segment as segment_module
 from shmbuffer.errors import (
     InvalidNameError,
     NotFoundError,
@@ -226,6 +230,48 @@ def test_close_keeps_live_views_valid(storage: Path, name: str) -> None:
     assert arr[1].sum() == 5 * 12
 
 
+def resident(tensor: torch.Tensor) -> int:
+    """Bytes of ``tensor``'s pages mapped in this process (``mincore``), rounded to pages."""
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr() // page * page
+    pages = -(-(tensor.data_ptr() + tensor.nbytes - start) // page)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(start, pages * page, vec) == 0, os.strerror(ctypes.get_errno())
+    return sum(b & 1 for b in vec) * page
+
+
+MB_ROWS = Schema.from_spec({"obs": {"dtype": "uint8", "shape": [1 << 16]}})  # 64 KiB rows
+
+
+@pytest.mark.parametrize("prefault", [True, False])
+def test_create_reserves_every_page(storage: Path, name: str, prefault: bool) -> None:
+    with Segment.create(name, MB_ROWS, 64, storage_dir=storage, prefault=prefault) as seg:
+        obs = seg.columns[("obs",)]
+        data = seg.path / "data.bin"
+        assert data.stat().st_blocks * 512 >= seg.nbytes  # every page allocated in tmpfs
+        if prefault:  # populated (and zeroed) now, not during the first pass of writes
+            assert resident(obs) == obs.nbytes
+        assert not obs.any()
+        obs[-1] = 3
+        with Segment.attach(name, storage_dir=storage) as other:
+            assert torch.all(other.columns[("obs",)][-1] == 3)
+
+
+def test_a_full_disk_during_reservation_cleans_up(
+    storage: Path, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        # the space was taken by someone else after the free-space check passed
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(segment_module.os, "posix_fallocate", fallocate)
+    with pytest.raises(OutOfSpaceError, match="no space"):
+        Segment.create(name, MB_ROWS, 64, storage_dir=storage)
+    assert not Segment.exists(name, storage)
+
+
 def test_prefault_off(storage: Path, name: str) -> None:
     with Segment.create(name, SMALL, 4, storage_dir=storage, prefault=False) as a:
         a.data["obs"][0] = 1
@@ -421,3 +467,22 @@ def test_local_segment() -> None:
     assert LocalSegment(SMALL, 3, prefault=False).columns[("obs",)].shape == (3, 3, 4)
     with pytest.raises(SegmentError):
         LocalSegment(SMALL, 0)
+
+
+@pytest.mark.parametrize("prefault", [True, False])
+def test_local_segment_reserves_every_page(prefault: bool) -> None:
+    with LocalSegment(MB_ROWS, 64, prefault=prefault) as seg:
+        obs = seg.columns[("obs",)]
+        assert resident(obs) == (obs.nbytes if prefault else 0)
+        assert not obs.any() and not seg.generations.any()
+        obs[5] = 1
+        assert seg.arrays[("obs",)][5].sum() == 1 << 16
+
+
+def test_local_segment_larger_than_memory_is_refused() -> None:
+    with open("/proc/meminfo") as f:
+        total = int(f.readline().split()[1]) * 1024  # MemTotal
+    rows = 2 * total // (1 << 16)
+    with pytest.raises(OutOfSpaceError, match="memory available") as err:
+        LocalSegment(MB_ROWS, rows)
+    assert f"{rows:,} rows" in str(err.value) and "capacity" in str(err.value)

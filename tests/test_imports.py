@@ -5,6 +5,8 @@
 - ``daemon/`` never imports ``clients/`` and ``clients/`` never imports ``daemon/``;
 - interop layers (``shmbuffer.torchrl``) sit above the clients: core and clients, never the
   daemon;
+- the Ray scale-out (``shmbuffer.cluster``) sits above the clients too: it runs daemons as
+  ``shmbuffer-daemon start`` subprocesses, never by importing ``shmbuffer.daemon``;
 - no import circle anywhere, counting lazy imports and ``TYPE_CHECKING`` ones alike.
 """
 
@@ -22,6 +24,9 @@ ABOVE_BOTH = {"shmbuffer", "shmbuffer.cli", "shmbuffer.demo"}
 #: Packages above the clients only: adapters that give other libraries' APIs a daemon's buffer
 #: through Reader and Writer (TorchRL's Storage/Writer/Sampler); a job's processes are clients.
 INTEROP = {"shmbuffer.torchrl"}
+#: Above the clients only: the Ray scale-out's hosts launch the daemon through the command line
+#: (a subprocess), so a shard's daemon is a process apart, never imported.
+CLUSTER = {"shmbuffer.cluster"}
 
 
 def module_name(path: Path) -> str:
@@ -62,6 +67,8 @@ def side(module: str) -> str:
         return "above"
     if any(module == name or module.startswith(f"{name}.") for name in INTEROP):
         return "interop"
+    if any(module == name or module.startswith(f"{name}.") for name in CLUSTER):
+        return "cluster"
     for name in ("daemon", "clients"):
         if module == f"shmbuffer.{name}" or module.startswith(f"shmbuffer.{name}."):
             return name
@@ -78,6 +85,7 @@ def test_import_direction(module: str) -> None:
         "daemon": {"core", "daemon"},
         "clients": {"core", "clients"},
         "interop": {"core", "clients", "interop"},
+        "cluster": {"core", "clients", "cluster"},
         "above": {"core", "daemon", "clients", "above"},
     }[side(module)]
     wrong = sorted(dep for dep in GRAPH[module] if side(dep) not in allowed)
@@ -112,6 +120,8 @@ def test_the_scan_sees_imports() -> None:
     assert side("shmbuffer.registry") == "core"
     assert side("shmbuffer.torchrl.storage") == "interop"
     assert "shmbuffer.clients.reader" in GRAPH["shmbuffer.torchrl.storage"]
+    assert side("shmbuffer.cluster.reader") == "cluster"
+    assert "shmbuffer.clients.reader" in GRAPH["shmbuffer.cluster.reader"]
 
 
 def test_only_the_interop_layer_imports_torchrl() -> None:
@@ -131,3 +141,21 @@ def test_only_the_interop_layer_imports_torchrl() -> None:
             )
             wrong = [n for n in names if n == "torchrl" or n.startswith("torchrl.")]
             assert not wrong, f"{module} imports {wrong[0]}: only shmbuffer.torchrl may"
+
+
+def test_only_the_cluster_imports_ray() -> None:
+    # `import shmbuffer` (and every client) must work without the ray extra
+    for path in PACKAGE.rglob("*.py"):
+        module = module_name(path)
+        if side(module) == "cluster":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and node.level == 0
+                else []
+            )
+            wrong = [n for n in names if n == "ray" or n.startswith("ray.")]
+            assert not wrong, f"{module} imports {wrong[0]}: only shmbuffer.cluster may"

@@ -13,7 +13,7 @@ from typing import Any
 
 from shmbuffer.errors import ConfigError
 from shmbuffer.names import MODES, UNITS, check_choice, validate_name
-from shmbuffer.runtime import ENV_RUNTIME_DIR, runtime_dir
+from shmbuffer.runtime import ENV_RUNTIME_DIR, group_user_dir, runtime_dir
 from shmbuffer.samplers import (
     RATE_LIMITERS,
     SAMPLERS,
@@ -232,7 +232,16 @@ class DaemonConfig:
 
     @property
     def resolved_endpoint(self) -> str:
-        return check_endpoint(self.endpoint or f"ipc://{runtime_dir() / (self.name + '.sock')}")
+        """``endpoint``, else the default ipc socket: ``<runtime dir>/<name>.sock``, or with
+        ``group`` in the group's discovery folder (``runtime.group_user_dir``), which its
+        members can reach wherever the runtime dir is (``$XDG_RUNTIME_DIR`` is owner-only)."""
+        if self.endpoint:
+            return check_endpoint(self.endpoint)
+        from shmbuffer.daemon.security import resolve_group
+
+        gid = resolve_group(self.group)
+        folder = runtime_dir() if gid is None else group_user_dir(gid)
+        return check_endpoint(f"ipc://{folder / (self.name + '.sock')}")
 
     @classmethod
     def load(cls, path: str | Path | None = None, **overrides: Any) -> DaemonConfig:

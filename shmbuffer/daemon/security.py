@@ -4,10 +4,12 @@
   ``0700``). Only processes of the daemon's user can map the rows or send requests.
 - **Group** (``--group NAME|GID``): the segment folder becomes ``0750`` and its files ``0660``
   (writers *and* readers map the data file read-write: readers bump nothing, but the mapping is
-  shared and writable), the ipc socket ``0660``, all owned by that group. The runtime dir is
-  opened to the group too (``0750``, only when it is a private folder of the daemon's user), so
-  group members find the daemon by name by pointing ``SHMBUFFER_RUNTIME_DIR`` at it, or they
-  pass the ``ipc://`` endpoint explicitly.
+  shared and writable), the ipc socket ``0660``, all owned by that group. Members find the
+  daemon by name with nothing set: it publishes its runtime record in the group's discovery
+  folder ``/tmp/shmbuffer-g<gid>/<uid>/`` (``3770`` and ``0750``; checked by every client, see
+  ``shmbuffer/runtime.py``), and its default ipc socket lives there too. The runtime dir is
+  opened to the group as well (``0750``, only when it is a private folder of the daemon's
+  user), so pointing ``SHMBUFFER_RUNTIME_DIR`` at it still works.
 - **tcp** is opt-in. With ``--curve-secret`` the ROUTER is a ZeroMQ CURVE server: clients must
   know its public key (and, with ``--curve-clients DIR``, hold a certificate whose public key
   is in ``DIR``). Without keys, only a loopback address may be bound (with a warning: any local
@@ -114,8 +116,14 @@ def admin_refusal(endpoint: str, curve: bool, allow_tcp_admin: bool) -> str | No
 
 def check_daemon_access(config: Any) -> list[str]:
     """Check a ``DaemonConfig`` before anything is created: the tcp policy, the group and the
-    key files. Returns the warnings to log; raises on a setting that cannot be honoured."""
-    resolve_group(config.group)
+    key files. Returns the warnings to log; raises on a setting that cannot be honoured. With
+    a group, the group's discovery folder is made (or checked) here, before the segment: the
+    default socket is bound in it, and one we cannot trust stops the start."""
+    gid = resolve_group(config.group)
+    if gid is not None:
+        from shmbuffer.runtime import ensure_group_dir
+
+        ensure_group_dir(gid)
     if config.curve_clients and not config.curve_secret:
         raise KeyFileError("--curve-clients needs --curve-secret (the server's own keys)")
     if config.curve_secret:
@@ -175,14 +183,16 @@ def share_with_group(path: str | os.PathLike[str], gid: int | None, mode: int) -
 
 
 def share_runtime(config: Any) -> None:
-    """With a group: the runtime dir (``0750``) and the buffer's runtime and pid files
-    (``0640``) become readable by it, so its members can find the daemon by name with
-    ``SHMBUFFER_RUNTIME_DIR`` set to that folder."""
+    """With a group: the runtime record is published in the group's discovery folder, where
+    members find it by name (``runtime.publish_to_group``); the runtime dir (``0750``) and the
+    buffer's runtime and pid files (``0640``) become readable by the group too, for members
+    who set ``SHMBUFFER_RUNTIME_DIR`` to that folder."""
     gid = resolve_group(config.group)
     if gid is None:
         return
-    from shmbuffer.runtime import runtime_dir
+    from shmbuffer.runtime import publish_to_group, runtime_dir
 
+    publish_to_group(config.name, gid)
     folder = runtime_dir()
     share_with_group(folder, gid, 0o050)
     for suffix in (".json", ".pid"):

@@ -31,6 +31,7 @@ import shmbuffer.daemon.recovery
 import shmbuffer.daemon.server
 import shmbuffer.daemon.service
 import shmbuffer.demo
+import shmbuffer.runtime
 from shmbuffer import Reader, Writer
 from shmbuffer.errors import ShmBufferError
 from shmbuffer.schema import Schema
@@ -76,6 +77,21 @@ def write_and_sample(target: str) -> dict[str, Any]:
     return out
 
 
+def resolve(name: str, runtime_dir: str = "") -> dict[str, Any]:
+    """Find ``name`` as clients do (``runtime.resolve_endpoint``): with this process's own
+    environment, then (if given) with ``SHMBUFFER_RUNTIME_DIR`` pointed at ``runtime_dir``."""
+    out: dict[str, Any] = {}
+    attempts = [("by_name", None)] + ([("by_dir", runtime_dir)] if runtime_dir else [])
+    for key, folder in attempts:
+        if folder is not None:
+            os.environ["SHMBUFFER_RUNTIME_DIR"] = folder
+        try:
+            out[key] = shmbuffer.runtime.resolve_endpoint(name)
+        except (ShmBufferError, OSError) as exc:
+            out[key] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 def main() -> int:
     uid, gid, scenario, *args = sys.argv[1:]
     os.setgroups([int(gid)])
@@ -83,7 +99,8 @@ def main() -> int:
     os.setuid(int(uid))
     if scenario == "daemon":
         return shmbuffer.cli.main(["start", *args])
-    result = {"segment": create_segment, "write": write_and_sample}[scenario](*args)
+    scenarios = {"segment": create_segment, "write": write_and_sample, "resolve": resolve}
+    result = scenarios[scenario](*args)
     print(json.dumps(result), flush=True)
     return 0
 

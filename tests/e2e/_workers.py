@@ -179,6 +179,13 @@ def chaos_writer(
         raise SystemExit(1) from None
 
 
+def chaos_priority(writer: Any, episode: Any) -> Any:
+    """The priority chaos learners give an episode: a function of whose it is, in (0, 1), so a
+    stored priority is either new data's default (1, the largest ever seen) or this value of
+    the episode that holds the row now; one applied to a later occupant of its rows shows."""
+    return 0.005 + ((writer * 7919 + episode * 104729) % 991) / 1000.0
+
+
 def chaos_learner(
     runtime_dir: str,
     out: Any,
@@ -186,6 +193,8 @@ def chaos_learner(
     learner_id: int,
     timeout: float,
     stop_file: str,
+    prioritized: bool = False,
+    update_lag: int = 16,
     report_every: float = 0.2,
 ) -> None:
     """Sample leased episodes (each checked whole inside its lease) and rows (each checked
@@ -196,11 +205,26 @@ def chaos_learner(
     kept overwriting: no wrong data was returned) is counted apart. Daemon errors make it
     reconnect. ``("counts", id, {...})`` every ``report_every`` seconds and at the end, so a
     killed learner's counts so far are not lost.
+
+    ``prioritized``: rows are sampled with ``return_info`` and given
+    :func:`chaos_priority` of their episode through ``update_priorities(...,
+    generation=...)``, as a PER learner does while writers overwrite; each batch is updated
+    ``update_lag`` samples later (a learner's pipeline), so that writers have overwritten
+    some of its rows by then. Only the daemon going away (DaemonUnavailableError, its
+    reconnect) may fail an update; any other error is reported at once (``("bad_update", id,
+    message)``): stale rows are skipped, not errors.
     """
     os.environ["SHMBUFFER_RUNTIME_DIR"] = runtime_dir
+    from collections import deque
+
     from shmbuffer import Reader
     from shmbuffer.demo import check_episode, check_rows
-    from shmbuffer.errors import EmptyBufferError, ShmBufferError, TornReadError
+    from shmbuffer.errors import (
+        DaemonUnavailableError,
+        EmptyBufferError,
+        ShmBufferError,
+        TornReadError,
+    )
 
     counts = {
         "episodes": 0,
@@ -209,7 +233,31 @@ def chaos_learner(
         "torn_read_errors": 0,
         "empty": 0,
         "reconnects": 0,
+        "updates_sent": 0,
+        "updates_applied": 0,
+        "update_errors": 0,
     }
+
+    pending: deque[tuple[Any, Any]] = deque()  # (priority, info) of batches not updated yet
+
+    def update(reader: Any, batch: Any, info: Any) -> None:
+        pending.append((chaos_priority(batch["writer"].double(), batch["episode"].double()), info))
+        if len(pending) <= update_lag:
+            return
+        priority, info = pending.popleft()
+        try:
+            applied = reader.update_priorities(
+                info["index"], priority, generation=info["generation"]
+            )
+        except DaemonUnavailableError:
+            pending.clear()  # sampled from a daemon that is gone
+            raise
+        except ShmBufferError as exc:
+            counts["update_errors"] += 1
+            out.send(("bad_update", learner_id, repr(exc)))
+            return
+        counts["updates_sent"] += len(priority)
+        counts["updates_applied"] += applied
 
     def torn(exc: AssertionError) -> None:
         counts["torn"] += 1
@@ -239,12 +287,19 @@ def chaos_learner(
                             counts["episodes"] += 1
                         except AssertionError as exc:
                             torn(exc)
-                batch = reader.sample(64)
+                info = None
+                if prioritized:
+                    batch, info = reader.sample(64, return_info=True)
+                else:
+                    batch = reader.sample(64)
                 try:
                     check_rows(batch)
                     counts["rows"] += len(batch)
                 except AssertionError as exc:
                     torn(exc)
+                    info = None  # never prioritise by a torn row's stamps
+                if info is not None:
+                    update(reader, batch, info)
             except EmptyBufferError:
                 counts["empty"] += 1
                 time.sleep(0.01)
@@ -252,6 +307,89 @@ def chaos_learner(
                 counts["torn_read_errors"] += 1
             except ShmBufferError:
                 counts["reconnects"] += 1
+                _close_in_background(reader)
+                reader = None
+        if reader is not None:
+            reader.close()
+        out.send(("counts", learner_id, dict(counts)))
+        out.send(("done", learner_id, None))
+    except BaseException:
+        out.send(("error", learner_id, traceback.format_exc()))
+        raise SystemExit(1) from None
+
+
+def chaos_consumer(
+    runtime_dir: str,
+    out: Any,
+    name: str,
+    learner_id: int,
+    timeout: float,
+    stop_file: str,
+    batch: int,
+    wait: float,
+    pause: float,
+    report_every: float = 0.2,
+) -> None:
+    """Consume a FIFO consume-once buffer (``--sampler fifo --max-times-sampled 1``):
+    ``sample_episodes(batch)`` under a lease, each episode checked whole, then ``pause``
+    seconds (slower than the writers: the ring fills and they wait), until the stop file.
+
+    The ledger the test keeps: ``("asking", id, seq)`` before each call; once its episodes
+    are checked, still inside the lease, ``("consumed", id, seq, daemon_pid, [(writer,
+    episode), ...])``; ``("settled", id, seq)`` when the daemon had nothing to hand out within
+    ``wait`` seconds (WaitTimeoutError: nothing consumed); ``("uncertain_call", id, seq, why)``
+    when the call failed with the daemon gone or silent (it may have handed the episodes out
+    and the reply never arrived). A SIGKILL between "asking" and "consumed" leaves the call in
+    flight. ``("counts", id, {...})`` as :func:`chaos_learner`.
+    """
+    os.environ["SHMBUFFER_RUNTIME_DIR"] = runtime_dir
+    from shmbuffer import Reader
+    from shmbuffer.demo import check_episode
+    from shmbuffer.errors import ShmBufferError, WaitTimeoutError
+
+    counts = {"episodes": 0, "rows": 0, "torn": 0, "waits": 0, "reconnects": 0}
+    try:
+        reader = None
+        seq = 0
+        last_report = time.monotonic()
+        while not os.path.exists(stop_file):
+            if time.monotonic() - last_report >= report_every:
+                out.send(("counts", learner_id, dict(counts)))
+                last_report = time.monotonic()
+            if reader is None:
+                try:
+                    _wait_for_daemon(name, stop_file, 60.0)
+                    if os.path.exists(stop_file):
+                        break
+                    reader = Reader(name, timeout=timeout, sample_timeout=wait)
+                except ShmBufferError:
+                    time.sleep(0.02)
+                    continue
+            seq += 1
+            out.send(("asking", learner_id, seq))
+            recorded = False
+            try:
+                with reader.sample_episodes(batch) as episodes:
+                    keys = []
+                    for ep in episodes:
+                        keys.append((int(ep["writer"][0]), int(ep["episode"][0])))
+                        try:
+                            check_episode(ep)
+                        except AssertionError as exc:
+                            counts["torn"] += 1
+                            out.send(("torn", learner_id, repr(exc)))
+                        counts["rows"] += len(ep)
+                    out.send(("consumed", learner_id, seq, reader.conn.daemon_pid, keys))
+                    recorded = True
+                    counts["episodes"] += len(keys)
+                time.sleep(pause)
+            except WaitTimeoutError:
+                counts["waits"] += 1
+                out.send(("settled", learner_id, seq))
+            except ShmBufferError as exc:  # the daemon died, or did not answer in time
+                counts["reconnects"] += 1
+                if not recorded:
+                    out.send(("uncertain_call", learner_id, seq, repr(exc)))
                 _close_in_background(reader)
                 reader = None
         if reader is not None:

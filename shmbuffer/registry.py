@@ -19,12 +19,18 @@ Design, for the sampling hot path of the daemon:
 * :meth:`EpisodeRegistry.sample_episodes` draws slots uniformly in ``[head, tail)`` and redraws
   the dead ones (vectorised rejection; with at most ~25 % dead it converges in a few rounds).
 * Position based queries (:meth:`~EpisodeRegistry.at`, :meth:`~EpisodeRegistry.at_many`,
-  :meth:`~EpisodeRegistry.rows_at`, :meth:`~EpisodeRegistry.sample_rows`,
-  :meth:`~EpisodeRegistry.sample_slices`) use slot-aligned running totals of episode lengths
-  (and, per requested slice length, of slice weights) and ``np.searchsorted``. The totals are
-  extended in O(1) by :meth:`~EpisodeRegistry.add` and need no change when the head moves, so
-  the FIFO add/evict/sample loop never rebuilds anything; they are recomputed (``np.cumsum``)
-  only when tombstones force a compaction, which position queries do lazily first.
+  :meth:`~EpisodeRegistry.rows_at`, :meth:`~EpisodeRegistry.sample_slices`) use slot-aligned
+  running totals of episode lengths (and, per requested slice length, of slice weights) and
+  ``np.searchsorted``. The totals are extended in O(1) by :meth:`~EpisodeRegistry.add` and
+  need no change when the head moves, so the FIFO add/evict/sample loop never rebuilds
+  anything; they are recomputed (``np.cumsum``) only when tombstones force a compaction,
+  which position queries do lazily first.
+* :meth:`~EpisodeRegistry.sample_rows` maps its draws through the *spans*, the maximal runs of
+  adjacent live rows (kept by every add, eviction and trim, O(log S + S) for S spans): one
+  span is one addition per draw, a few (a wrapped ring, reservations in flight) one search
+  over them. Only a ring with more than :data:`_MAX_SPANS` holes falls back to the running
+  totals over episodes. Draws are exact uniform integers from raw generator words
+  (:func:`uniform_integers`), cheaper than ``Generator.integers``'s argument handling.
 * Overlap queries (:meth:`~EpisodeRegistry.add`, :meth:`~EpisodeRegistry.evict`,
   :meth:`~EpisodeRegistry.overlapping`) bisect over a sorted Python list of live starts. Live
   intervals are disjoint, so their ends are sorted too and the overlapping ones are one
@@ -48,12 +54,15 @@ import numpy.typing as npt
 
 from shmbuffer.errors import EmptyBufferError, NotFoundError
 
-__all__ = ["Episode", "EpisodeRegistry"]
+__all__ = ["Episode", "EpisodeRegistry", "uniform_integers"]
 
 I64 = npt.NDArray[np.int64]
 
 _INITIAL_SLOTS = 64
 _MAX_SLICE_CACHES = 8
+#: Up to this many spans of adjacent live rows, row draws map positions through the spans;
+#: beyond (a ring full of holes), through the running totals over episodes.
+_MAX_SPANS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +107,7 @@ class EpisodeRegistry:
         # Sorted live starts, and start -> (end, id), for overlap queries.
         self._sorted_starts: list[int] = []
         self._by_start: dict[int, tuple[int, int]] = {}
+        self._spans = _Spans()
 
     @property
     def _tombstones(self) -> int:
@@ -158,6 +168,7 @@ class EpisodeRegistry:
         self._alive[slot] = False
         self._n_live -= 1
         self._num_rows -= ep.length
+        self._spans.remove(ep.start, ep.end)
         if self._n_live == 0:
             self._alive[self._head : self._tail] = False
             self._head = self._tail = 0
@@ -189,6 +200,7 @@ class EpisodeRegistry:
         self._num_rows += length
         bisect.insort(self._sorted_starts, start)
         self._by_start[start] = (end, episode_id)
+        self._spans.add(start, end)
 
     # ------------------------------------------------------------------ overlap index
 
@@ -268,6 +280,7 @@ class EpisodeRegistry:
         self._by_start[new_start] = (old.end, episode_id)
         self._starts[slot] = new_start
         self._num_rows -= new_start - old.start
+        self._spans.remove(old.start, new_start)
         self._slice_cum = {}  # slice weights of this entry changed; rebuilt lazily
         if slot != self._head:  # running totals after this slot are now off: rebuild them
             self._compact()
@@ -430,12 +443,27 @@ class EpisodeRegistry:
         return self._ids[slots], self._starts[slots], self._ends[slots]
 
     def sample_rows(self, n: int, rng: np.random.Generator) -> I64:
-        """``n`` physical rows drawn uniformly (with replacement) from all live rows."""
+        """``n`` physical rows drawn uniformly (with replacement) from all live rows.
+
+        A draw is a position among the live rows in ring order, mapped through the spans:
+        one addition while the live rows are one contiguous run, one search over the spans
+        while they are a few (a wrapped ring, rows in flight), the running totals over
+        episodes beyond :data:`_MAX_SPANS`.
+        """
         n = self._check_n(n)
         if self._num_rows == 0:
             raise self._empty("rows")
-        base = self._row_base()
-        return self._rows_from_absolute(rng.integers(base, base + self._num_rows, size=n))
+        spans = self._spans
+        if spans.count > _MAX_SPANS:
+            base = self._row_base()
+            return self._rows_from_absolute(rng.integers(base, base + self._num_rows, size=n))
+        pos = uniform_integers(rng, self._num_rows, n)
+        if spans.count == 1:
+            pos += spans.first
+            return pos
+        ends, shift = spans.arrays()
+        pos += shift.take(ends.searchsorted(pos, side="right"))
+        return pos
 
     def sample_slices(self, n: int, length: int, rng: np.random.Generator) -> I64:
         """Physical start rows of ``n`` slices of ``length`` rows, each inside one episode.
@@ -508,3 +536,90 @@ class EpisodeRegistry:
             raise ValueError(f"next_id {next_id} is not above the largest id {last}")
         reg._next_id = next_id
         return reg
+
+
+def uniform_integers(rng: np.random.Generator, high: int, n: int) -> I64:
+    """``n`` integers drawn uniformly from ``[0, high)``, exactly (``1 <= high < 2**63``).
+
+    ``rng.integers`` does the same in ~7.5 us for 256 of them, most of it argument handling
+    (a Python ``np.prod`` of the size); this takes ~5: raw 64-bit words modulo ``high``, where
+    the few words at or above the largest multiple of ``high`` (a share below
+    ``high / 2**64``) are drawn again, so every residue is equally likely.
+    """
+    limit = (1 << 64) // high * high
+    words = rng.bit_generator.random_raw(n)
+    if limit < 1 << 64 and n and int(np.maximum.reduce(words)) >= limit:
+        bad = np.flatnonzero(words >= limit)
+        while bad.size:
+            words[bad] = rng.bit_generator.random_raw(bad.size)
+            bad = bad[words[bad] >= limit]
+    out: I64 = (words % np.uint64(high)).view(np.int64)
+    return out
+
+
+class _Spans:
+    """The maximal runs of adjacent live rows: intervals ``[start, end)``, kept sorted.
+
+    Adjacent episodes merge into one span; removing rows splits one. A ring whose writers
+    keep up is one or two spans (two while it wraps), plus one more per reservation in
+    flight, so a uniform row draw maps a position to a row with an addition or one search
+    over a handful of spans instead of one over every episode. O(log S + S) per change
+    (a list insert), S spans; the search arrays are rebuilt on the first draw after one.
+    """
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._end_of: dict[int, int] = {}  # start -> end
+        self._start_of: dict[int, int] = {}  # end -> start
+        self._arrays: tuple[I64, I64] | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self._starts)
+
+    @property
+    def first(self) -> int:
+        return self._starts[0]
+
+    def add(self, start: int, end: int) -> None:
+        """Rows ``[start, end)`` (not live before) become live."""
+        self._arrays = None
+        left = self._start_of.pop(start, None)  # the span ending where this one starts
+        right = self._end_of.pop(end, None)  # the end of the span starting where it ends
+        if right is not None:
+            del self._start_of[right]
+            del self._starts[bisect.bisect_left(self._starts, end)]
+        lo = start if left is None else left
+        hi = end if right is None else right
+        if left is None:
+            bisect.insort(self._starts, lo)
+        self._end_of[lo] = hi
+        self._start_of[hi] = lo
+
+    def remove(self, start: int, end: int) -> None:
+        """Rows ``[start, end)`` (live, inside one span) are no longer live."""
+        self._arrays = None
+        i = bisect.bisect_right(self._starts, start) - 1
+        lo = self._starts[i]
+        hi = self._end_of.pop(lo)
+        del self._start_of[hi]
+        if lo < start:
+            self._end_of[lo] = start
+            self._start_of[start] = lo
+            i += 1
+        else:
+            del self._starts[i]
+        if end < hi:
+            self._starts.insert(i, end)
+            self._end_of[end] = hi
+            self._start_of[hi] = end
+
+    def arrays(self) -> tuple[I64, I64]:
+        """``(ends, shift)``: running totals of the span lengths, and per span what turns a
+        position counted in its running total into a row (its start minus the rows before)."""
+        if self._arrays is None:
+            starts = np.array(self._starts, dtype=np.int64)
+            ends = np.array([self._end_of[s] for s in self._starts], dtype=np.int64)
+            total = np.cumsum(ends - starts)
+            self._arrays = total, starts - (total - (ends - starts))
+        return self._arrays

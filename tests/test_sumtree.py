@@ -1,4 +1,8 @@
-"""SumTree and MinTree against a plain numpy model: batch updates, prefix sums, searches."""
+"""SumTree and MinTree against a plain numpy model: batch updates, prefix sums, searches.
+
+``top=`` shrinks the top level so that small trees get the 16-ary levels a large buffer has
+(``top=1``: 16-ary all the way up).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shmbuffer.samplers.sumtree import MinTree, SumTree
+from shmbuffer.samplers import sumtree
+from shmbuffer.samplers.sumtree import FANOUT, TOP, MinTree, PositiveMinTree, SumTree, update_pair
 
 
 def model_find(leaves: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -85,6 +90,7 @@ def test_sample_frequencies() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(
+    top=st.sampled_from([1, 2, 16, TOP]),
     capacity=st.integers(1, 70),
     batches=st.lists(
         st.lists(
@@ -98,9 +104,9 @@ def test_sample_frequencies() -> None:
     fractions=st.lists(st.floats(0, 1, exclude_max=True), min_size=1, max_size=10),
 )
 def test_against_model(
-    capacity: int, batches: list[list[tuple[int, float]]], fractions: list[float]
+    top: int, capacity: int, batches: list[list[tuple[int, float]]], fractions: list[float]
 ) -> None:
-    s, m = SumTree(capacity), MinTree(capacity)
+    s, m = SumTree(capacity, top=top), MinTree(capacity, top=top)
     model = np.zeros(capacity)
     for batch in batches:
         idx = np.array([i % capacity for i, _ in batch], dtype=np.int64)
@@ -130,3 +136,144 @@ def test_range_sum() -> None:
     s = SumTree(10)
     s.fill(np.arange(10, dtype=np.float64))
     assert s.range_sum([0, 2, 9], [10, 5, 10]).tolist() == [45.0, 9.0, 9.0]
+
+
+@pytest.mark.parametrize(
+    ("capacity", "top", "depth"),
+    [
+        (8, TOP, 0),
+        (TOP, TOP, 0),
+        (TOP + 1, TOP, 1),
+        (300, 1, 2),
+        (5000, 1, 3),
+        (5000, 16, 3),
+        (5000, 512, 1),
+    ],
+)
+def test_levels(capacity: int, top: int, depth: int) -> None:
+    s = SumTree(capacity, top=top)
+    assert s.depth == depth
+    assert [len(level) for level in s.levels] == [s.size // FANOUT**i for i in range(depth + 1)]
+    assert len(s.levels[-1]) <= top or len(s.levels[-1]) < FANOUT
+
+
+def brute_find(leaves: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The reference: a running sum and a binary search, then the last positive leaf at or
+    before the one found (where rounding or ``v >= total`` lands past the weight)."""
+    cum = np.cumsum(leaves)
+    got = np.minimum(np.searchsorted(cum, values, side="right"), leaves.size - 1)
+    positive = np.flatnonzero(leaves > 0)
+    for i, j in enumerate(got):
+        if leaves[j] <= 0:
+            before = positive[positive <= j]
+            got[i] = before[-1] if before.size else positive[0]
+    return got
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    top=st.sampled_from([1, 4, 64]),
+    capacity=st.integers(1, 3000),
+    seed=st.integers(0, 2**32 - 1),
+    zeros=st.floats(0, 0.95),
+    rounds=st.integers(1, 4),
+)
+def test_deep_trees_match_cumsum_searchsorted(
+    top: int, capacity: int, seed: int, zeros: float, rounds: int
+) -> None:
+    """Random sparse, dense and repeated updates (many leaves empty), then every query of a
+    batch against the brute-force running sum: same leaf unless within rounding of a
+    boundary, and never an empty one; prefix sums, totals and minima likewise."""
+    rng = np.random.default_rng(seed)
+    s, m = SumTree(capacity, top=top), MinTree(capacity, top=top)
+    positive = PositiveMinTree(s)
+    model = np.zeros(capacity)
+    for _ in range(rounds):
+        kind = rng.integers(3)
+        if kind == 0:  # sparse, with repeats: the last write wins
+            idx = rng.integers(0, capacity, size=rng.integers(1, 600))
+        elif kind == 1:  # one dense run (a commit or an eviction)
+            lo = int(rng.integers(0, capacity))
+            idx = np.arange(lo, int(rng.integers(lo, capacity)) + 1)
+        else:
+            idx = rng.permutation(capacity)[: rng.integers(1, capacity + 1)]
+        vals = rng.uniform(0, 10, idx.size) * (rng.random(idx.size) >= zeros)
+        for i, v in zip(idx.tolist(), vals.tolist(), strict=True):
+            model[i] = v
+        s.update(idx, vals)
+        positive.refresh(idx)
+        m.update(idx, np.where(vals > 0, vals, np.inf))
+    assert np.array_equal(s.leaves, model)
+    assert s.total == pytest.approx(model.sum(), rel=1e-12, abs=1e-12)
+    assert m.min == (model[model > 0].min() if (model > 0).any() else np.inf)
+    assert positive.min == m.min
+    ends = rng.integers(0, capacity + 1, size=50)
+    assert np.allclose(s.prefix_sum(ends), np.concatenate([[0.0], np.cumsum(model)])[ends])
+    if model.sum() == 0:
+        return
+    cum = np.cumsum(model)
+    values = np.concatenate([rng.random(400) * s.total, cum[:20], [s.total, s.total * 2]])
+    got = s.find_prefix_sum(values)
+    assert np.all(model[got] > 0)
+    near = np.isclose(values[:, None], cum[None, :], rtol=1e-12, atol=1e-12).any(axis=1)
+    assert np.array_equal(got[~near], brute_find(model, values)[~near])
+    keys, weights = s.draw(500, rng)
+    assert np.all(model[keys] > 0) and np.array_equal(weights, model[keys])
+
+
+def test_draw_frequencies_in_a_deep_tree() -> None:
+    rng = np.random.default_rng(5)
+    weights = rng.uniform(0, 1, 200) * (rng.random(200) < 0.5)
+    s = SumTree(200, top=1)
+    s.fill(weights)
+    counts = np.bincount(s.sample(400_000, rng), minlength=200)
+    assert counts[weights == 0].sum() == 0
+    assert np.allclose(counts / counts.sum(), weights / weights.sum(), atol=0.002)
+
+
+@pytest.mark.parametrize("top", [16, TOP])
+def test_update_pair_equals_two_updates(top: int) -> None:
+    """A PositiveMinTree over a SumTree, updated together, equals a SumTree and a MinTree of
+    the positive leaves (zeros as +inf) updated apart, level by level."""
+    rng = np.random.default_rng(2)
+    sums = SumTree(5000, top=top)
+    mins = PositiveMinTree(sums)
+    ref_sums, ref_mins = SumTree(5000, top=top), MinTree(5000, top=top)
+    assert mins.min == np.inf
+    for size in (3, 200, 700, 5000):  # over the dense check: the fallback path
+        idx = np.unique(rng.integers(0, 5000, size))
+        vals = rng.uniform(0.1, 2, idx.size) * (rng.random(idx.size) < 0.8)
+        update_pair(sums, mins, idx, vals)
+        ref_sums.update_unique(idx, vals)
+        ref_mins.update_unique(idx, np.where(vals > 0, vals, np.inf))
+        for x, y in ((sums, ref_sums), (mins, ref_mins)):
+            assert all(
+                np.array_equal(p, q) for p, q in zip(x.levels[1:], y.levels[1:], strict=True)
+            )
+        assert sums.total == ref_sums.total and mins.min == ref_mins.min
+    sums.clear()
+    mins.clear()
+    assert mins.min == np.inf
+    sums.fill(np.where(np.arange(5000) == 7, 0.5, 0.0))
+    mins.rebuild()
+    assert mins.min == 0.5
+    with pytest.raises(TypeError):
+        mins.update_unique(np.array([1]), np.array([1.0]))
+    with pytest.raises(ValueError, match="very SumTree"):
+        update_pair(SumTree(5000, top=top), mins, idx, vals)
+
+
+def test_many_queries_go_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sumtree, "_CHUNK", 7)
+    s = SumTree(100, top=1)
+    s.fill(np.arange(100, dtype=np.float64))
+    values = np.linspace(0, s.total, 50, endpoint=False)
+    assert np.array_equal(s.find_prefix_sum(values), brute_find(s.leaves.copy(), values))
+
+
+def test_clear_and_nan_queries() -> None:
+    s = SumTree(40, top=1)
+    s.fill(np.ones(40))
+    assert s.find_prefix_sum([np.nan]).tolist() == [0]  # NaN counts as 0
+    s.clear()
+    assert s.total == 0.0 and not s.leaves.any()

@@ -1,9 +1,10 @@
 """Prioritized replay (Schaul et al. 2016): draws in proportion to ``(priority + eps) ** alpha``.
 
 Items and leaves: one weight per *item* in a :class:`~shmbuffer.samplers.sumtree.SumTree` of
-``capacity`` leaves (and the same in a :class:`MinTree`, +inf where empty). In transition unit
-an item is a row, leaf = row. In episode unit an item is an episode, its leaf is its first row
-(episodes never trim there, so the key is stable). Invariant: a leaf is positive exactly when
+``capacity`` leaves, with a :class:`~shmbuffer.samplers.sumtree.PositiveMinTree` over the same
+leaves for the smallest positive one. In transition unit an item is a row, leaf = row. In
+episode unit an item is an episode, its leaf is its first row (episodes never trim there, so
+the key is stable). Invariant: a leaf is positive exactly when
 its item is live and not retired; every other leaf is 0, so the trees alone say what may be
 drawn. New items get the largest priority ever seen (raw, before eps and alpha; initially 1)
 unless the writer gives one.
@@ -33,9 +34,9 @@ tree (expected ``W / V`` tries per slice, vectorised); if valid starts hold almo
 weight, an exact O(C) draw is used instead, so a call always ends.
 
 Importance weights follow the PER paper: ``(N * P) ** -beta`` divided by the largest such
-weight in the buffer, ``(N * P_min) ** -beta`` with ``P_min = min leaf / W`` (the min tree);
-N cancels, leaving ``(P / P_min) ** -beta <= 1``. For slices, whose ``V <= W``, this is at most
-the exact per-start normalisation (a constant factor within one call).
+weight in the buffer, ``(N * P_min) ** -beta`` with ``P_min = min positive leaf / W`` (the
+min tree); N cancels, leaving ``(P / P_min) ** -beta <= 1``. For slices, whose ``V <= W``,
+this is at most the exact per-start normalisation (a constant factor within one call).
 
 Evictions keep the weights (and counts) they zero in a bounded
 :class:`~shmbuffer.samplers.index.Graveyard`, so an aborted reservation's ``on_restore`` brings
@@ -71,7 +72,7 @@ from shmbuffer.samplers.base import (
     to_bytes,
 )
 from shmbuffer.samplers.index import Graveyard, Removal, SliceMasses, rows_of
-from shmbuffer.samplers.sumtree import MinTree, SumTree
+from shmbuffer.samplers.sumtree import PositiveMinTree, SumTree, update_pair
 
 __all__ = ["PrioritizedSampler"]
 
@@ -81,6 +82,21 @@ Accept = Callable[[I64], npt.NDArray[np.bool_]]
 
 _MIN_ACCEPT_RATE = 1e-3  # below it, rejection costs more than one exact O(C) draw
 _MAX_ROUNDS = 32
+_TINY = float(np.finfo(np.float64).tiny)
+
+
+def last_writes(keys: I64) -> tuple[I64, I64]:
+    """``keys`` without repeats, ascending, and for each the position of its last occurrence
+    in ``keys`` (non-empty): the batch's writes then apply as if one after another, the last
+    one winning. Sorted keys also make the trees' gathers walk memory in order."""
+    order = keys.argsort(kind="stable")  # equal keys keep their order: last is last
+    ranked = keys[order]
+    last = np.empty(keys.size, dtype=np.bool_)
+    last[-1] = True
+    np.not_equal(ranked[:-1], ranked[1:], out=last[:-1])
+    if last.all():
+        return ranked, order
+    return ranked[last], order[last]
 
 
 def _nonneg(value: float, what: str) -> float:
@@ -110,12 +126,14 @@ class PrioritizedSampler(Sampler):
         self.priority_eps = _nonneg(priority_eps, "priority_eps")
         self._max_priority = 1.0
         self._retired_total = 0
+        #: The probabilities of the last plain row draw, known valid (see ``weights``).
+        self._drawn: F64 = np.zeros(0)
         self._reset()
 
     def _reset(self) -> None:
         size = max(self.capacity, 1)
         self._sum = SumTree(size)
-        self._min = MinTree(size)
+        self._min = PositiveMinTree(self._sum)
         self._positive = 0  # leaves > 0: live, unretired items
         self._times = np.zeros(size if self.max_times_sampled else 0, dtype=np.int64)
         self._masses = SliceMasses(exact=False)
@@ -133,9 +151,12 @@ class PrioritizedSampler(Sampler):
             return
         old = self._sum.get_unchecked(keys)
         self._masses.change(self.index, keys, old, new)
-        self._positive += int((new > 0).sum()) - int((old > 0).sum())
-        self._sum.update_unique(keys, new)
-        self._min.update_unique(keys, np.where(new > 0, new, np.inf))
+        # Weights are >= 0, so nonzero means positive.
+        self._positive += int(np.count_nonzero(new)) - int(np.count_nonzero(old))
+        self._update_trees(keys, new)
+
+    def _update_trees(self, keys: I64, new: F64) -> None:
+        update_pair(self._sum, self._min, keys, new)
 
     def _keys(self, starts: Sequence[int], stops: Sequence[int]) -> I64:
         if self.unit == "episode":
@@ -274,6 +295,11 @@ class PrioritizedSampler(Sampler):
         accept = self._accept(length, strict)
         if not self.max_times_sampled:
             valid, _ = self._checked_mass(length, strict)
+            if accept is None:  # every leaf: the tree's own draw, with its weights
+                keys, weight = self._sum.draw(n, rng)
+                np.divide(weight, valid, out=weight)
+                self._drawn = weight
+                return keys, weight
             keys = self._candidates(n, rng, accept, valid / self._sum.total)
             return keys, self._sum.get_unchecked(keys) / valid
         return self._draw_counted(n, rng, length, strict, accept)
@@ -286,7 +312,7 @@ class PrioritizedSampler(Sampler):
         if valid <= 0.0:  # rounding ate a tiny remainder: recount exactly
             self._masses.clear()
             valid, count = self._valid_mass(length, strict)
-        return max(valid, np.finfo(np.float64).tiny), count
+        return max(valid, _TINY), count
 
     def _draw_counted(
         self,
@@ -333,7 +359,15 @@ class PrioritizedSampler(Sampler):
     # -- sampling ----------------------------------------------------------------------------
 
     def sample_rows(self, n: int, rng: np.random.Generator) -> Draw:
-        keys, prob = self._draw(check_count(n, "n"), rng)
+        n = check_count(n, "n")
+        total = self._sum.total
+        if self.unit == "transition" and not self.max_times_sampled and total > 0:
+            # The hot path, _draw's first case without its calls: a row by weight.
+            keys, prob = self._sum.draw(n, rng)
+            np.divide(prob, total, out=prob)
+            self._drawn = prob
+            return Draw(keys, prob)
+        keys, prob = self._draw(n, rng)
         if self.unit == "transition":
             return Draw(keys, prob)
         ends = self.index.end_of_row[keys].astype(np.int64)
@@ -370,31 +404,40 @@ class PrioritizedSampler(Sampler):
 
     def update_priorities(self, rows: npt.ArrayLike, priority: npt.ArrayLike) -> int:
         idx, given = check_update(rows, priority, self.capacity)
-        keep = self.index.is_live(idx)
-        keys = idx[keep]
+        return self.set_priorities(idx, given)
+
+    def set_priorities(self, rows: I64, priority: F64) -> int:
+        ends = self.index.end_of_row.take(rows)
+        if ends.size and ends.min() > 0:  # all live, the usual case: rows sampled just now
+            keys, given = rows, priority
+        else:
+            keep = ends > 0
+            keys, given = rows[keep], priority[keep]
         if self.unit == "episode":
             keys = self.index.start_by_end[self.index.end_of_row[keys]].astype(np.int64)
         if self.max_times_sampled:
             alive = self._times[keys] < self.max_times_sampled
-            keys, given = keys[alive], given[keep][alive]
-        else:
-            given = given[keep]
+            keys, given = keys[alive], given[alive]
         if keys.size == 0:
             return 0
-        uniq, first = np.unique(keys[::-1], return_index=True)  # the last write wins
-        self._set(uniq, self._weight(given[::-1][first]))
+        uniq, last = last_writes(keys)
+        self._set(uniq, self._weight(given[last]))
         self._max_priority = max(self._max_priority, float(given.max()))
         return int(keys.size)
 
     def weights(self, probability: npt.ArrayLike, beta: float | None = None) -> F64:
         beta = self.importance_exponent if beta is None else check_beta(beta)
         prob = np.asarray(probability, dtype=np.float64)
-        if prob.size and not np.all(np.isfinite(prob) & (prob > 0)):
+        # Probabilities this sampler just drew are valid; others are checked (min and max:
+        # NaN fails both comparisons, and two reductions beat four ufuncs).
+        checked = prob is self._drawn or not prob.size
+        if not checked and not (prob.min() > 0 and prob.max() < math.inf):
             raise ValueError("probability values must be finite and > 0")
-        lowest = self._min.min
-        if self._sum.total <= 0 or not math.isfinite(lowest):
+        lowest, total = self._min.min, self._sum.total
+        if total <= 0 or not math.isfinite(lowest):
             return np.ones(prob.shape)
-        out: F64 = (prob / (lowest / self._sum.total)) ** -beta
+        out: F64 = prob * (total / lowest)
+        np.power(out, -beta, out=out)
         return out
 
     # -- state -------------------------------------------------------------------------------
@@ -441,7 +484,7 @@ class PrioritizedSampler(Sampler):
                 times = from_bytes(state["times"], np.int64, self.capacity, "times")
             leaves[times >= self.max_times_sampled] = 0.0
         self._sum.fill(leaves)
-        self._min.fill(np.where(leaves > 0, leaves, np.inf))
+        self._min.rebuild()
         self._positive = int(np.count_nonzero(leaves))
         self._times = times
         self._masses.clear()
@@ -454,6 +497,8 @@ class PrioritizedSampler(Sampler):
             "unit": self.unit,
             "items": self._positive,
             "priority_total": self._sum.total,
+            # the smallest item weight: a cluster reader normalises PER weights across shards
+            "weight_min": self._min.min if self._positive else None,
             "priority_max": self._max_priority,
             "priority_exponent": self.priority_exponent,
             "importance_exponent": self.importance_exponent,

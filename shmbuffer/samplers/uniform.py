@@ -60,6 +60,7 @@ class UniformSampler(Sampler):
             )
         self._masses = SliceMasses(exact=True)
         self._probability: F64 = np.zeros(0)
+        self._probability_key: tuple[int, float] = (0, 0.0)
 
     def attach(self, registry: EpisodeRegistry, unit: str, capacity: int) -> None:
         if self._engine is None:
@@ -144,11 +145,11 @@ class UniformSampler(Sampler):
     def _constant(self, n: int, value: float) -> F64:
         """``n`` times ``value``, read-only and reused while both stay the same (a full ring
         samples at one size: a fresh array per call was ~2 us of a ~30 us row draw)."""
-        cached = self._probability
-        if cached.size != n or cached[0] != value:
-            cached = self._probability = np.full(n, value)
-            cached.setflags(write=False)
-        return cached
+        if self._probability_key != (n, value):
+            self._probability = np.full(n, value)
+            self._probability.setflags(write=False)
+            self._probability_key = (n, value)
+        return self._probability
 
     def sample_episodes(self, n: int, rng: np.random.Generator) -> EpisodeDraw:
         n = check_count(n, "n")

@@ -1,4 +1,5 @@
-"""Core scenarios (issue "the in-process buffer"): transitions and Atari-like episodes.
+"""Core scenarios (issue "the in-process buffer"): transitions and Atari-like episodes, and the
+creation of a large buffer with every page reserved.
 
 Every implementation does the same work on the same pre-generated data, one after another in
 one run; setup (buffer creation aside, reported as ``create``) and data conversion are untimed.
@@ -6,6 +7,11 @@ one run; setup (buffer creation aside, reported as ``create``) and data conversi
 
 from __future__ import annotations
 
+import gc
+import mmap
+import os
+import resource
+import time
 from typing import Any
 
 import numpy as np
@@ -147,3 +153,146 @@ def episodes(ctx: Context) -> list[Row]:
         )
 
     return run_each(ctx, name, IMPLS, body, capacity=capacity, spec=data.ATARI_SPEC, unit="episode")
+
+
+CREATE_IMPLS: list[type[Adapter]] = [Shmbuffer, ShmbufferShared, Cpprb]
+CREATE_PAUSE = 3.0  # s before each creation; see the note in ``create``
+CREATE_TARGET = (10.0, 2.0)  # a 10 GB buffer ready in <= 2 s
+
+
+def _cpu() -> float:
+    """CPU seconds this process has used, all threads, kernel time included."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _resident() -> int:
+    """This process's resident bytes, shared memory included (VmRSS)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _available(path: str) -> int:
+    """Bytes free on the file system holding ``path`` (its nearest existing ancestor)."""
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        info = {k: v for k, v in (line.split(":", 1) for line in f)}
+    return int(info["MemAvailable"].split()[0]) * 1024
+
+
+def _kernel_floor(nbytes: int) -> float:
+    """Seconds for the kernel alone to hand out ``nbytes`` of zeroed anonymous pages, one
+    thread: ``mmap(MAP_POPULATE)``, the floor under any allocator that reserves its pages."""
+    t0 = time.perf_counter()
+    mm = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+    seconds = time.perf_counter() - t0
+    mm.close()
+    return seconds
+
+
+@scenario("core.create")
+def create(ctx: Context) -> list[Row]:
+    """Creating a 4 GB buffer of Atari rows (obs u8[4,84,84] + scalars; ``--create-gb``) with
+    every page reserved: shmbuffer in private memory and named (tmpfs), vs cpprb, one after
+    another, and the kernel's own MAP_POPULATE of the same bytes."""
+    name = "core.create"
+    gb = ctx.create_gb / 20 if ctx.quick else ctx.create_gb
+    row_bytes = data.row_bytes(data.ATARI_SPEC)
+    capacity = max(1, int(gb * 1e9) // row_bytes)
+    nbytes = capacity * row_bytes
+    order = ctx.rotate(CREATE_IMPLS)  # none always runs first across --repeat
+    ctx.note(
+        name,
+        f"{capacity:,} rows x {row_bytes:,} B = {nbytes / 1e9:.2f} GB; create = the adapter's "
+        "constructor (shmbuffer: Buffer(schema=...), prefaulted; cpprb: ReplayBuffer(N, env)); "
+        "resident = VmRSS gained, proof the pages are reserved, not lazily mapped; cpu = CPU "
+        "seconds of this process during the create, all threads (what the wall time is made "
+        "of on a shared machine). The order rotates with each run (--repeat), and "
+        f"each creation starts {CREATE_PAUSE:g} s after the last buffer was freed (on a VM "
+        "with free-page reporting, memory freed moments before is still backed by the host "
+        "and cheaper to get: without the pause, the running order would decide the ranking). "
+        "The 10 GB figure: --create-gb 10 --repeat 1, alone on the machine",
+    )
+    best: dict[str, tuple[float, int, float]] = {}  # impl -> seconds, resident, cpu seconds
+    for cls in order:
+        reason = cls.missing()
+        room = _mem_available()
+        if cls is ShmbufferShared:
+            room = min(room, _available("/dev/shm"))
+        if not reason and nbytes * 1.1 > room:
+            reason = f"{nbytes:,} B needed, {room:,} B free"
+        if reason:
+            ctx.note(name, f"{cls.name} skipped: {reason}")
+            continue
+        gc.collect()
+        time.sleep(CREATE_PAUSE)
+        adapter = None
+        try:
+            rss0, cpu0 = _resident(), _cpu()
+            t0 = time.perf_counter()
+            adapter = cls(
+                capacity=capacity, spec=data.ATARI_SPEC, unit="episode", tmpdir=ctx.tmpdir
+            )
+            seconds = time.perf_counter() - t0
+            best[cls.name] = (seconds, _resident() - rss0, _cpu() - cpu0)
+        except Exception as exc:
+            ctx.note(name, f"{cls.name} failed: {type(exc).__name__}: {exc}")
+        finally:
+            if adapter is not None:
+                adapter.close()
+            del adapter
+            gc.collect()
+    floor = None
+    if nbytes * 1.1 < _mem_available():
+        time.sleep(CREATE_PAUSE)
+        floor = _kernel_floor(nbytes)
+    rows = [
+        make_row(
+            name,
+            impl,
+            "create-reserved",
+            rows=capacity,
+            nbytes=nbytes,
+            seconds=s,
+            pass_="first",
+            resident_gb=round(res / 1e9, 3),
+            cpu_seconds=round(cpu, 3),
+        )
+        for impl, (s, res, cpu) in best.items()
+    ]
+    if floor is not None:
+        ctx.note(
+            name,
+            f"kernel floor: mmap(MAP_POPULATE) of {nbytes / 1e9:.2f} GB, one thread: {floor:.2f} s "
+            f"({nbytes / floor / 1e9:.2f} GB/s)",
+        )
+    peer = best.get(Cpprb.name)
+    target_gb, target_s = CREATE_TARGET
+    for impl in (Shmbuffer.name, ShmbufferShared.name):
+        if impl not in best:
+            continue
+        seconds, res, cpu = best[impl]
+        rate = nbytes / seconds / 1e9
+        projected = target_gb / rate
+        vs = (
+            f"; {peer[0] / seconds:.2f}x as fast as cpprb ({peer[0]:.2f} s, cpu {peer[2]:.2f} s)"
+            if peer
+            else ""
+        )
+        verdict = "met" if projected <= target_s else "MISSED"
+        at = "" if gb >= target_gb else f", {target_gb:g} GB projected {projected:.1f} s"
+        ctx.note(
+            name,
+            f"{impl}: {seconds:.2f} s = {rate:.2f} GB/s (cpu {cpu:.2f} s), {res / 1e9:.2f} GB "
+            f"resident{vs}; target {target_gb:g} GB in <= {target_s:g} s: {verdict}{at}",
+        )
+    return rows

@@ -1,9 +1,10 @@
 """The process harness of the daemon scenarios: bench-owned folders, real daemon subprocesses
 started through ``python -m shmbuffer.cli start``, and spawned children released pass by pass.
 
-Child processes are spawned, build their data and connect *before* a start event, and report
-their own clock readings through a queue (``time.perf_counter`` is CLOCK_MONOTONIC on Linux: one
-clock for every process). A pass is timed from the parent's release of the start event to the
+Child processes are spawned (or forked from a preloaded forkserver: :func:`preloaded_context`),
+build their data and connect *before* a start event, and report their own clock readings
+through a queue (``time.perf_counter`` is CLOCK_MONOTONIC on Linux: one clock for every
+process). A pass is timed from the parent's release of the start event to the
 last *final* report (a role says whether its end is the pass's end). Every wait has a finite
 timeout, and every child and every daemon is stopped when its ``with`` block ends, whatever
 happened inside it.
@@ -26,7 +27,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench.data import Spec, schema
 from bench.registry import Context
@@ -47,6 +48,42 @@ Role = Callable[..., AbstractContextManager[Body]]
 spawned child) that prepares, yields the pass body, and cleans up on the way out."""
 
 _names = itertools.count()
+
+#: What the forkserver of :func:`preloaded_context` imports once (a missing one is skipped):
+#: a spawned child imports torch (and torchrl) itself, seconds of CPU apiece, most of a
+#: ``--quick`` run on two cores.
+PRELOAD = [
+    "bench.workers",
+    "bench.contention",
+    "bench.rollout",
+    "shmbuffer.clients.writer",
+    "shmbuffer.clients.reader",
+    "torchrl.data",
+    "cpprb",
+]
+
+
+def preloaded_context() -> Any:
+    """A multiprocessing context whose children are forked from one clean server process
+    (``forkserver``: no threads, nothing of this process's state) that imported
+    :data:`PRELOAD`. What a child does once ready is the same as a spawned one's; its memory
+    shares the preloaded modules' pages with the server (so it is not the one a memory
+    scenario should measure), and its environment is the server's, fixed when the first
+    child started: a child must get endpoints, not names looked up through
+    ``SHMBUFFER_RUNTIME_DIR``."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (the first child)
+    return ctx
+
+
+class Report(NamedTuple):
+    """What one child reported for one pass (its own clock readings around its body)."""
+
+    cid: int
+    t0: float
+    t1: float
+    rows: int
+    final: bool
 
 
 @contextmanager
@@ -141,8 +178,9 @@ class Children:
     ``JOIN_TIMEOUT`` to finish) and killed if need be; when the block failed, no one waits for
     stragglers: the live ones are killed at once."""
 
-    def __init__(self, passes: int = len(PASSES)) -> None:
-        self.mp = mp.get_context("spawn")
+    def __init__(self, passes: int = len(PASSES), preloaded: bool = False) -> None:
+        # preloaded: forked from a server that imported PRELOAD once (preloaded_context)
+        self.mp = preloaded_context() if preloaded else mp.get_context("spawn")
         self.results = self.mp.Queue()
         self.go = [self.mp.Event() for _ in range(passes)]
         self.procs: list[Any] = []
@@ -194,14 +232,20 @@ class Children:
         for _ in self.procs:
             self._get(deadline)
 
-    def run_pass(self, p: int) -> tuple[int, float]:
-        """Release pass ``p``; ``(rows, seconds)`` from the release to the last final report."""
+    def pass_reports(self, p: int) -> tuple[float, list[Report]]:
+        """Release pass ``p``; the release time and every child's report, by child id."""
         t_release = time.perf_counter()
         self.go[p].set()
         deadline = time.monotonic() + PASS_TIMEOUT
         msgs = [self._get(deadline) for _ in self.procs]
-        finals = [m for m in msgs if m[6]]
-        return sum(m[5] for m in finals), max(m[4] for m in finals) - t_release
+        reports = [Report(cid=m[1], t0=m[3], t1=m[4], rows=m[5], final=m[6]) for m in msgs]
+        return t_release, sorted(reports, key=lambda r: r.cid)
+
+    def run_pass(self, p: int) -> tuple[int, float]:
+        """Release pass ``p``; ``(rows, seconds)`` from the release to the last final report."""
+        t_release, reports = self.pass_reports(p)
+        finals = [r for r in reports if r.final]
+        return sum(r.rows for r in finals), max(r.t1 for r in finals) - t_release
 
     def run_passes(self) -> list[tuple[int, float]]:
         """Wait until every child is ready, then run every pass in turn."""

@@ -33,7 +33,17 @@ class Context:
     quick: bool = False
     tmpdir: str = "/tmp"
     max_op_seconds: float = 5.0  # an op stops after the call that crosses this (calls reported)
+    create_gb: float = 4.0  # size of the buffer core.create makes (GB, 1e9 bytes)
     notes: list[str] = field(default_factory=list)
+    #: The runner repeats each scenario ``repeat`` times; ``rep`` is the one running (a
+    #: scenario may rotate its implementations' order by it, so none always runs first).
+    rep: int = 0
+    repeat: int = 1
+
+    def rotate(self, items: list[Any]) -> list[Any]:
+        """``items`` rotated by the current repetition: A B C, then B C A, then C A B."""
+        k = self.rep % len(items) if items else 0
+        return items[k:] + items[:k]
 
     def size(self, n: int, minimum: int = 1) -> int:
         """``n`` at default size, about ``n / 20`` in ``--quick`` mode."""

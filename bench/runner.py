@@ -1,15 +1,32 @@
-"""``python -m bench [SCENARIO ...] [--quick] [--out DIR] [--plot] [--list]``."""
+"""``python -m bench [SCENARIO ... | --all] [--quick] [--repeat K] [--out DIR] [--plot]
+[--readme [--force]] [--list]``.
+
+``python -m bench --all --readme`` runs every scenario and writes the JSON, the markdown, the
+plots and the README's benchmark section (:mod:`bench.readme`) from that one run."""
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
+import shlex
+import signal
+import sys
 import tempfile
-import time
 from pathlib import Path
 
-from bench import core, daemon, report, sampling  # noqa: F401  (register the scenarios)
-from bench.registry import SCENARIOS, Context, Row
+from bench import (  # noqa: F401  (register the scenarios)
+    cluster,
+    contention,
+    core,
+    daemon,
+    memory,
+    report,
+    rollout,
+    runs,
+    sampling,
+)
+from bench.registry import SCENARIOS, Context
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,8 +34,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("scenarios", nargs="*", help="names or prefixes (default: all)")
     parser.add_argument("--quick", action="store_true", help="sizes shrunk about 20x")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--plot", action="store_true", help="a PNG bar chart per scenario")
+    parser.add_argument("--plot", action="store_true", help="a PNG figure per scenario")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    parser.add_argument("--all", action="store_true", help="every scenario (as giving none)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=None,
+        metavar="K",
+        help="runs of each scenario, folded into median and min-max (default 3; 1 with --quick)",
+    )
+    parser.add_argument(
+        "--readme",
+        action="store_true",
+        help="also write the README's benchmark section (needs every scenario; implies --plot; "
+        "refused when the machine is busy, see bench/machine.py)",
+    )
+    parser.add_argument(
+        "--readme-file", type=Path, default=Path("README.md"), help=argparse.SUPPRESS
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="--readme even when busy or with --quick"
+    )
     parser.add_argument("--tmpdir", default=tempfile.gettempdir(), help="scratch for memmap peers")
     parser.add_argument(
         "--threads",
@@ -28,7 +65,16 @@ def main(argv: list[str] | None = None) -> int:
         "compared single-threaded, and 2 OpenMP threads collapse on a busy 2-core machine)",
     )
     parser.add_argument("--max-op-seconds", type=float, default=5.0, help="cap per timed op")
+    parser.add_argument(
+        "--create-gb",
+        type=float,
+        default=4.0,
+        help="GB (1e9 B) of the buffer core.create makes, default 4; the issue's 10 GB figure: "
+        "`python -m bench core.create --create-gb 10 --repeat 1`, with nothing else big running",
+    )
     args = parser.parse_args(argv)
+    if args.create_gb <= 0:
+        parser.error(f"--create-gb must be positive, got {args.create_gb:g}")
 
     if args.list:
         for name, fn in SCENARIOS.items():
@@ -39,26 +85,72 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [w for w in wanted if not any(n == w or n.startswith(w + ".") for n in SCENARIOS)]
     if unknown:
         parser.error(f"unknown scenario(s) {unknown}; known: {list(SCENARIOS)}")
+    if args.all and args.scenarios:
+        parser.error(f"--all runs every scenario: give --all or names, not both ({args.scenarios})")
+    repeat = args.repeat if args.repeat is not None else (1 if args.quick else 3)
+    if repeat < 1:
+        parser.error(f"--repeat must be >= 1, got {repeat}")
+    from bench import machine
 
+    load0 = os.getloadavg()[0]
+    if args.readme:
+        if args.scenarios:
+            parser.error("--readme writes the table of every scenario: use --all, not names")
+        if args.quick and not args.force:
+            parser.error("--readme with --quick would put shrunk sizes in the README (--force)")
+        busy = machine.too_busy(load0, {})
+        if busy and not args.force:
+            print(
+                f"refusing --readme: {busy}; wait for a quiet machine or --force", file=sys.stderr
+            )
+            return 2
+
+    # SIGTERM unwinds like Ctrl-C: every daemon and child is stopped by its with block.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     import torch
 
     torch.set_num_threads(args.threads)
-    load0 = os.getloadavg()[0]
-    ctx = Context(quick=args.quick, tmpdir=args.tmpdir, max_op_seconds=args.max_op_seconds)
-    rows: list[Row] = []
-    for name in names:
-        t0 = time.perf_counter()
-        rows += SCENARIOS[name](ctx)
-        print(f"# {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    ctx = Context(
+        quick=args.quick,
+        tmpdir=args.tmpdir,
+        max_op_seconds=args.max_op_seconds,
+        create_gb=args.create_gb,
+    )
+    started = datetime.datetime.now(datetime.UTC)
+    rows, scenarios = runs.run(names, ctx, repeat)
     report.add_ratios(rows)
+    report.add_winners(rows)
     load = f"{load0:.2f},{os.getloadavg()[0]:.2f}"
-    info = report.meta(args.quick, args.tmpdir, args.threads, load)
+    argv_shown = sys.argv[1:] if argv is None else argv
+    info = report.meta(
+        args.quick,
+        args.tmpdir,
+        args.threads,
+        load,
+        command=shlex.join(["python", "-m", "bench", *argv_shown]),
+        date=started.strftime("%Y-%m-%d %H:%M UTC"),
+        repeat=repeat,
+        scenarios=scenarios,
+    )
     report.print_tables(rows, ctx.notes, info)
     report.write(args.out, rows, ctx.notes, info)
-    if args.plot:
+    plots = []
+    if args.plot or args.readme:
         from bench.plot import plot
 
-        for path in plot(rows, args.out):
+        plots = plot(rows, args.out)
+        for path in plots:
             print(f"plot: {path}")
     print(f"results: {args.out / 'results.json'}, {args.out / 'results.md'}")
+    if args.readme:
+        busy = machine.too_busy(load0, scenarios)
+        if busy and not args.force:
+            print(f"README not written: {busy} (--force writes it anyway)", file=sys.stderr)
+            return 2
+        from bench import readme
+
+        readme.write(
+            args.readme_file, readme.section(rows, info, args.out, plots, args.readme_file)
+        )
+        print(f"readme: {args.readme_file}")
     return 0

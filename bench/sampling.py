@@ -12,11 +12,14 @@ way, indices only: TorchRL ``RandomSampler`` / ``SliceSampler`` ``.sample(storag
 
 Every buffer holds the same episodes (uniform random lengths 100-1000, the last one cut to fit)
 in one float column, filled untimed; the prioritized ones then get the same random priorities.
-For each size, each implementation is built, timed and freed before the next, shmbuffer and
-peers alternating, so at most one buffer (~1 GB at 10M rows) is alive. An op runs a few
-untimed calls (first-use work such as a slice index), then ``REPS`` repetitions of ``calls``
-calls each (sized to about ``REP_SECONDS``); a row reports the median repetition, with the
-min and max per-call cost beside it.
+At each size the implementations compared on one op are built together (shmbuffer's uniform
+buffer with TorchRL's samplers; shmbuffer's prioritized buffer with cpprb's and TorchRL's), at
+most ~1 GB at 10M rows, and freed before the next group. An op runs a few untimed calls
+(first-use work such as a slice index), then ``reps`` repetitions of ``calls`` calls each
+(sized to about ``rep_seconds`` per implementation), *interleaved*: one repetition of each
+implementation in turn, so that a burst of load from other processes on a shared machine
+lands on all of them rather than on whichever was being timed. A row reports the median
+repetition, with the min and max per-call cost beside it.
 """
 
 from __future__ import annotations
@@ -193,17 +196,23 @@ def cpprb_prioritized(layout: Layout) -> Iterator[Offer]:
     yield [("cpprb-PrioritizedReplayBuffer", "sample+update", sample_update)]
 
 
-#: In the order they run at each size: shmbuffer and peers alternate. The module is imported
-#: (by the availability check) before a build is timed, so imports (tensordict's: 1.5 s) stay
-#: out of ``build_s`` and ``build_mb``.
-BUILDS: list[tuple[str, Callable[[Layout], contextlib.AbstractContextManager[Offer]], str]] = [
-    ("shmbuffer uniform", shm_uniform, "shmbuffer.container"),
-    ("torchrl RandomSampler/SliceSampler", torchrl_samplers, "torchrl.data"),
-    ("shmbuffer prioritized", shm_prioritized, "shmbuffer.container"),
-    ("cpprb PrioritizedReplayBuffer", cpprb_prioritized, "cpprb"),
-    # its sum tree is torchrl's C++ extension, which a torch of another ABI cannot load
-    ("torchrl PrioritizedSampler", torchrl_prioritized, "torchrl._torchrl"),
+#: Built together at each size, their repetitions interleaved: shmbuffer first, then the peers
+#: it is compared with. The module is imported (by the availability check) before a build is
+#: timed, so imports (tensordict's: 1.5 s) stay out of ``build_s`` and ``build_mb``.
+Build = tuple[str, Callable[[Layout], contextlib.AbstractContextManager[Offer]], str]
+GROUPS: list[list[Build]] = [
+    [
+        ("shmbuffer uniform", shm_uniform, "shmbuffer.container"),
+        ("torchrl RandomSampler/SliceSampler", torchrl_samplers, "torchrl.data"),
+    ],
+    [
+        ("shmbuffer prioritized", shm_prioritized, "shmbuffer.container"),
+        ("cpprb PrioritizedReplayBuffer", cpprb_prioritized, "cpprb"),
+        # its sum tree is torchrl's C++ extension, which a torch of another ABI cannot load
+        ("torchrl PrioritizedSampler", torchrl_prioritized, "torchrl._torchrl"),
+    ],
 ]
+BUILDS: list[Build] = [build for group in GROUPS for build in group]
 
 
 # -- timing ---------------------------------------------------------------------------------
@@ -214,26 +223,36 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _repetitions(call: Call, reps: int, rep_seconds: float, cap: float) -> tuple[list[float], int]:
-    """Seconds of each of ``reps`` repetitions and the calls in each (the same for all)."""
-    call(0)  # untimed: first-use work (a slice index, caches, lazy imports)
+def _calls_per_rep(call: Call, reps: int, rep_seconds: float, cap: float) -> int:
+    """Calls per repetition for ~``rep_seconds`` (after an untimed first call: first-use work
+    such as a slice index, caches, lazy imports)."""
+    call(0)
     one = float("inf")
     for i in range(1, 4):  # the fastest of three sizes the repetitions
         t0 = time.perf_counter()
         call(i)
         one = min(one, time.perf_counter() - t0)
     one = max(one, 1e-7)
-    calls = int(min(max(3, rep_seconds / one), 5000, max(1, cap / reps / one)))
-    times = []
+    return int(min(max(3, rep_seconds / one), 5000, max(1, cap / reps / one)))
+
+
+def _interleaved(
+    calls: list[Call], reps: int, rep_seconds: float, cap: float
+) -> list[tuple[list[float], int]]:
+    """Seconds of each of ``reps`` repetitions of every call, and its calls per repetition:
+    round ``r`` times repetition ``r`` of each call in turn."""
+    counts = [_calls_per_rep(call, reps, rep_seconds, cap) for call in calls]
+    times: list[list[float]] = [[] for _ in calls]
     i = 4
     for _ in range(reps):
-        gc.collect()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            call(i)
-            i += 1
-        times.append(time.perf_counter() - t0)
-    return times, calls
+        for call, count, out in zip(calls, counts, times, strict=True):
+            gc.collect()
+            t0 = time.perf_counter()
+            for _ in range(count):
+                call(i)
+                i += 1
+            out.append(time.perf_counter() - t0)
+    return list(zip(times, counts, strict=True))
 
 
 @dataclass(frozen=True)
@@ -243,35 +262,52 @@ class Timing:
     seconds: list[float]  # per repetition
     calls: int  # per repetition
     us: list[float]  # per call, each repetition, ascending
+    build: str  # the title of the build that offered it
     build_s: float  # creating and filling the buffer (untimed in the rows)
-    build_mb: float  # resident memory gained while it was built and used (approximate)
+    build_mb: float  # resident memory gained while it was built and first used (approximate)
 
 
-def _time_build(
-    build: Callable[[Layout], contextlib.AbstractContextManager[Offer]],
+def _time_group(
+    group: list[tuple[str, Callable[[Layout], contextlib.AbstractContextManager[Offer]]]],
     layout: Layout,
     reps: int,
     rep_seconds: float,
     cap: float,
+    failed: Callable[[str, Exception], None],
 ) -> list[Timing]:
-    """Build one implementation, time each op it offers, free it (its calls die with this
-    frame, so nothing it allocated outlives the return)."""
+    """Build a group's implementations, time each op they offer with the repetitions of every
+    implementation interleaved, free them (their calls die with this frame). A build that
+    fails is reported through ``failed`` and left out; the others still run."""
+    built: list[tuple[str, str, str, Call, float, float]] = []  # title, impl, op, call, s, MB
+    with contextlib.ExitStack() as stack:
+        for title, build in group:
+            gc.collect()
+            rss0 = _rss_mb()
+            t0 = time.perf_counter()
+            try:
+                offers = stack.enter_context(build(layout))
+            except Exception as exc:  # one build failing leaves the others to run
+                failed(title, exc)
+                continue
+            build_s = time.perf_counter() - t0
+            for _, _, call in offers:
+                call(0)  # first-use work (a slice index) counts in this build's memory
+            grown = _rss_mb() - rss0
+            built += [(title, impl, op, call, build_s, grown) for impl, op, call in offers]
+        out = []
+        for op in dict.fromkeys(b[2] for b in built):
+            mine = [b for b in built if b[2] == op]
+            try:
+                measured = _interleaved([b[3] for b in mine], reps, rep_seconds, cap)
+            except Exception as exc:
+                failed(f"{op} of {', '.join(b[1] for b in mine)}", exc)
+                continue
+            for b, (times, calls) in zip(mine, measured, strict=True):
+                us = sorted(t / calls * 1e6 for t in times)
+                out.append(Timing(b[1], op, times, calls, us, b[0], b[4], b[5]))
+        del built
     gc.collect()
-    rss0 = _rss_mb()
-    t0 = time.perf_counter()
-    measured = []
-    with build(layout) as offers:
-        build_s = time.perf_counter() - t0
-        for impl, op, call in offers:
-            times, calls = _repetitions(call, reps, rep_seconds, cap)
-            measured.append((impl, op, times, calls))
-        grown = _rss_mb() - rss0
-    del offers
-    gc.collect()
-    return [
-        Timing(impl, op, times, calls, sorted(t / calls * 1e6 for t in times), build_s, grown)
-        for impl, op, times, calls in measured
-    ]
+    return out
 
 
 def _label(size: int) -> str:
@@ -289,7 +325,8 @@ def scaling(ctx: Context) -> list[Row]:
     ctx.note(
         NAME,
         f"per op and size: {reps} repetitions of N calls (N sized to ~{rep_seconds * 1e3:g} ms, "
-        "max 5,000); us_per_call is the median repetition, us_min/us_max the fastest and "
+        "max 5,000), shmbuffer's and its peers' interleaved (one repetition of each in turn); "
+        "us_per_call is the median repetition, us_min/us_max the fastest and "
         "slowest; rows = rows handed out (256 per sample, 512 per slice call), bytes = their "
         f"int64 indices ({INDEX_BYTES} B each: no row data moves); pass=steady",
     )
@@ -315,19 +352,23 @@ def scaling(ctx: Context) -> list[Row]:
     memory: list[str] = []
     for size in sizes:
         layout = Layout.make(size)
-        for title, build, module in BUILDS:
-            reason = missing_module(module)
-            if reason:
-                if size == sizes[0]:  # an ImportError can quote a whole mangled C++ symbol
-                    ctx.note(NAME, f"{title} skipped: {reason[:160]}")
-                continue
-            try:
-                timings = _time_build(build, layout, reps, rep_seconds, ctx.max_op_seconds)
-            except Exception as exc:  # one build failing leaves the others to run
-                ctx.note(NAME, f"{title} at {_label(size)} failed: {type(exc).__name__}: {exc}")
-                continue
-            if size == sizes[-1] and timings:
-                memory.append(f"{title} {timings[0].build_mb:.0f} MB")
+        for group in GROUPS:
+            ready = []
+            for title, build, module in group:
+                reason = missing_module(module)
+                if reason:
+                    if size == sizes[0]:  # an ImportError can quote a whole mangled C++ symbol
+                        ctx.note(NAME, f"{title} skipped: {reason[:160]}")
+                    continue
+                ready.append((title, build))
+
+            def failed(what: str, exc: Exception, size: int = size) -> None:
+                ctx.note(NAME, f"{what} at {_label(size)} failed: {type(exc).__name__}: {exc}")
+
+            timings = _time_group(ready, layout, reps, rep_seconds, ctx.max_op_seconds, failed)
+            if size == sizes[-1]:
+                seen = dict.fromkeys((t.build, t.build_mb) for t in timings)
+                memory += [f"{title} {mb:.0f} MB" for title, mb in seen]
             for t in timings:
                 per_op[(t.impl, t.op, size)] = t.us
                 per_call = OPS[t.op][1]
@@ -357,7 +398,7 @@ def scaling(ctx: Context) -> list[Row]:
     ctx.note(
         NAME,
         f"resident memory each build gained at {_label(sizes[-1])} rows (approximate: RSS "
-        "before the build vs after its last timed call): " + "; ".join(memory),
+        "before the build vs after its first calls): " + "; ".join(memory),
     )
     _targets(ctx, per_op, sizes)
     return out

@@ -1,4 +1,4 @@
-"""The multi-process implementations the daemon scenarios time: what each spawned child does (one
+"""The multi-process implementations the daemon scenarios time: what each child process does (one
 role each) and how each implementation spawns its children.
 
 Inserts: shmbuffer ``Writer`` processes into a daemon; producer processes putting episodes on a
@@ -26,7 +26,7 @@ POOL = 8  # distinct episodes each writer cycles through
 Passes = list[tuple[int, float]]
 
 
-# -- roles (run in the spawned children) ----------------------------------------------------
+# -- roles (run in the child processes) ------------------------------------------------------
 
 
 @contextmanager
@@ -125,12 +125,24 @@ def pinger_role(target: str, seconds: float, window: int) -> Iterator[Body]:
 
 
 # -- implementations (run in this process) --------------------------------------------------
+# Children are forked from bench.harness.preloaded_context's server (torch imported once, not
+# once per child); they get the daemon's endpoint, since their environment is the server's.
+
+
+def _endpoint(name: str) -> str:
+    from shmbuffer.runtime import resolve_endpoint
+
+    return resolve_endpoint(name)
 
 
 def insert_daemon(root: str, kind: str, unit: str, n: int, per_writer: int) -> Passes:
     """``n`` Writer processes into a fresh daemon holding every row of a pass."""
     capacity = n * per_writer * LENGTH
-    with running_daemon(root, capacity, unit, data.SPECS[kind]) as target, Children() as kids:
+    with (
+        running_daemon(root, capacity, unit, data.SPECS[kind]) as name,
+        Children(preloaded=True) as kids,
+    ):
+        target = _endpoint(name)
         for w in range(n):
             kids.start(writer_role, target=target, kind=kind, unit=unit, wid=w, episodes=per_writer)
         return kids.run_passes()
@@ -138,7 +150,7 @@ def insert_daemon(root: str, kind: str, unit: str, n: int, per_writer: int) -> P
 
 def insert_queue(root: str, kind: str, unit: str, n: int, per_writer: int) -> Passes:
     """``n`` producer processes -> one pickled Queue -> one consumer process."""
-    with Children() as kids:
+    with Children(preloaded=True) as kids:
         data_q = kids.mp.Queue()
         kids.start(
             consumer_role,
@@ -153,10 +165,10 @@ def insert_queue(root: str, kind: str, unit: str, n: int, per_writer: int) -> Pa
 
 
 def insert_cpprb(root: str, kind: str, unit: str, n: int, per_writer: int) -> Passes:
-    """An ``MPReplayBuffer`` made here (spawn context), written by ``n`` children."""
+    """An ``MPReplayBuffer`` made here (the children's context), written by ``n`` children."""
     import cpprb
 
-    with Children() as kids:
+    with Children(preloaded=True) as kids:
         rb = cpprb.MPReplayBuffer(n * per_writer * LENGTH, cpprb_env(data.SPECS[kind]), ctx=kids.mp)
         try:
             for w in range(n):
@@ -168,7 +180,11 @@ def insert_cpprb(root: str, kind: str, unit: str, n: int, per_writer: int) -> Pa
 
 def ping_daemon(root: str, clients: int, seconds: float, window: int) -> tuple[int, float]:
     """``clients`` ping processes against a fresh daemon, one pass of ``seconds``."""
-    with running_daemon(root, 1000, "transition") as target, Children(passes=1) as kids:
+    with (
+        running_daemon(root, 1000, "transition") as name,
+        Children(passes=1, preloaded=True) as kids,
+    ):
+        target = _endpoint(name)
         for _ in range(clients):
             kids.start(pinger_role, target=target, seconds=seconds, window=window)
         return kids.run_passes()[0]

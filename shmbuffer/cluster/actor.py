@@ -52,7 +52,7 @@ class ShardHost:
         if runtime_dir is not None:  # this worker process is the host's alone
             os.environ[runtime.ENV_RUNTIME_DIR] = runtime_dir
         self.node_id: str = ray.get_runtime_context().get_node_id()
-        self.ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        self.ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call, unused-ignore]
         self.index = index
         self.daemon = shard_name(name, self.node_id)
         options = dict(options)

@@ -47,5 +47,5 @@ def current_node() -> str | None:
 
 
 def alive_nodes() -> list[str]:
-    nodes = ray.nodes()  # type: ignore[no-untyped-call]
+    nodes = ray.nodes()  # type: ignore[no-untyped-call, unused-ignore]
     return [str(n["NodeID"]) for n in nodes if n.get("Alive")]

@@ -123,9 +123,9 @@ class EnvWorker:
 
 
 @contextlib.contextmanager
-def simulated_cluster(root: str) -> Iterator[Any]:
-    """A 3-node ``ray.cluster_utils.Cluster`` with this process connected; its workers find
-    ``bench`` (``PYTHONPATH``) and the bench's runtime and storage folders."""
+def simulated_cluster(root: str, nodes: int = NODES) -> Iterator[Any]:
+    """A ``ray.cluster_utils.Cluster`` of ``nodes`` nodes with this process connected; its
+    workers find ``bench`` (``PYTHONPATH``) and the bench's runtime and storage folders."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -138,7 +138,7 @@ def simulated_cluster(root: str) -> Iterator[Any]:
     Path(tempfile.gettempdir(), "ray").mkdir(exist_ok=True)
     cluster = Cluster()
     try:
-        for _ in range(NODES):  # the first is the head
+        for _ in range(nodes):  # the first is the head
             cluster.add_node(**node_args)
         ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
@@ -198,11 +198,14 @@ def cluster(ctx: Context) -> list[Row]:
             return []
     import ray
 
+    # --quick: 2 nodes and only k = 2 (the cross-node path); each node start and each
+    # shard's daemon costs seconds on 2 cores
+    n_nodes, ks = (2, (2,)) if ctx.quick else (NODES, tuple(range(1, NODES + 1)))
     rows_per_node = ctx.size(40_000, minimum=2_000)
     calls = ctx.size(400, minimum=40)
     ctx.note(
         NAME,
-        f"{NODES} simulated Ray nodes on this machine ({os.cpu_count()} cores shared by all), "
+        f"{n_nodes} simulated Ray nodes on this machine ({os.cpu_count()} cores shared by all), "
         f"1 CPU each; per node one writer actor writing {rows_per_node} rows of obs f32[512] "
         f"+ action/reward/done ({ROW_BYTES} B/row, {rows_per_node * ROW_BYTES / 1e6:.0f} MB) "
         f"in chunks of {CHUNK}; first = fresh buffer, steady = the same rows again",
@@ -231,7 +234,7 @@ def cluster(ctx: Context) -> list[Row]:
             )
         )
 
-    with bench_dirs(ctx) as root, simulated_cluster(root):
+    with bench_dirs(ctx) as root, simulated_cluster(root, n_nodes):
         nodes = [str(n["NodeID"]) for n in ray.nodes() if n["Alive"]]
         here = ray.get_runtime_context().get_node_id()
         nodes.sort(key=lambda n: n != here)  # the learner's node first: k=1 is all local
@@ -243,7 +246,7 @@ def cluster(ctx: Context) -> list[Row]:
         ray.get([w.__ray_ready__.remote() for w in workers], timeout=600)
         schema_path = Path(root) / "schema.json"
         schema_path.write_text(json.dumps(schema(SPEC)))
-        for k in (1, 2, 3):
+        for k in ks:
             for impl, run in ((SHM, _run_shm), (TORCHRL, _run_torchrl)):
                 try:
                     got = run(ray, nodes[:k], workers[:k], rows_per_node, calls, ctx, schema_path)

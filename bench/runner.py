@@ -33,7 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("scenarios", nargs="*", help="names or prefixes (default: all)")
     parser.add_argument("--quick", action="store_true", help="sizes shrunk about 20x")
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for results.{json,md} and plots (default bench/results; with --readme "
+        "docs/bench, tracked, since the README links its plots)",
+    )
     parser.add_argument("--plot", action="store_true", help="a PNG figure per scenario")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     parser.add_argument("--all", action="store_true", help="every scenario (as giving none)")
@@ -73,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         "`python -m bench core.create --create-gb 10 --repeat 1`, with nothing else big running",
     )
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = Path("docs/bench" if args.readme else "bench/results")
     if args.create_gb <= 0:
         parser.error(f"--create-gb must be positive, got {args.create_gb:g}")
 

@@ -1,0 +1,364 @@
+"""Where the next rows go: the ring pointer, two-phase reservations, eviction and restore.
+
+Writing is two-phase, which is what keeps readers from ever seeing a torn episode:
+
+1. ``reserve(n)`` picks the rows, evicts every committed episode they overlap (samplers stop
+   returning them at once) and hands out the physical row ranges;
+2. the caller copies the data into those rows;
+3. ``commit(reservation)`` publishes the episodes in the registry; only then can they be read.
+
+A reservation whose copy fails is aborted: what it evicted is published again wherever the
+copy left the rows untouched and no later reservation has reached them
+(:meth:`ReservationOps.abort`), so a failed write loses nothing that was stored (in-process it
+leaves the container exactly as before ``reserve``).
+
+Units: in ``"transition"`` unit ``len()`` counts rows and a chunk may wrap around the end of
+the ring (split in two ranges); in ``"episode"`` unit ``len()`` counts episodes and an episode
+never wraps: when it does not fit before the end, the writer wraps early to row 0 and the rows
+it skipped are evicted too, so eviction stays FIFO over whole episodes.
+
+Every change to the registry here tells the sampler (each eviction after the registry changed,
+once per evicted range; each commit after the registry add; a restore, which replaces the
+registry object; a clear) and the rate limiter (rows inserted, deleted, given back), through
+:meth:`ReservationOps._evict_ranges`, :meth:`ReservationOps._published`,
+:meth:`ReservationOps.restore` and :meth:`ReservationOps.clear` only: journal replay
+(:mod:`shmbuffer.persistence`) goes through the same four.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from shmbuffer.errors import CapacityError, NotFoundError, WaitTimeoutError
+from shmbuffer.registry import Episode, EpisodeRegistry
+from shmbuffer.ringstate import (
+    F64,
+    PriorityUpdate,
+    Range,
+    Reservation,
+    RingState,
+    as_invalid_argument,
+)
+from shmbuffer.samplers.base import Priority
+from shmbuffer.samplers.index import rows_of
+
+
+class ReservationOps(RingState):
+    """The write side of the container: plan, reserve, commit, abort, restore, clear."""
+
+    def plan(
+        self, num_rows: int, episodes: int | Sequence[int] = 1
+    ) -> tuple[list[Range], list[Range]]:
+        """The physical ranges a reservation of ``num_rows`` would get, and the ranges it would
+        evict, without changing anything (the daemon checks leases against them first)."""
+        episode_lengths(num_rows, episodes)  # validates the split
+        if num_rows > self.capacity:
+            raise CapacityError(f"{num_rows} rows do not fit a buffer of capacity {self.capacity}")
+        start, end = self.pointer, self.pointer + num_rows
+        if end <= self.capacity:
+            return [(start, end)], [(start, end)]
+        if self.mode == "fixed":
+            raise CapacityError(
+                f"fixed-mode buffer is full: {num_rows} rows do not fit in the "
+                f"{self.capacity - self.pointer} left of capacity {self.capacity}"
+            )
+        if self.unit == "episode":  # early wrap: skip the tail, evict it with the new rows
+            return [(0, num_rows)], [(start, self.capacity), (0, num_rows)]
+        wrapped = [(start, self.capacity), (0, end - self.capacity)]
+        return wrapped, wrapped
+
+    def reserve(
+        self, num_rows: int, episodes: int | Sequence[int] = 1, owner: object = None
+    ) -> Reservation:
+        """Rows for ``episodes``: a count of equal sub-episodes, or their lengths (a writer
+        that batches several small episodes into one round trip)."""
+        ranges, evict = self.plan(num_rows, episodes)
+        busy = self.conflicts(evict)
+        if busy:
+            raise CapacityError(
+                f"rows {evict} are still reserved by an uncommitted writer (reservation "
+                f"{busy[0].id}); the ring is smaller than the data in flight"
+            )
+        blocked = self._insert_blocker(num_rows, evict)
+        if blocked is not None:  # the daemon asked insert_blocker first and parked it
+            raise WaitTimeoutError(f"cannot reserve {num_rows} rows now: {blocked}")
+        before = (self.pointer, self.rows_written, self.travelled)
+        trimmed: list[Episode] = []
+        evicted = self._evict_ranges(evict, trimmed)
+        # A full fixed-mode ring keeps pointer == capacity, so nothing fits any more.
+        end = ranges[-1][1]
+        self.pointer = end if self.mode == "fixed" else end % self.capacity
+        self.rows_written += num_rows
+        self.travelled += sum(e - s for s, e in evict)  # the evicted span is where it moved
+        reservation = Reservation(
+            id=self._next_reservation,
+            ranges=ranges,
+            episodes=_episode_bounds(ranges, episode_lengths(num_rows, episodes)),
+            owner=owner,
+            evicted=evicted,
+            trimmed=trimmed,
+            before=before,
+            travelled=self.travelled,
+        )
+        self._next_reservation += 1
+        self.reservations[reservation.id] = reservation
+        return reservation
+
+    def insert_blocker(self, num_rows: int, episodes: int | Sequence[int] = 1) -> str | None:
+        """Why a reservation of ``num_rows`` must wait now, or None if it may go: the rate
+        limiter refuses it, or (FIFO with ``max_times_sampled``) rows it would overwrite were
+        not consumed yet. CapacityError/ValueError as :meth:`plan` for a request that can
+        never fit."""
+        _, evict = self.plan(num_rows, episodes)
+        return self._insert_blocker(num_rows, evict)
+
+    def _insert_blocker(self, num_rows: int, evict: list[Range]) -> str | None:
+        if not self.rate_limiter.can_insert(num_rows):
+            return self.rate_limiter.blocked_reason()
+        for start, stop in evict:
+            if self.sampler.blocks_overwrite(start, stop):
+                return (
+                    f"rows [{start}, {stop}) hold data the {self.sampler.name} sampler has not "
+                    f"handed out max_times_sampled={self.sampler.max_times_sampled} times yet; "
+                    "writers wait for readers to consume it instead of overwriting it"
+                )
+        return None
+
+    def _evict_ranges(self, evict: Sequence[Range], trimmed: list[Episode]) -> list[Episode]:
+        """Evict each range, telling the sampler after each (the registry already changed)
+        and the limiter how many rows stopped holding data."""
+        rows_before = self.registry.num_rows
+        evicted: list[Episode] = []
+        for start, stop in evict:
+            count = len(evicted) + len(trimmed)
+            evicted += self._evict(start, stop, trimmed)
+            if len(evicted) + len(trimmed) > count:  # nothing was live there: nothing to tell
+                self.sampler.on_evict(start, stop)
+        deleted = rows_before - self.registry.num_rows
+        if deleted:
+            self.rate_limiter.on_delete(deleted)
+        return evicted
+
+    def _evict(self, start: int, stop: int, trimmed: list[Episode] | None = None) -> list[Episode]:
+        """Unpublish rows ``start:stop``. Episode unit drops every episode they touch; transition
+        unit keeps the surviving tail of a chunk the ring only partly overwrites (its old
+        bounds are appended to ``trimmed``)."""
+        self.use_counts[start:stop] = -1
+        if self.unit == "episode":
+            evicted = self.registry.evict(start, stop)
+            for ep in evicted:
+                self.use_counts[ep.start : ep.end] = -1
+            return evicted
+        evicted = []
+        for ep in self.registry.overlapping(start, stop):
+            if start <= ep.start and ep.end > stop:
+                self.registry.trim_front(ep.id, stop)
+                if trimmed is not None:
+                    trimmed.append(ep)
+            else:
+                evicted.append(self.registry.remove(ep.id))
+                self.use_counts[ep.start : ep.end] = -1
+        return evicted
+
+    def conflicts(self, ranges: list[Range]) -> list[Reservation]:
+        """Open reservations holding any row of ``ranges`` (a writer still copying there)."""
+        return [
+            other
+            for other in self.reservations.values()
+            if any(s < stop and start < e for s, e in other.ranges for start, stop in ranges)
+        ]
+
+    def check_priority(
+        self, num_rows: int, episodes: int | Sequence[int], priority: Priority
+    ) -> F64 | None:
+        """The per-item priorities a commit of ``num_rows`` rows in ``episodes`` would store
+        (None: the sampler's default for new data); InvalidArgumentError for a priority that is
+        negative, NaN, of the wrong length, or given to a sampler that keeps none. Lets an owner
+        refuse a bad priority before it reserves (and so evicts) anything."""
+        if priority is None:
+            return None
+        with as_invalid_argument:
+            lengths = episode_lengths(num_rows, episodes)
+            return self.sampler.check_commit_priority([Episode(0, 0, n) for n in lengths], priority)
+
+    def commit_priorities(self, reservation_id: int, priority: Priority) -> PriorityUpdate | None:
+        """What ``commit(reservation_id, priority)`` would store, as a priority update of the
+        rows carrying the priorities (every row in transition unit, each episode's first row in
+        episode unit): what the daemon journals to replay it. None for ``priority=None``;
+        InvalidArgumentError for a bad one; nothing changes."""
+        reservation = self.reservations.get(reservation_id)
+        if reservation is None:
+            raise NotFoundError(f"no open reservation {reservation_id}")
+        given = self._commit_priority(reservation, priority)
+        if given is None:
+            return None
+        starts = [s for s, _ in reservation.episodes]
+        if self.unit == "episode":
+            return PriorityUpdate(np.array(starts, dtype=np.int64), given, 0)
+        return PriorityUpdate(rows_of(starts, [e for _, e in reservation.episodes]), given, 0)
+
+    def _commit_priority(self, reservation: Reservation, priority: Priority) -> F64 | None:
+        if priority is None:
+            return None
+        bounds = [Episode(0, s, e) for s, e in reservation.episodes]
+        with as_invalid_argument:
+            return self.sampler.check_commit_priority(bounds, priority)
+
+    def commit(self, reservation_id: int, priority: Priority = None) -> list[int]:
+        """Publish a reservation's episodes; return their ids in order.
+
+        ``priority``: None (the sampler's default: the largest seen so far), a scalar, or one
+        value per row (transition unit) or per episode (episode unit), validated before
+        anything is published (InvalidArgumentError leaves the reservation open)."""
+        reservation = self.reservations.get(reservation_id)
+        if reservation is None:
+            raise NotFoundError(f"no open reservation {reservation_id}")
+        given = self._commit_priority(reservation, priority)
+        self._pop(reservation_id)
+        for start, stop in reservation.ranges:
+            self.use_counts[start:stop] = 0
+        ids = [self.registry.add(s, e) for s, e in reservation.episodes]
+        self._published(
+            [Episode(i, s, e) for i, (s, e) in zip(ids, reservation.episodes, strict=True)],
+            given,
+            reservation.num_rows,
+        )
+        return ids
+
+    def _published(self, episodes: list[Episode], priority: F64 | None, num_rows: int) -> None:
+        self.sampler.on_commit(episodes, priority)
+        self.rate_limiter.on_insert(num_rows)
+
+    def abort(self, reservation_id: int, written: int | None = None) -> list[Episode]:
+        """Give rows back unpublished (a writer that died or failed mid-copy).
+
+        ``written``: how many of the reservation's rows (in fill order) the copy may have
+        touched, when the caller knows (None: nothing comes back, as for a writer that died).
+        Every episode the reservation evicted (or trimmed) is published again under its old id
+        when none of its rows were touched or reached by a later reservation; if nothing was
+        touched and no reservation came after it, the ring pointer goes back too, as if
+        ``reserve`` had never run. Returns the episodes published again (restored bounds).
+        """
+        reservation = self._pop(reservation_id)
+        if written is None:
+            return []
+        later = self.travelled - reservation.travelled
+        touched = max(0, written)
+        if later == 0 and touched == 0:
+            self.pointer, self.rows_written, self.travelled = reservation.before
+        if later >= self.capacity:
+            return []
+        blocked = _split(reservation.ranges, touched) + _ring(
+            reservation.ranges[-1][1] % self.capacity, later, self.capacity
+        )
+        back = [
+            ep
+            for ep in (*reservation.evicted, *reservation.trimmed)
+            if not any(ep.start < e and s < ep.end for s, e in blocked)
+        ]
+        self.restore(back)
+        return back
+
+    def restore(self, episodes: Sequence[Episode]) -> None:
+        """Publish ``episodes`` again under their old ids; a live id (a trimmed chunk) gets the
+        given bounds back. O(live episodes): only aborts and their journal replay call it.
+        Use counters of the restored rows restart at 0."""
+        if not episodes:
+            return
+        rows_before = self.registry.num_rows
+        live = {ep.id: ep for ep in self.registry}
+        for ep in episodes:
+            clash = [o for o in self.registry.overlapping(ep.start, ep.end) if o.id != ep.id]
+            if clash or ep.id >= self.registry.next_id:
+                raise ValueError(f"cannot restore {ep}: it overlaps {clash} or was never added")
+            live[ep.id] = ep
+        self.registry = EpisodeRegistry.from_state(
+            {
+                "capacity": self.capacity,
+                "next_id": self.registry.next_id,
+                "episodes": [[ep.id, ep.start, ep.end] for ep in sorted(live.values(), key=_id)],
+            }
+        )
+        for ep in episodes:
+            self.use_counts[ep.start : ep.end] = 0
+        self.sampler.on_restore(episodes, self.registry)  # a new registry object
+        back = self.registry.num_rows - rows_before
+        if back > 0:
+            self.rate_limiter.on_restore(back)
+
+    def _pop(self, reservation_id: int) -> Reservation:
+        try:
+            return self.reservations.pop(reservation_id)
+        except KeyError:
+            raise NotFoundError(f"no open reservation {reservation_id}") from None
+
+    def clear(self) -> None:
+        """Forget every committed row; open reservations stay valid (but an abort no longer
+        brings back what they evicted: it was cleared)."""
+        for reservation in self.reservations.values():
+            reservation.evicted, reservation.trimmed = [], []
+        rows = self.registry.num_rows
+        self.registry.clear()
+        self.sampler.on_clear()
+        if rows:
+            self.rate_limiter.on_delete(rows)
+        self.use_counts[:] = -1
+        if not self.reservations:
+            self.pointer = 0
+
+
+def episode_lengths(num_rows: int, episodes: int | Sequence[int]) -> list[int]:
+    """The length of each episode of a reservation; ValueError unless they add up."""
+    if num_rows < 1:
+        raise ValueError(f"a reservation needs at least one row, got {num_rows}")
+    if isinstance(episodes, int):
+        if episodes < 1 or num_rows % episodes:
+            raise ValueError(f"{num_rows} rows cannot be split into {episodes} equal episodes")
+        return [num_rows // episodes] * episodes
+    lengths = [int(n) for n in episodes]
+    if not lengths or min(lengths) < 1 or sum(lengths) != num_rows:
+        raise ValueError(f"episode lengths must be positive and add up to {num_rows} rows")
+    return lengths
+
+
+def _id(episode: Episode) -> int:
+    return episode.id
+
+
+def _split(ranges: Sequence[Range], n: int) -> list[Range]:
+    """The parts of ``ranges`` (filled in order) holding their first ``n`` rows."""
+    out: list[Range] = []
+    for start, stop in ranges:
+        if n <= 0:
+            break
+        out.append((start, min(stop, start + n)))
+        n -= stop - start
+    return out
+
+
+def _ring(start: int, length: int, capacity: int) -> list[Range]:
+    """Physical ranges of ``length`` ring rows from ``start`` on (``length < capacity``)."""
+    if length <= 0:
+        return []
+    if start + length <= capacity:
+        return [(start, start + length)]
+    return [(start, capacity), (0, start + length - capacity)]
+
+
+def _episode_bounds(ranges: list[Range], lengths: list[int]) -> list[Range]:
+    """Physical bounds of episodes of ``lengths`` rows laid over ``ranges`` in order; an
+    episode that straddles the wrap of a transition chunk becomes two entries."""
+    bounds: list[Range] = []
+    ends = np.cumsum(lengths).tolist()
+    logical = list(zip([0, *ends[:-1]], ends, strict=True))
+    offset = 0
+    for start, stop in ranges:
+        span = (offset, offset + stop - start)
+        for first, last in logical:
+            lo, hi = max(first, span[0]), min(last, span[1])
+            if lo < hi:
+                bounds.append((start + lo - offset, start + hi - offset))
+        offset = span[1]
+    return bounds

@@ -18,7 +18,7 @@ from typing import Any
 
 from bench import data, loads
 from bench.harness import Body, bench_dirs
-from bench.registry import Context, Row, make_row, scenario
+from bench.registry import Context, Row, scenario
 
 NAME = "contention"
 IMPLS = [loads.SHM, loads.CPPRB, loads.TORCHRL]
@@ -102,25 +102,6 @@ def contention(ctx: Context) -> list[Row]:
             except Exception as exc:
                 ctx.note(NAME, f"{impl} failed: {type(exc).__name__}: {exc}")
                 continue
-            for n, rates in zip(counts, passes[1:], strict=True):
-                sides = (("writers", "insert", LENGTH), ("learners", "sample", BATCH))
-                for role, op, chunk in sides:
-                    if role not in rates:
-                        ctx.note(NAME, f"{impl} {op}-{n}w: no {role} report")
-                        continue
-                    rows, secs = rates[role]
-                    out.append(
-                        make_row(
-                            NAME,
-                            impl,
-                            f"{op}-{n}w",
-                            rows=rows,
-                            nbytes=rows * row_bytes,
-                            seconds=secs,
-                            pass_="steady",
-                            chunk=chunk,
-                            writers=n,
-                            learners=LEARNERS,
-                        )
-                    )
+            sides = (("writers", "insert", LENGTH), ("learners", "sample", BATCH))
+            out += loads.rate_rows(ctx, NAME, impl, counts, passes, sides, row_bytes, LEARNERS)
     return out

@@ -41,6 +41,7 @@ from bench.harness import (
     running_daemon,
 )
 from bench.peers import cpprb_env
+from bench.registry import Context, Row, make_row
 
 SHM = "shmbuffer-daemon"
 CPPRB = "cpprb-MPReplayBuffer"
@@ -378,3 +379,40 @@ def run_load(
                 **learner_params,
             )
         return run_plan(kids, roles, len(learner_plan))
+
+
+def rate_rows(
+    ctx: Context,
+    scenario: str,
+    impl: str,
+    counts: tuple[int, ...],
+    passes: list[dict[str, tuple[int, float]]],
+    sides: tuple[tuple[str, str, int], ...],
+    row_bytes: int,
+    learners: int,
+) -> list[Row]:
+    """One row per writer count and side of :func:`run_load`'s timed passes (the first pass,
+    the untimed fill, is dropped): ``sides`` are ``(role, op, rows per call)``, the op named
+    ``<op>-<n>w``; a side with no report gets a note instead of a row."""
+    out: list[Row] = []
+    for n, rates in zip(counts, passes[1:], strict=True):
+        for role, op, chunk in sides:
+            if role not in rates:
+                ctx.note(scenario, f"{impl} {op}-{n}w: no {role} report")
+                continue
+            rows, secs = rates[role]
+            out.append(
+                make_row(
+                    scenario,
+                    impl,
+                    f"{op}-{n}w",
+                    rows=rows,
+                    nbytes=rows * row_bytes,
+                    seconds=secs,
+                    pass_="steady",
+                    chunk=chunk,
+                    writers=n,
+                    learners=learners,
+                )
+            )
+    return out

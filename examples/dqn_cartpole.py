@@ -15,23 +15,58 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
-from cartpole_common import (
+from common import (
     Daemon,
     Progress,
     Rollout,
     WorkerConfig,
     common_args,
-    q_network,
+    replay_updates,
     unique_name,
     weights_name,
 )
+from torch import nn
 
 import shmbuffer
 from shmbuffer.weights import WeightsPublisher
+
+ENV_ID = "CartPole-v1"
+
+
+def q_network() -> nn.Module:
+    """DQN's Q-function: obs [B, 4] -> Q-values [B, 2]."""
+    return nn.Sequential(
+        nn.Linear(4, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 2)
+    )
+
+
+def epsilon_at(steps: int, start: float, end: float, decay_steps: int) -> float:
+    """Linear decay from ``start`` to ``end`` over the first ``decay_steps`` env steps of all
+    workers together."""
+    return end + (start - end) * max(0.0, 1.0 - steps / max(1, decay_steps))
+
+
+@dataclass(frozen=True)
+class EpsilonGreedy:
+    """The workers' act function: greedy in Q, random with probability epsilon."""
+
+    start: float = 1.0
+    end: float = 0.05
+    decay_steps: int = 5_000
+
+    def __call__(
+        self, net: nn.Module, obs: np.ndarray, rng: np.random.Generator, env_steps: int
+    ) -> tuple[np.ndarray, Mapping[str, np.ndarray]]:
+        eps = epsilon_at(env_steps, self.start, self.end, self.decay_steps)
+        greedy = net(torch.from_numpy(obs)).argmax(1).numpy()
+        explore = rng.random(len(obs)) < eps
+        return np.where(explore, rng.integers(0, 2, len(obs)), greedy), {}
 
 
 def parse_args() -> argparse.Namespace:
@@ -64,41 +99,34 @@ def train(args: argparse.Namespace, daemon: Daemon, prioritized: bool) -> None:
             WorkerConfig(
                 buffer=buffer,
                 weights=weights.name,
-                policy="q",
+                env_id=ENV_ID,
+                policy=q_network,
+                act=EpsilonGreedy(1.0, 0.05, args.eps_decay_steps),
                 num_envs=args.envs_per_worker,
                 seed=args.seed,
-                epsilon=(1.0, 0.05, args.eps_decay_steps),
             ),
         )
         progress = Progress(rollout, args.curve)
         deadline = progress.began + args.minutes * 60
         rollout.set_budget(args.learning_starts)
         rollout.start()
-        updates = 0
         try:
             daemon.wait_ready()
             with shmbuffer.Reader(buffer, timeout=30.0) as reader:
-                while time.monotonic() < deadline and not progress.reached(args.target):
-                    progress.update()
-                    progress.maybe_print(f"updates {updates:,}")
-                    if rollout.env_steps < args.learning_starts or len(reader) < args.batch_size:
-                        # Episodes are stored as they end: let the workers finish some.
-                        rollout.set_budget(max(args.learning_starts, rollout.env_steps + 100))
-                        time.sleep(0.05)
-                        continue
-                    # Hold the replay ratio: workers may step this far ahead of the updates.
-                    # TODO(issue 9): `--rate-limiter sample-to-insert` in the daemon instead.
-                    rollout.set_budget(
-                        args.learning_starts + int(updates * args.env_steps_per_update)
-                    )
-                    for _ in range(50):
-                        update(args, reader, q, target, opt, prioritized)
-                        updates += 1
-                        progress.samples += args.batch_size
-                        if updates % args.target_update == 0:
-                            target.load_state_dict(q.state_dict())
-                        if updates % args.publish_every == 0:
-                            weights.publish(q)
+                for updates in replay_updates(
+                    reader,
+                    progress,
+                    deadline=deadline,
+                    target=args.target,
+                    batch_size=args.batch_size,
+                    learning_starts=args.learning_starts,
+                    env_steps_per_update=args.env_steps_per_update,
+                ):
+                    update(args, reader, q, target, opt, prioritized)
+                    if updates % args.target_update == 0:
+                        target.load_state_dict(q.state_dict())
+                    if updates % args.publish_every == 0:
+                        weights.publish(q)
         finally:
             rollout.stop()
             progress.finish()
@@ -151,7 +179,7 @@ def main() -> None:
         return
     sampler = ["--sampler", "prioritized"] if prioritized else []
     replay = "prioritized" if prioritized else "uniform"
-    with Daemon.own(unique_name("dqn"), args.capacity, "transition", sampler) as daemon:
+    with Daemon.own(unique_name("cartpole-dqn"), args.capacity, "transition", sampler) as daemon:
         print(f"daemon {daemon.name!r}: {args.capacity:,} rows, {replay} replay", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             train(args, daemon, prioritized)

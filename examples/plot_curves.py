@@ -3,6 +3,12 @@
     python examples/dqn_cartpole.py --curve /tmp/dqn.csv
     python examples/ppo_cartpole.py --curve /tmp/ppo.csv
     python examples/plot_curves.py /tmp/dqn.csv /tmp/ppo.csv -o docs/learning-curves.png
+    python examples/sac_pendulum.py --curve /tmp/sac.csv
+    python examples/plot_curves.py /tmp/sac.csv --title "Pendulum-v1 through shmbuffer" \\
+        -o docs/learning-curves-pendulum.png
+
+Pendulum's returns (about -1,500 to -150) and CartPole's (up to 500) share no scale, hence a
+plot of their own.
 
 Each CSV holds one row per finished episode (``env_steps, seconds, return``); the plot shows
 every episode's return faintly and the mean of the last 20 (what the examples report) on top.

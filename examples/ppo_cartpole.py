@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import time
+from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
-from cartpole_common import (
-    ActorCritic,
+from common import (
     Daemon,
     Progress,
     Rollout,
@@ -29,14 +31,55 @@ from cartpole_common import (
     weights_name,
 )
 from tensordict import TensorDict
+from torch import nn
 
 import shmbuffer
 from shmbuffer.errors import EmptyBufferError, WaitTimeoutError
 from shmbuffer.weights import WeightsPublisher
 
+ENV_ID = "CartPole-v1"
+
 #: Seconds the learner waits for one version's rollouts before training on what it has (a
 #: worker that died or stalls must not stop the run).
 COLLECT_TIMEOUT_S = 30.0
+
+
+class ActorCritic(nn.Module):
+    """PPO's policy and value function, apart (shared layers slow CartPole down), with the
+    orthogonal initialisation of the PPO implementation-details study (Huang et al., 2022)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+        def layer(n_in: int, n_out: int, std: float = math.sqrt(2)) -> nn.Linear:
+            lin = nn.Linear(n_in, n_out)
+            nn.init.orthogonal_(lin.weight, std)
+            nn.init.zeros_(lin.bias)
+            return lin
+
+        self.actor = nn.Sequential(
+            layer(4, 64), nn.Tanh(), layer(64, 64), nn.Tanh(), layer(64, 2, std=0.01)
+        )
+        self.critic = nn.Sequential(
+            layer(4, 64), nn.Tanh(), layer(64, 64), nn.Tanh(), layer(64, 1, std=1.0)
+        )
+
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        values: torch.Tensor = self.critic(obs)
+        return values.squeeze(-1)
+
+
+def sample_action(
+    net: nn.Module, obs: np.ndarray, rng: np.random.Generator, env_steps: int
+) -> tuple[np.ndarray, Mapping[str, np.ndarray]]:
+    """The workers' act function: an action drawn from the policy, and its log-probability
+    (the ``logp`` column, PPO's ratio denominator)."""
+    assert isinstance(net, ActorCritic)
+    log_probs = torch.log_softmax(net.actor(torch.from_numpy(obs)), dim=1).numpy()
+    u = rng.random(len(obs))
+    actions = (u[:, None] > np.exp(log_probs).cumsum(1)[:, :-1]).sum(1)
+    logp = log_probs[np.arange(len(obs)), actions]
+    return actions.astype(np.int64), {"logp": np.asarray(logp, np.float32)}
 
 
 def parse_args() -> argparse.Namespace:
@@ -142,7 +185,9 @@ def train(args: argparse.Namespace, daemon: Daemon) -> None:
             WorkerConfig(
                 buffer=buffer,
                 weights=weights.name,
-                policy="actor-critic",
+                env_id=ENV_ID,
+                policy=ActorCritic,
+                act=sample_action,
                 num_envs=args.envs_per_worker,
                 seed=args.seed,
                 rollout_len=args.rollout_len,
@@ -194,7 +239,7 @@ def main() -> None:
     capacity = 2 * args.workers * args.envs_per_worker * args.rollout_len
     sampler = ["--sampler", "fifo", "--max-times-sampled", "1"]
     queue = "FIFO consume-once"
-    with Daemon.own(unique_name("ppo"), capacity, "episode", sampler) as daemon:
+    with Daemon.own(unique_name("cartpole-ppo"), capacity, "episode", sampler) as daemon:
         print(f"daemon {daemon.name!r}: {capacity:,} rows, episode unit, {queue}", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             train(args, daemon)

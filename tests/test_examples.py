@@ -1,7 +1,8 @@
-"""The CartPole examples run for real: their own daemon through the CLI, spawned env workers
-stepping gymnasium, a learner that learns. Short bounded runs by default (each stops early once
-a modest target is reached; together well under a minute when the machine is not loaded);
-the full runs that must reach 195 (DQN) and 475 (PPO) within 10 minutes under ``-m slow``.
+"""The examples run for real: their own daemon through the CLI, spawned env workers stepping
+gymnasium, a learner that learns. Short bounded runs by default (each CartPole run stops early
+once a modest target is reached, the Pendulum run once its 20 episodes are in; the time limits
+only bound a busy machine); the full runs that must reach 195 (DQN), 475 (PPO) and -250 (SAC
+on Pendulum) within 10 minutes under ``-m slow``.
 
 Every run gets its own runtime and storage folders, and must leave nothing behind in them: its
 daemon's runtime file and segment, and its weights channel, are gone when it exits.
@@ -158,17 +159,42 @@ def test_ppo_learns_above_random_play(folders: tuple[Path, Path]) -> None:
     assert run.final_return > CLEARLY_ABOVE_RANDOM, run.describe()
 
 
-def check_curve_plot(curve: Path, png: Path) -> None:
-    """The --curve CSV holds every episode, and plot_curves.py draws it."""
+def check_curve_plot(curve: Path, png: Path, *args: str) -> None:
+    """The --curve CSV holds every episode, and plot_curves.py (given ``args``) draws it."""
     lines = curve.read_text().splitlines()
     assert lines[0] == "env_steps,seconds,return" and len(lines) > 20, lines[:3]
     steps = [int(line.split(",")[0]) for line in lines[1:]]
     assert steps == sorted(steps) and steps[-1] > 0
     pytest.importorskip("matplotlib")
-    argv = [sys.executable, str(EXAMPLES / "plot_curves.py"), str(curve), "-o", str(png)]
+    argv = [sys.executable, str(EXAMPLES / "plot_curves.py"), str(curve), "-o", str(png), *args]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# Pendulum learns too slowly for a short run to show it (its target needs about a minute of
+# acting): the short run stops at its 20th episode (a target of -inf, reached as soon as the
+# figure has its 20 episodes; about 4,000 env steps and 750 updates) and checks the whole path:
+# workers acting with float32 torques, the learner sampling and updating, figures, curve and
+# cleanup. The time limit only bounds a machine so busy that the workers start late.
+PENDULUM_SHORT_MINUTES = 2.0
+
+
+@pytest.mark.timeout(PENDULUM_SHORT_MINUTES * 60 + SHUTDOWN_S + 30)
+def test_sac_pendulum_runs_end_to_end(folders: tuple[Path, Path], tmp_path: Path) -> None:
+    curve = tmp_path / "sac.csv"
+    run = run_example(
+        "sac_pendulum.py", folders, "--workers", "2", "--target=-inf", "--curve", str(curve),
+        minutes=PENDULUM_SHORT_MINUTES,
+    )  # fmt: skip
+    check_figures(run)
+    assert -16.3 * 200 <= run.final_return <= 0, run.describe()  # rewards are in [-16.3, 0]
+    lines = curve.read_text().splitlines()
+    assert lines[0] == "env_steps,seconds,return" and len(lines) > 20, lines[:3]
+    rows = [line.split(",") for line in lines[1:]]
+    steps = [int(row[0]) for row in rows]
+    assert steps == sorted(steps) and steps[-1] > 0, steps
+    assert all(-16.3 * 200 <= float(row[2]) <= 0 for row in rows), rows
 
 
 def test_ctrl_c_stops_workers_and_daemon(folders: tuple[Path, Path]) -> None:
@@ -231,3 +257,17 @@ def test_ppo_reaches_475_within_10_minutes(folders: tuple[Path, Path]) -> None:
     run = run_example("ppo_cartpole.py", folders, "--workers", "2", minutes=10)
     check_figures(run)
     assert run.final_return >= 475, run.describe()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(10 * 60 + SHUTDOWN_S + 30)
+def test_sac_pendulum_reaches_minus_250_within_10_minutes(
+    folders: tuple[Path, Path], tmp_path: Path
+) -> None:
+    curve = tmp_path / "sac.csv"
+    run = run_example(
+        "sac_pendulum.py", folders, "--workers", "2", "--curve", str(curve), minutes=10
+    )
+    check_figures(run)
+    assert run.final_return >= -250, run.describe()
+    check_curve_plot(curve, tmp_path / "curves.png", "--title", "Pendulum-v1 through shmbuffer")

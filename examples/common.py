@@ -1,21 +1,28 @@
-"""What the CartPole examples share: the policies, the env-worker process, a daemon of their own,
-and the bookkeeping behind the figures they print.
+"""What the examples share: the env-worker process, a daemon of their own, the off-policy
+update loop and the bookkeeping behind the figures they print. What differs between them —
+the env id, the policy network and how it acts — comes in as parameters.
 
 An env worker (:func:`worker_main`, one spawned process each) steps a ``gymnasium`` vector env
-of ``CartPole-v1`` with the learner's current policy and writes what it saw through
+of ``WorkerConfig.env_id`` with the learner's current policy and writes what it saw through
 ``shmbuffer.Writer``. The learner publishes its weights through a
 :class:`shmbuffer.weights.WeightsPublisher`; a worker checks the version (one int read) before
 every vector step and copies the weights only when they changed. Workers report each finished
 episode's return on a ``multiprocessing`` queue (the learner needs returns, not rows, to know
 how it is doing) and count their env steps in shared integers.
 
+The policy is two picklable parameters, both defined by the example (spawned workers import
+the example's module to unpickle them): ``policy()`` builds the network the weights are loaded
+into, and ``act(net, obs, rng, env_steps)`` turns a vector step's observations into actions,
+in the dtype and shape the ``action`` column stores, plus any per-step columns of its own
+(PPO's ``logp``); ``env_steps`` counts every worker's steps (exploration schedules).
+
 Two ways of writing, chosen by the learner:
 
-* ``rollout_len == 0`` (DQN): every sub-env step goes to ``Writer.add_transition`` under the id
-  ``w<worker>/<sub-env>``; the writer assembles whole episodes and stores each as it ends. A
-  budget of env steps set by the learner holds the replay ratio (updates per env step) fixed
-  however fast the workers could step: on two shared cores a worker left free takes the
-  learner's CPU and the run needs more wall time, not less.
+* ``rollout_len == 0`` (DQN, SAC): every sub-env step goes to ``Writer.add_transition`` under
+  the id ``w<worker>/<sub-env>``; the writer assembles whole episodes and stores each as it
+  ends. A budget of env steps set by the learner (:func:`replay_updates`) holds the replay
+  ratio (updates per env step) fixed however fast the workers could step: on two shared cores
+  a worker left free takes the learner's CPU and the run needs more wall time, not less.
 * ``rollout_len == T`` (PPO): each sub-env's next ``T`` steps under policy version ``v`` are
   written as one entry (``Writer.add_episode``) with a ``policy_version`` column; then the
   worker waits for version ``v + 1``. Every entry is thus on-policy for exactly one version, and
@@ -27,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import math
 import multiprocessing as mp
 import os
 import queue
@@ -36,7 +42,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,55 +56,16 @@ from shmbuffer import runtime
 from shmbuffer.errors import DaemonUnavailableError
 from shmbuffer.weights import WeightsSubscriber
 
-ENV_ID = "CartPole-v1"
-RANDOM_RETURN = 22.0  # mean return of random play on CartPole-v1
 LAST_N = 20  # "mean return over the last 20 episodes"
 DAEMON_START_TIMEOUT_S = 60.0  # a busy 2-core machine imports torch slowly
 STOP_TIMEOUT_S = 15.0
 
-
-# -- policies -------------------------------------------------------------------------------
-
-
-def q_network() -> nn.Module:
-    """DQN's Q-function: obs [B, 4] -> Q-values [B, 2]."""
-    return nn.Sequential(
-        nn.Linear(4, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 2)
-    )
-
-
-class ActorCritic(nn.Module):
-    """PPO's policy and value function, apart (shared layers slow CartPole down), with the
-    orthogonal initialisation of the PPO implementation-details study (Huang et al., 2022)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-
-        def layer(n_in: int, n_out: int, std: float = math.sqrt(2)) -> nn.Linear:
-            lin = nn.Linear(n_in, n_out)
-            nn.init.orthogonal_(lin.weight, std)
-            nn.init.zeros_(lin.bias)
-            return lin
-
-        self.actor = nn.Sequential(
-            layer(4, 64), nn.Tanh(), layer(64, 64), nn.Tanh(), layer(64, 2, std=0.01)
-        )
-        self.critic = nn.Sequential(
-            layer(4, 64), nn.Tanh(), layer(64, 64), nn.Tanh(), layer(64, 1, std=1.0)
-        )
-
-    def value(self, obs: torch.Tensor) -> torch.Tensor:
-        values: torch.Tensor = self.critic(obs)
-        return values.squeeze(-1)
-
-
-POLICIES = {"q": q_network, "actor-critic": ActorCritic}
-
-
-def epsilon_at(steps: int, start: float, end: float, decay_steps: int) -> float:
-    """Linear decay from ``start`` to ``end`` over the first ``decay_steps`` env steps of all
-    workers together."""
-    return end + (start - end) * max(0.0, 1.0 - steps / max(1, decay_steps))
+#: ``act(net, obs [E, ...], rng, env_steps) -> (actions [E, ...], extra columns {key: [E]})``,
+#: called under ``torch.no_grad()``.
+ActFn = Callable[
+    [nn.Module, np.ndarray, np.random.Generator, int],
+    tuple[np.ndarray, Mapping[str, np.ndarray]],
+]
 
 
 # -- the env worker -------------------------------------------------------------------------
@@ -108,11 +75,12 @@ def epsilon_at(steps: int, start: float, end: float, decay_steps: int) -> float:
 class WorkerConfig:
     buffer: str
     weights: str
-    policy: str  # a key of POLICIES
+    env_id: str  # a gymnasium id: "CartPole-v1", "Pendulum-v1"
+    policy: Callable[[], nn.Module]  # builds the network the published weights fit
+    act: ActFn
     num_envs: int
     seed: int
-    rollout_len: int = 0  # 0: transitions as they come (DQN); T: T-step entries per version
-    epsilon: tuple[float, float, int] = (1.0, 0.05, 5_000)  # start, end, decay steps (q only)
+    rollout_len: int = 0  # 0: transitions as they come (DQN, SAC); T: T-step entries (PPO)
 
 
 @dataclass
@@ -146,7 +114,7 @@ def _worker_loop(index: int, cfg: WorkerConfig, shared: Shared) -> None:
     import gymnasium as gym
 
     envs = gym.make_vec(
-        ENV_ID,
+        cfg.env_id,
         num_envs=cfg.num_envs,
         vectorization_mode="sync",
         # The final observation of an episode arrives with its last step (info["final_obs"]),
@@ -155,7 +123,7 @@ def _worker_loop(index: int, cfg: WorkerConfig, shared: Shared) -> None:
         # an episode is stored.
         vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP, "copy": True},
     )
-    net = POLICIES[cfg.policy]()
+    net = cfg.policy()
     rng = np.random.default_rng([cfg.seed, index])
     with (
         WeightsSubscriber(cfg.weights, timeout=DAEMON_START_TIMEOUT_S) as weights,
@@ -182,48 +150,28 @@ def _worker_loop(index: int, cfg: WorkerConfig, shared: Shared) -> None:
                     time.sleep(0.001)
                     continue
             with torch.no_grad():
-                obs_t = torch.from_numpy(obs)
-                if cfg.policy == "q":
-                    eps = epsilon_at(sum(shared.steps), *cfg.epsilon)
-                    actions = net(obs_t).argmax(1).numpy()
-                    explore = rng.random(cfg.num_envs) < eps
-                    actions = np.where(explore, rng.integers(0, 2, cfg.num_envs), actions)
-                    logp = None
-                else:
-                    assert isinstance(net, ActorCritic)
-                    log_probs = torch.log_softmax(net.actor(obs_t), dim=1).numpy()
-                    u = rng.random(cfg.num_envs)
-                    actions = (u[:, None] > np.exp(log_probs).cumsum(1)[:, :-1]).sum(1)
-                    logp = log_probs[np.arange(cfg.num_envs), actions]
+                actions, extra = cfg.act(net, obs, rng, sum(shared.steps))
             next_obs, reward, terminated, truncated, info = envs.step(actions)
             done = terminated | truncated
             real_next = next_obs.copy()
             for j in np.flatnonzero(done):
                 real_next[j] = info["final_obs"][j]
+            step = {
+                "obs": obs,
+                "action": actions,
+                **extra,
+                "reward": reward.astype(np.float32),
+                "next_obs": real_next,
+                "terminated": terminated,
+                "truncated": truncated,
+            }
             if cfg.rollout_len:
-                step = {
-                    "obs": obs,
-                    "action": actions.astype(np.int64),
-                    "logp": np.asarray(logp, np.float32),
-                    "reward": reward.astype(np.float32),
-                    "next_obs": real_next,
-                    "terminated": terminated,
-                    "truncated": truncated,
-                }
                 for key, value in step.items():
                     fragment.setdefault(key, []).append(value)
             else:
                 for i in range(cfg.num_envs):
                     writer.add_transition(
-                        f"w{index}/{i}",
-                        {
-                            "obs": obs[i],
-                            "action": np.int64(actions[i]),
-                            "reward": np.float32(reward[i]),
-                            "next_obs": real_next[i],
-                            "terminated": bool(terminated[i]),
-                            "truncated": bool(truncated[i]),
-                        },
+                        f"w{index}/{i}", {key: value[i] for key, value in step.items()}
                     )
             ep_return += reward
             ep_length += 1
@@ -480,8 +428,56 @@ class Progress:
         print(f"final mean return (last {LAST_N} episodes): {self.mean_return:.1f}", flush=True)
 
 
-def unique_name(kind: str) -> str:
-    return f"cartpole-{kind}-{os.getpid()}"
+# -- the off-policy loop --------------------------------------------------------------------
+
+
+def replay_updates(
+    reader: shmbuffer.Reader,
+    progress: Progress,
+    *,
+    deadline: float,
+    target: float,
+    batch_size: int,
+    learning_starts: int,
+    env_steps_per_update: float,
+    status: Callable[[int], str] = lambda updates: f"updates {updates:,}",
+    chunk: int = 50,
+) -> Iterator[int]:
+    """The off-policy learners' loop (DQN, SAC): yields the number of each update the caller
+    is to make now (1, 2, ...), ``chunk`` at a time, until the deadline or the target; counts
+    ``batch_size`` samples per update and prints ``status(updates)`` with the progress line.
+
+    The workers' env-step budget holds the replay ratio: they may step ``learning_starts``
+    plus ``env_steps_per_update`` per update made. Until ``learning_starts`` steps are taken
+    and the buffer holds a batch, they step on (episodes are stored as they end). Set the
+    budget to ``learning_starts`` before starting the workers: they start stepping long
+    before the learner gets here (it waits for the daemon).
+    """
+    rollout = progress.rollout
+    updates = 0
+    while time.monotonic() < deadline and not progress.reached(target):
+        progress.update()
+        progress.maybe_print(status(updates))
+        if rollout.env_steps < learning_starts or len(reader) < batch_size:
+            # Episodes are stored as they end: let the workers finish some.
+            rollout.set_budget(max(learning_starts, rollout.env_steps + 100))
+            time.sleep(0.05)
+            continue
+        # Hold the replay ratio: workers may step this far ahead of the updates.
+        # TODO(issue 9): `--rate-limiter sample-to-insert` in the daemon instead.
+        rollout.set_budget(learning_starts + int(updates * env_steps_per_update))
+        for _ in range(chunk):
+            yield updates + 1
+            updates += 1
+            progress.samples += batch_size
+
+
+# -- names ----------------------------------------------------------------------------------
+
+
+def unique_name(prefix: str) -> str:
+    """A buffer name of this process's own: ``<prefix>-<pid>``."""
+    return f"{prefix}-{os.getpid()}"
 
 
 def weights_name(buffer: str) -> str:

@@ -406,11 +406,12 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 def _checkpoint_measure(args: argparse.Namespace, dest: str) -> tuple[int, Callable[[], int]]:
     """(bytes to copy, bytes copied so far) of a checkpoint the daemon is writing to ``dest``:
-    its segment's data file against the one growing in the checkpoint's temp folder. (0, ...)
-    when either cannot be read (no bar then)."""
+    its segment's rows and stamps against the chunk files in the checkpoint's temp folder
+    (linked chunks count whole at once). (0, ...) when either cannot be read (no bar then)."""
     from pathlib import Path
 
-    from shmbuffer.segment import DATA_FILE, MANIFEST
+    from shmbuffer.daemon.checkpoint import CHUNKS
+    from shmbuffer.segment import MANIFEST
 
     try:
         conn = _admin(args.name, timeout=args.timeout)
@@ -418,15 +419,15 @@ def _checkpoint_measure(args: argparse.Namespace, dest: str) -> tuple[int, Calla
             segment = conn.call("stats")["stats"]["segment"]
         finally:
             conn.close()
-        folder = Path(segment["path"])
-        data_file = json.loads((folder / MANIFEST).read_text()).get("data_file", DATA_FILE)
-        total = int((folder / data_file).stat().st_size)
-    except (ShmBufferError, OSError, ValueError, KeyError, TypeError):
+        manifest = json.loads((Path(segment["path"]) / MANIFEST).read_text())
+        regions = [*manifest["columns"].values(), manifest["generations"]]
+        total = sum(int(region["nbytes"]) for region in regions)
+    except (ShmBufferError, OSError, ValueError, KeyError, TypeError, AttributeError):
         return 0, lambda: 0
 
     def measure() -> int:
         try:
-            return sum(p.stat().st_size for p in Path(dest).glob(f".tmp-*/{DATA_FILE}"))
+            return sum(p.stat().st_size for p in Path(dest).glob(f".tmp-*/{CHUNKS}/*"))
         except OSError:  # renamed into place between the glob and the stat
             return total
 

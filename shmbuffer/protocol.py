@@ -145,7 +145,8 @@ REQUESTS: dict[str, dict[str, Spec]] = {
     "renew": {"lease": _ID},
     "clear": {},
     "shutdown": {"keep": Spec((bool,), required=False)},
-    # Write data, registry and sampler state to <to>/checkpoint (admin only).
+    # Write data, registry and sampler state to <to>/checkpoint (admin only); the reply comes
+    # once the copy is done, the daemon serving everyone meanwhile.
     "checkpoint": {"to": Spec((str,))},
 }
 
@@ -395,7 +396,14 @@ REPLIES: dict[str, dict[str, Spec]] = {
     "renew": {"ttl": Spec(_SECONDS)},
     "clear": {},
     "shutdown": {},
-    "checkpoint": {"path": Spec((str,)), "bytes": Spec((int,)), "seconds": Spec((float,))},
+    "checkpoint": {
+        "path": Spec((str,)),
+        "bytes": Spec((int,)),
+        "seconds": Spec((float,)),
+        "copied_bytes": Spec((int,)),
+        "linked_bytes": Spec((int,)),
+        "max_pause_ms": Spec((float,)),
+    },
 }
 
 

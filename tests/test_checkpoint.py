@@ -1,7 +1,9 @@
-"""Checkpoints at the service level: round trip, crash in the middle, refusals."""
+"""Checkpoints at the service level: round trip, a failure or a crash in the middle, refusals,
+sampler state (the copy while the daemon serves, and incremental ones: test_checkpoint_copy.py)."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import shutil
@@ -16,10 +18,11 @@ import numpy as np
 import pytest
 
 from shmbuffer.daemon import checkpoint as ckpt
+from shmbuffer.daemon import checkpoint_job
 from shmbuffer.daemon.config import DaemonConfig
 from shmbuffer.daemon.recovery import RecoveryError, restore_service
 from shmbuffer.daemon.service import BufferService
-from shmbuffer.errors import NotFoundError, PermissionDeniedError, ShmBufferError
+from shmbuffer.errors import CheckpointError, NotFoundError, PermissionDeniedError, ShmBufferError
 from shmbuffer.protocol import request, validate_request
 from shmbuffer.segment import segment_path
 
@@ -34,10 +37,12 @@ def storage() -> Iterator[str]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def make_service(storage: str, unit: str = "episode", **extra: Any) -> BufferService:
+def make_service(
+    storage: str, unit: str = "episode", capacity: int = 64, **extra: Any
+) -> BufferService:
     config = DaemonConfig(
         name=f"ck-{uuid.uuid4().hex[:8]}",
-        capacity=64,
+        capacity=capacity,
         unit=unit,
         schema=SPEC,
         storage_dir=storage,
@@ -102,11 +107,26 @@ def fill(service: BufferService) -> None:
     call(service, W, "reserve", rows=4)  # open at checkpoint time: must not be restored
 
 
-def restore(storage: str, source: Path, name: str | None = None) -> BufferService:
-    config = DaemonConfig(
-        name=name or f"rs-{uuid.uuid4().hex[:8]}", capacity=64, unit="episode", storage_dir=storage
-    )
-    return restore_service(config, source)
+def restore(storage: str, source: Path, name: str | None = None, **config: Any) -> BufferService:
+    config.setdefault("capacity", 64)
+    config.setdefault("unit", "episode")
+    name = name or f"rs-{uuid.uuid4().hex[:8]}"
+    return restore_service(DaemonConfig(name=name, storage_dir=storage, **config), source)
+
+
+def close(*services: BufferService) -> None:
+    for service in services:
+        if service.journal is not None:
+            service.journal.close()
+        if service.segment is not None:
+            service.segment.close()
+
+
+def table(folder: Path) -> dict[str, Any]:
+    return dict(json.loads((folder / "checkpoint" / ckpt.TABLE).read_text()))
+
+
+# -- round trip -------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("unit", ["episode", "transition"])
@@ -115,15 +135,16 @@ def test_round_trip(storage: str, tmp_path: Path, unit: str) -> None:
     fill(service)
     reply = call(service, ADMIN, "checkpoint", to=str(tmp_path))
     assert reply["path"] == str(tmp_path / "checkpoint")
-    assert reply["bytes"] == service.segment.nbytes  # type: ignore[union-attr]
-    assert reply["seconds"] >= 0
+    assert reply["bytes"] == 64 * (service.schema.row_nbytes + 8)  # type: ignore[union-attr]
+    assert reply["copied_bytes"] == reply["bytes"] and reply["linked_bytes"] == 0
+    assert reply["seconds"] >= 0 and reply["max_pause_ms"] >= 0
     assert (tmp_path / "checkpoint" / "COMPLETE").is_file()
     assert not list(tmp_path.glob(".tmp-*"))
+    state = json.loads((tmp_path / "checkpoint" / ckpt.STATE).read_text())
+    assert state["checkpoint_format"] == 2
+    assert len(table(tmp_path)["chunks"]) == len(list((tmp_path / "checkpoint/chunks").iterdir()))
 
-    config = DaemonConfig(
-        name=f"rs-{uuid.uuid4().hex[:8]}", capacity=64, unit=unit, storage_dir=storage
-    )
-    restored = restore_service(config, tmp_path)
+    restored = restore(storage, tmp_path, unit=unit)
     assert_same(service, restored)
     assert restored.container.reservations == {}
     # the sampler continues the same random stream
@@ -137,6 +158,7 @@ def test_round_trip(storage: str, tmp_path: Path, unit: str) -> None:
     assert restored.segment is not None
     loaded = Journal(restored.segment.path).load()
     assert loaded["registry"] == restored.container.registry.to_state()
+    close(service, restored)
 
 
 def test_second_checkpoint_replaces_the_first(storage: str, tmp_path: Path) -> None:
@@ -150,7 +172,10 @@ def test_second_checkpoint_replaces_the_first(storage: str, tmp_path: Path) -> N
     assert_same(service, restore(storage, tmp_path))
 
 
-def test_crash_while_copying_keeps_the_previous_checkpoint(
+# -- failures ---------------------------------------------------------------------------------
+
+
+def test_a_failed_copy_keeps_the_previous_checkpoint(
     storage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     service = make_service(storage)
@@ -159,11 +184,15 @@ def test_crash_while_copying_keeps_the_previous_checkpoint(
     before = {k: v for k, v in rows_of(service).items()}
     ids_before = list(service.container.registry)
     write(service, 8, 42.0)  # changes that the failed checkpoint would have had
+    real, writes = checkpoint_job.write_views, []
 
-    def boom(*args: Any) -> int:
-        raise OSError(28, "No space left on device")
+    def boom(fd: int, views: list[memoryview], offset: int) -> int:
+        writes.append(offset)
+        if len(writes) > 2:  # midway
+            raise OSError(28, "No space left on device")
+        return real(fd, views, offset)
 
-    monkeypatch.setattr(ckpt, "_copy_chunk", boom)
+    monkeypatch.setattr(checkpoint_job, "write_views", boom)
     with pytest.raises(ShmBufferError, match="No space"):
         call(service, ADMIN, "checkpoint", to=str(tmp_path))
     monkeypatch.undo()
@@ -171,6 +200,8 @@ def test_crash_while_copying_keeps_the_previous_checkpoint(
     restored = restore(storage, tmp_path)
     assert list(restored.container.registry) == ids_before
     assert rows_of(restored) == before
+    write(service, 3, 1.0)  # the loop is not left waiting for the failed job
+    assert call(service, ADMIN, "checkpoint", to=str(tmp_path))["copied_bytes"] > 0
 
 
 def _child_checkpoint(storage: str, dest: str, where: str, ready: Any) -> None:
@@ -181,16 +212,21 @@ def _child_checkpoint(storage: str, dest: str, where: str, ready: Any) -> None:
     call(service, ADMIN, "checkpoint", to=dest)
     ready.send(sorted(ep.id for ep in service.container.registry))  # synchronous
     write(service, 8, 42.0)
-    real_copy, real_replace = ckpt._copy_chunk, os.replace
+    real_write, real_json, real_replace = checkpoint_job.write_views, ckpt.write_json, os.replace
 
     def die() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def copy(src: int, dst: int, offset: int, count: int) -> int:
-        n = real_copy(src, dst, offset, min(count, 4096))
-        if where == "copy" and offset >= 8192:
+    def write_piece(fd: int, views: list[memoryview], offset: int) -> int:
+        real_write(fd, views, offset)
+        if where == "copy":
             die()
-        return n
+        return 0
+
+    def write_json(path: Path, value: Any) -> None:
+        if where == "state" and path.name == ckpt.STATE:
+            die()
+        real_json(path, value)
 
     def replace(src: Any, dst: Any) -> None:
         real_replace(src, dst)
@@ -200,15 +236,14 @@ def _child_checkpoint(storage: str, dest: str, where: str, ready: Any) -> None:
             die()
 
     patch = pytest.MonkeyPatch()  # in this doomed child process only
-    patch.setattr(ckpt, "_copy_chunk", copy)
+    patch.setattr(checkpoint_job, "write_views", write_piece)
+    patch.setattr(ckpt, "write_json", write_json)
     patch.setattr(os, "replace", replace)
-    if where == "state":
-        patch.setattr(ckpt, "copy_data", lambda *a: die())
     call(service, ADMIN, "checkpoint", to=dest)
     ready.send("finished")  # not reached
 
 
-@pytest.mark.parametrize("where", ["state", "copy", "between_renames", "after_rename"])
+@pytest.mark.parametrize("where", ["copy", "state", "between_renames", "after_rename"])
 def test_killed_in_the_middle_of_a_checkpoint(storage: str, tmp_path: Path, where: str) -> None:
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe(duplex=False)
@@ -263,6 +298,11 @@ def test_refusals(storage: str, tmp_path: Path) -> None:
     with pytest.raises(ShmBufferError, match="cannot create"):  # a file, not a folder
         (tmp_path / "file").write_text("x")
         call(service, ADMIN, "checkpoint", to=str(tmp_path / "file"))
+    call(service, ADMIN, "checkpoint", to=str(tmp_path))
+    chunk = next((tmp_path / "checkpoint" / "chunks").iterdir())
+    os.truncate(chunk, 10)
+    with pytest.raises(CheckpointError, match=f"{chunk.name}: 10 bytes"):
+        restore(storage, tmp_path)
 
 
 def test_restore_refuses_conflicting_settings(storage: str, tmp_path: Path) -> None:

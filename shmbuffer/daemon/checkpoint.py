@@ -1,27 +1,62 @@
-"""Checkpoints: the whole buffer (rows, registry, sampler, counters) in a folder on disk.
+"""Checkpoints: the whole buffer (rows, registry, sampler, counters) in a folder on disk,
+written while writers and readers go on.
 
-``write_checkpoint(service, dest)`` runs inside the daemon's single-threaded loop, so what it
-copies is one consistent moment: the registry cannot change meanwhile, and no writer can touch a
-committed row (writers only write rows of their open reservations, which were unpublished when
-reserved). Those rows may be torn in the copy, and that does not matter: they are not in the
-saved registry and are never published after a restore. The pause is the copy time.
+**The cut.** ``checkpoint`` takes, inside the daemon's loop and in O(metadata) time, the
+container's state (ring, registry, sampler, rate limiter, generator), the counters, a copy of
+the use counts, the ring's write cursor and the rows of the reservations open at that moment.
+The checkpoint holds exactly the rows committed at the cut. A committed row is only ever
+written again through a new reservation the daemon grants (``reserve``, or a remote ``write``,
+which reserves), so the cut's rows stay as they were until the loop grants them again.
 
-Layout of ``<dest>/checkpoint/``::
+**The copy** (:mod:`~shmbuffer.daemon.checkpoint_job`) runs on a thread of its own, chunk by
+chunk from the write cursor round the ring (the rows writers reach first go first), in pieces
+within a chunk (:mod:`~shmbuffer.daemon.checkpoint_layout`), up to 16 read at once. Before the
+loop grants rows the copy has not taken yet, it copies those rows' pieces into memory itself
+(copy-on-write: a piece is about 1 MB, a fraction of a millisecond), and the thread writes them
+from there. The loop never waits for the thread: a piece the thread happens to be reading is
+copied by the loop all the same, and the thread, seeing it saved, uses the loop's copy. So no
+row of the cut is overwritten before it is saved, and a writer never waits for the whole copy.
+Rows of reservations open at the cut may be torn in the copy; they are not in the saved
+registry and are never published after a restore. The request is answered when the copy and
+its fsyncs are done; the daemon serves everyone else meanwhile. If the in-memory copies pass
+``checkpoint_job.SIDE_LIMIT`` (writers outrunning the copy), reservations of rows not yet saved
+wait in the daemon (parked, like any reservation) until the thread catches up. ``clear``
+during a checkpoint is allowed: it changes metadata only, and the checkpoint keeps the cut.
+
+**Incremental.** Each chunk file is named by its identity: the lineage of the segment its
+bytes came from (a uuid in the segment manifest, new for every segment created, so two buffers
+never match), its rows and their generation stamps. A reservation bumps its rows' stamps before
+a writer touches them, so an unchanged identity means unchanged bytes: the chunk of the
+previous complete checkpoint in the same folder is hard-linked (``os.link``) instead of copied,
+and an unchanged buffer re-checkpoints in about the time of its metadata. A chunk holding rows
+of a reservation open at the cut gets a name no identity matches (its bytes may be torn), so the
+next checkpoint copies it again. A daemon restored from a checkpoint keeps that checkpoint's
+chunk table beside its segment (``BASE_FILE``): a chunk whose stamps are still the restored ones
+keeps the restored chunk's identity, so the first checkpoint after ``--restore`` links too.
+Nothing is ever modified in place: the previous checkpoint stays whole until the new one is.
+
+Layout of ``<dest>/checkpoint/`` (format 2)::
 
     manifest.json   the segment's manifest (schema, capacity, layout)
-    data.bin        the segment's data file: every column plus the per-row generation stamps
-    use_counts.npy  per-row read counters
-    state.json      journal.container_state: ring, registry, counters, and the sampler
-                    (kind, settings, state), rate limiter (kind, settings, counts) and
+    chunks/         one file per chunk, named <index>-<identity>.bin (see checkpoint_layout)
+    chunks.json     the chunk table: layout, file names, identity lineages, this checkpoint's
+                    lineage
+    use_counts.npy  per-row read counters at the cut
+    state.json      journal.container_state at the cut: ring, registry, counters, and the
+                    sampler (kind, settings, state), rate limiter (kind, settings, counts) and
                     generator state of Container.state
     COMPLETE        written last; a folder without it is never restored
 
+Format 1 (one ``data.bin``, a copy of the segment's data file, written by earlier versions
+inside the loop) is still restored.
+
 Crash safety: everything is written under ``<dest>/.tmp-<uuid>/``; then the previous checkpoint
 is renamed to ``checkpoint.prev``, the new one to ``checkpoint``, and ``checkpoint.prev`` is
-removed. A crash at any point leaves a complete ``checkpoint`` or (between the two renames) a
-complete ``checkpoint.prev``, which :func:`resolve_checkpoint` falls back to. Leftover temp
-folders are removed by the next checkpoint to the same folder (a ``flock`` on ``<dest>/.lock``
-keeps two writers apart).
+removed (the new one's links keep the chunks they share). A crash at any point leaves a
+complete ``checkpoint`` or (between the two renames) a complete ``checkpoint.prev``, which
+:func:`resolve_checkpoint` falls back to. A daemon stopped during a checkpoint drops its temp
+folder; one killed leaves it, and the next checkpoint to that folder removes it (a ``flock`` on
+``<dest>/.lock`` keeps two writers apart).
 """
 
 from __future__ import annotations
@@ -31,14 +66,11 @@ import fcntl
 import json
 import os
 import shutil
-import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from shmbuffer.daemon.checkpoint_layout import ChunkLayout, copy_range
 from shmbuffer.errors import CheckpointError, NotFoundError
 from shmbuffer.segment import DATA_FILE, MANIFEST
 
@@ -50,48 +82,20 @@ PREVIOUS = "checkpoint.prev"
 COMPLETE = "COMPLETE"
 STATE = "state.json"
 USE_COUNTS = "use_counts.npy"
-CHUNK = 64 << 20
-CHECKPOINT_FORMAT = 1
+CHUNKS = "chunks"
+TABLE = "chunks.json"
+#: Beside a restored segment: the chunk table of the checkpoint it was restored from.
+BASE_FILE = "checkpoint_base.json"
+CHUNK = 64 << 20  # bytes per copy call of a format-1 data file
+CHECKPOINT_FORMAT = 2
+READS_FORMATS = (1, 2)
 
 
-# -- writing ----------------------------------------------------------------------------------
+# -- folders ----------------------------------------------------------------------------------
 
 
-def _copy_chunk(src: int, dst: int, offset: int, count: int) -> int:
-    """Copy up to ``count`` bytes at ``offset``; the number copied (kernel-side if possible)."""
-    try:
-        return os.copy_file_range(src, dst, count, offset, offset)
-    except OSError:  # cross-device on old kernels, or a file system that refuses it
-        data = os.pread(src, count, offset)
-        return os.pwrite(dst, data, offset)
-
-
-def copy_data(
-    src_path: Path, dst_path: Path, size: int, progress: Callable[[int], None] | None = None
-) -> None:
-    """Copy ``size`` bytes of ``src_path`` into ``dst_path`` (created or overwritten in place,
-    never truncated: the destination may be a live segment's data file); ``progress`` is
-    told the bytes copied so far after each chunk."""
-    src = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        dst = os.open(dst_path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            offset = 0
-            while offset < size:
-                n = _copy_chunk(src, dst, offset, min(CHUNK, size - offset))
-                if n <= 0:
-                    raise CheckpointError(f"{src_path} ended at {offset} of {size} bytes")
-                offset += n
-                if progress is not None:
-                    progress(offset)
-            os.fsync(dst)
-        finally:
-            os.close(dst)
-    finally:
-        os.close(src)
-
-
-def _write_json(path: Path, value: Any) -> None:
+def write_json(path: Path, value: Any) -> None:
+    """Write ``value`` to a new file ``path`` and fsync it."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(value, f, separators=(",", ":"))
@@ -99,7 +103,7 @@ def _write_json(path: Path, value: Any) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
@@ -107,7 +111,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _remove(path: Path) -> None:
+def remove_folder(path: Path) -> None:
     """Remove a checkpoint folder, its COMPLETE marker first (a half-removed folder must never
     look complete)."""
     with contextlib.suppress(FileNotFoundError):
@@ -115,74 +119,72 @@ def _remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-@contextlib.contextmanager
-def _locked(dest: Path) -> Iterator[None]:
-    fd = os.open(dest / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise CheckpointError(f"another checkpoint is being written to {dest}") from None
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def write_checkpoint(
-    segment: Segment | None,
-    state: dict[str, Any],
-    use_counts: np.ndarray,
-    to: str | Path,
-) -> dict[str, Any]:
-    """Write ``segment``'s rows with the daemon's persistent ``state`` (container, counters,
-    sampler) and ``use_counts`` to ``<to>/checkpoint`` (see the module docstring); returns
-    ``{"path", "bytes", "seconds"}``. CheckpointError (code ``segment``) on any failure, with
-    the previous checkpoint untouched."""
-    try:
-        return _write_checkpoint(segment, state, use_counts, to)
-    except OSError as exc:
-        raise CheckpointError(f"checkpoint to {to} failed: {exc}") from exc
-
-
-def _write_checkpoint(
-    segment: Segment | None, state: dict[str, Any], use_counts: np.ndarray, to: str | Path
-) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    if segment is None:
-        raise CheckpointError("the buffer has no schema yet: nothing to checkpoint")
+def open_destination(to: str | Path) -> tuple[Path, int]:
+    """``(folder, fd)``: ``to`` as an absolute folder (created if missing) and an open file
+    holding its ``flock`` (close it to release). CheckpointError when it cannot be created or
+    another checkpoint is being written there."""
     dest = Path(to).expanduser().absolute()
     try:
         dest.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(dest / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as exc:
         raise CheckpointError(f"cannot create checkpoint folder {dest}: {exc}") from exc
-    with _locked(dest):
-        for stale in dest.glob(".tmp-*"):  # left by a writer that crashed
-            _remove(stale)
-        tmp = dest / f".tmp-{uuid.uuid4().hex}"
-        tmp.mkdir(mode=0o700)
-        try:
-            state = {**state, "checkpoint_format": CHECKPOINT_FORMAT, "created": time.time()}
-            _write_json(tmp / MANIFEST, segment.manifest)
-            copy_data(segment.path / segment.manifest["data_file"], tmp / DATA_FILE, segment.nbytes)
-            np.save(tmp / USE_COUNTS, use_counts)
-            _write_json(tmp / STATE, state)
-            summary = {"bytes": segment.nbytes, "episodes": len(state["registry"]["episodes"])}
-            _write_json(tmp / COMPLETE, summary)
-            _fsync_dir(tmp)
-            current, previous = dest / CURRENT, dest / PREVIOUS
-            if (current / COMPLETE).is_file():
-                _remove(previous)
-                os.replace(current, previous)
-            elif current.exists():  # not complete (cannot happen with this code): drop it
-                _remove(current)
-            os.replace(tmp, current)
-            _fsync_dir(dest)
-            _remove(previous)
-        except BaseException:
-            _remove(tmp)
-            raise
-    seconds = time.perf_counter() - t0
-    return {"path": str(dest / CURRENT), "bytes": segment.nbytes, "seconds": seconds}
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise CheckpointError(f"another checkpoint is being written to {dest}") from None
+    return dest, fd
+
+
+def publish(tmp: Path, dest: Path) -> Path:
+    """Put the complete folder ``tmp`` in place as ``<dest>/checkpoint`` (module docstring)."""
+    current, previous = dest / CURRENT, dest / PREVIOUS
+    if (current / COMPLETE).is_file():
+        remove_folder(previous)
+        os.replace(current, previous)
+    elif current.exists():  # not complete (cannot happen with this code): drop it
+        remove_folder(current)
+    os.replace(tmp, current)
+    fsync_dir(dest)
+    remove_folder(previous)
+    return current
+
+
+def previous_table(dest: Path, layout: ChunkLayout) -> tuple[Path, dict[str, Any]] | None:
+    """The complete checkpoint in ``dest`` with its chunk table, if it is of format 2 and cut
+    like ``layout`` (else nothing can be linked from it)."""
+    try:
+        folder = resolve_checkpoint(dest)
+        table = json.loads((folder / TABLE).read_text())
+    except (NotFoundError, OSError, ValueError):
+        return None
+    if not isinstance(table, dict) or not layout.same_cut(table):
+        return None
+    if len(table.get("chunks") or ()) != layout.num_chunks:
+        return None
+    return folder, table
+
+
+def read_base(segment: Segment, layout: ChunkLayout) -> dict[str, Any] | None:
+    """The chunk table of the checkpoint ``segment`` was restored from, if cut like ``layout``."""
+    try:
+        table = json.loads((segment.path / BASE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(table, dict) or not layout.same_cut(table):
+        return None
+    sizes = {len(table.get("chunks") or ()), len(table.get("namespaces") or ())}
+    return table if sizes == {layout.num_chunks} else None
+
+
+def write_base(segment: Segment, table: dict[str, Any]) -> None:
+    """Keep ``table`` (a restored checkpoint's) beside ``segment``, atomically."""
+    tmp = segment.path / f".{BASE_FILE}.{os.getpid()}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    write_json(tmp, table)
+    os.replace(tmp, segment.path / BASE_FILE)
 
 
 # -- reading ----------------------------------------------------------------------------------
@@ -198,15 +200,110 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise NotFoundError(f"no complete checkpoint in {path} (no {COMPLETE} marker)")
 
 
+def checkpoint_format(state: dict[str, Any]) -> int:
+    return int(state.get("checkpoint_format", 1))
+
+
 def read_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any], dict[str, Any]]:
-    """``(folder, manifest, state)`` of the complete checkpoint at ``path``."""
+    """``(folder, manifest, state)`` of the complete checkpoint at ``path``; CheckpointError
+    naming what is missing or of an unknown format."""
     folder = resolve_checkpoint(path)
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
         state = json.loads((folder / STATE).read_text())
-    except (OSError, ValueError) as exc:
+        fmt = checkpoint_format(state)
+    except (OSError, ValueError, TypeError) as exc:
         raise CheckpointError(f"checkpoint {folder} is unreadable: {exc}") from exc
-    size = (folder / DATA_FILE).stat().st_size
-    if size < manifest["size"]:
-        raise CheckpointError(f"{folder / DATA_FILE}: {size} bytes, expected {manifest['size']}")
+    if fmt not in READS_FORMATS:
+        raise CheckpointError(
+            f"checkpoint {folder}: checkpoint_format {fmt}, this version reads {READS_FORMATS}"
+        )
+    if fmt == 1:
+        size = (folder / DATA_FILE).stat().st_size
+        if size < manifest["size"]:
+            raise CheckpointError(
+                f"{folder / DATA_FILE}: {size} bytes, expected {manifest['size']}"
+            )
+        return folder, manifest, state
+    table = read_table(folder, manifest)
+    layout = ChunkLayout.of(manifest, table)
+    for chunk, name in enumerate(table["chunks"]):
+        file = folder / CHUNKS / name
+        try:
+            size = file.stat().st_size
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {folder}: chunk {chunk}: {exc}") from exc
+        if size != layout.chunk_nbytes(chunk):
+            raise CheckpointError(f"{file}: {size} bytes, expected {layout.chunk_nbytes(chunk)}")
     return folder, manifest, state
+
+
+def read_table(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    try:
+        table = json.loads((folder / TABLE).read_text())
+        layout = ChunkLayout.of(manifest, table)
+        ok = layout.same_cut(table) and len(table["chunks"]) == layout.num_chunks
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {folder}: unreadable {TABLE}: {exc}") from exc
+    if not ok:
+        raise CheckpointError(f"checkpoint {folder}: {TABLE} does not fit its manifest")
+    return dict(table)
+
+
+# -- restore ----------------------------------------------------------------------------------
+
+
+def copy_data(
+    src_path: Path, dst_path: Path, size: int, progress: Callable[[int], None] | None = None
+) -> None:
+    """Copy ``size`` bytes of ``src_path`` into ``dst_path`` (created or overwritten in place,
+    never truncated: the destination may be a live segment's data file); ``progress`` is
+    told the bytes copied so far after each chunk."""
+    src = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        dst = os.open(dst_path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            for offset in range(0, size, CHUNK):
+                copy_range(src, dst, min(CHUNK, size - offset), offset, offset)
+                if progress is not None:
+                    progress(min(offset + CHUNK, size))
+            os.fsync(dst)
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+
+
+def restore_rows(
+    folder: Path,
+    manifest: dict[str, Any],
+    state: dict[str, Any],
+    segment: Segment,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Copy a checkpoint's rows and stamps into ``segment`` (fresh, of the same layout); the
+    bytes copied. Format 2 leaves the checkpoint's chunk table beside the segment
+    (:data:`BASE_FILE`) so the next checkpoint can link what is still unchanged."""
+    data_path = segment.path / segment.manifest["data_file"]
+    if checkpoint_format(state) == 1:
+        copy_data(folder / DATA_FILE, data_path, segment.nbytes, progress)
+        return segment.nbytes
+    table = read_table(folder, manifest)
+    layout = ChunkLayout.of(segment.manifest, table)
+    done = 0
+    data_fd = os.open(data_path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        for chunk, name in enumerate(table["chunks"]):
+            chunk_fd = os.open(folder / CHUNKS / name, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                layout.restore_chunk(chunk_fd, data_fd, chunk)
+            finally:
+                os.close(chunk_fd)
+            done += layout.chunk_nbytes(chunk)
+            if progress is not None:
+                progress(done)
+        os.fsync(data_fd)
+    finally:
+        os.close(data_fd)
+    write_base(segment, table)
+    return done

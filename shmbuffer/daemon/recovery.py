@@ -36,11 +36,10 @@ from typing import TYPE_CHECKING, Any
 from shmbuffer import runtime
 from shmbuffer.daemon.config import LIMITER_OPTIONS, SAMPLER_OPTIONS, DaemonConfig
 from shmbuffer.daemon.journal import STATE_FILE, Journal, restore_container
-from shmbuffer.errors import JournalError, RecoveryError, ShmBufferError
+from shmbuffer.errors import CheckpointError, JournalError, RecoveryError, ShmBufferError
 from shmbuffer.runtime import runtime_dir
 from shmbuffer.schema import Schema
 from shmbuffer.segment import (
-    DATA_FILE,
     MANIFEST,
     Segment,
     default_storage_dir,
@@ -232,7 +231,12 @@ def restore_service(config: DaemonConfig, source: str | Path) -> BufferService:
     """A BufferService with a fresh segment holding the checkpoint at ``source``."""
     import numpy as np
 
-    from shmbuffer.daemon.checkpoint import USE_COUNTS, copy_data, read_checkpoint
+    from shmbuffer.daemon.checkpoint import (
+        USE_COUNTS,
+        checkpoint_format,
+        read_checkpoint,
+        restore_rows,
+    )
     from shmbuffer.daemon.service import BufferService
     from shmbuffer.progress import copy_progress
 
@@ -245,20 +249,21 @@ def restore_service(config: DaemonConfig, source: str | Path) -> BufferService:
     assert segment is not None and service.journal is not None
     if segment.nbytes != manifest["size"]:
         raise RecoveryError(f"checkpoint {folder}: layout differs from this version's segment")
-    update, done = copy_progress("restore", segment.nbytes)  # a bar on a terminal only
+    rows_bytes = segment.capacity * (segment.schema.row_nbytes + 8)  # and their stamps
+    total = segment.nbytes if checkpoint_format(state) == 1 else rows_bytes
+    update, done = copy_progress("restore", total)  # a bar on a terminal only
     try:
-        copy_data(
-            folder / DATA_FILE, segment.path / segment.manifest["data_file"], segment.nbytes, update
-        )
-    finally:
-        done()
-    try:  # registry, ring, sampler state, limiter counts and generator state
+        # rows and stamps (format 2: chunk by chunk; the chunk table kept beside the segment)
+        restore_rows(folder, manifest, state, segment, update)
+        # registry, ring, sampler state, limiter counts and generator state
         restore_container(state, service.container)
-    except JournalError as exc:  # another sampler kind, say: the fresh segment goes again
+    except (JournalError, CheckpointError, OSError) as exc:  # the fresh segment goes again
         service.journal.close()
         segment.close()
         Segment.unlink(config.name, config.storage_dir)
         raise RecoveryError(f"cannot restore checkpoint {folder}: {exc}") from exc
+    finally:
+        done()
     service.counters.restore(state.get("counters", {}))
     counts = folder / USE_COUNTS
     if counts.is_file():

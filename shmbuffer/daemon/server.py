@@ -10,6 +10,10 @@ Parked inserts (``reserve``, ``write``) and parked samples wait in separate FIFO
 Reverb keeps them: a parked sample never holds up the insert that would let it through, nor the
 other way round. Each pass retries the inserts first, then the samples, and passes repeat while
 one of them got through (a sample that proceeds may be what a parked insert waited for).
+
+A ``checkpoint`` is parked in a third queue of its own until its copy thread is done (see
+``checkpoint.py``), checked on every pass; it never holds up a parked insert or sample. A
+daemon stopped meanwhile cancels the copy (its temp folder goes) before it closes.
 """
 
 from __future__ import annotations
@@ -94,8 +98,10 @@ class Parked:
     blocked: str | None
 
 
-#: Ops parked in the insert queue; every other deferred op is a sample.
+#: Ops parked in the insert queue; every other deferred op is a sample, except these:
 INSERT_OPS = ("reserve", "write")
+#: Ops whose reply waits for work off the loop (a checkpoint's copy), in a queue of their own.
+BACKGROUND_OPS = ("checkpoint",)
 
 
 class Server:
@@ -114,6 +120,8 @@ class Server:
         self._bind(endpoint)
         self._inserts: deque[Parked] = deque()
         self._samples: deque[Parked] = deque()
+        self._background: deque[Parked] = deque()
+        service.defer_checkpoints = True  # parked in _background, answered when done
         self._stopping = False
         self._refusals = _LogBudget(LOG_REFUSALS_PER_S)
         self.keep_segment = False
@@ -176,6 +184,8 @@ class Server:
                 self.metrics.publish(now, self.service.stats)
             if self._inserts or self._samples:
                 self._retry_parked(now)
+            if self._background:
+                self._retry_background(now)
         self._drain_on_stop()
 
     def _on_message(self, raw: list[zmq.Frame]) -> None:
@@ -198,6 +208,8 @@ class Server:
         wait = self._dispatch(identity, header, fields, payload, now, retry=False)
         if wait is not None:
             queue = self._inserts if header["op"] in INSERT_OPS else self._samples
+            if header["op"] in BACKGROUND_OPS:
+                queue = self._background
             queue.append(
                 Parked(identity, header, fields, payload, wait.deadline, now, str(wait), None)
             )
@@ -262,6 +274,19 @@ class Server:
         while self._retry_queue(self._inserts, now) | self._retry_queue(self._samples, now):
             pass
         self._count_waiting()
+
+    def _retry_background(self, now: float) -> None:
+        """Answer the parked requests whose work is done; each on its own (none waits for
+        another)."""
+        for item in list(self._background):
+            wait = self._dispatch(
+                item.identity, item.header, item.fields, item.frames, now, retry=True
+            )
+            if wait is None:
+                self._background.remove(item)
+            elif now >= item.deadline:
+                self._background.remove(item)
+                self._time_out(item, now)
 
     def _retry_queue(self, queue: deque[Parked], now: float) -> bool:
         """Retry ``queue`` in FIFO order up to the first request still blocked (those behind it
@@ -329,7 +354,8 @@ class Server:
             log.warning("could not reply to a client: %s", exc)
 
     def _drain_on_stop(self) -> None:
-        for queue in (self._inserts, self._samples):
+        self.service.stop_checkpoint()  # its reply is the shutting-down error below
+        for queue in (self._inserts, self._samples, self._background):
             for item in queue:
                 self._reply_error(
                     item.identity, item.header["seq"], ShmBufferError("the daemon is shutting down")
@@ -338,6 +364,7 @@ class Server:
         self._count_waiting()
 
     def close(self) -> None:
+        self.service.stop_checkpoint()  # before the segment goes (a loop that raised)
         self.socket.close()
         self.security.close()  # the ZAP authenticator thread, before the context goes
         self._context.term()

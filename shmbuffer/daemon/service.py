@@ -16,6 +16,7 @@ does not do it twice (a piggybacked commit, a lease released first).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -206,13 +207,18 @@ class BufferService(WriteOps, SampleOps):
     def op_checkpoint(
         self, client: Client, fields: dict[str, Any], frames: Frames, now: float
     ) -> Reply:
-        self._require_admin(client, "checkpoint the buffer")
-        from shmbuffer.daemon.checkpoint import write_checkpoint
-
-        # The container's state holds the sampler, the rate limiter and the generator.
-        state = {**self.persistent_state(), "name": self.config.name}
-        use_counts = self.container.use_counts
-        return write_checkpoint(self.segment, state, use_counts, fields["to"]), []
+        """Take the cut and start the copy (``checkpoint.py``); the reply waits for the copy:
+        parked by the server (``Deferred``, retried until the job is done) while everyone else
+        is served, or, with no server to park it, waited for here."""
+        job = fields.get("_job")  # a retry: the job this request started
+        if job is None:
+            self._require_admin(client, "checkpoint the buffer")
+            job = fields["_job"] = self.begin_checkpoint(fields["to"])
+            if not self.defer_checkpoints:
+                job.wait()
+        if not job.done:
+            raise Deferred(f"checkpoint to {job.dest}: {job.progress()}", math.inf)
+        return job.reply(), []
 
     def tick(self, now: float) -> None:
         """Expire leases and stale reservations; sample rates for stats."""

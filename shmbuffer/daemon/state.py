@@ -17,18 +17,22 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from shmbuffer.container import Container
+from shmbuffer.daemon.checkpoint import open_destination
+from shmbuffer.daemon.checkpoint_job import CheckpointJob, Cut
 from shmbuffer.daemon.clients import ClientTable
 from shmbuffer.daemon.config import DaemonConfig
 from shmbuffer.daemon.journal import Journal, container_state
 from shmbuffer.daemon.leases import LeaseTable
 from shmbuffer.daemon.security import segment_access
 from shmbuffer.daemon.stats import Counters, RateMeter
-from shmbuffer.errors import OutOfSpaceError
+from shmbuffer.errors import CheckpointError, OutOfSpaceError
 from shmbuffer.schema import Schema
 from shmbuffer.segment import Segment, check_fits
 
@@ -93,6 +97,14 @@ class DaemonState:
         self.admin_refused: str | None = None
         self.segment = segment
         self.journal: Journal | None = None  # metadata log for --resume; see journal.py
+        #: The checkpoint being written (or the last one); see checkpoint.py.
+        self.checkpoint_job: CheckpointJob | None = None
+        #: Whether ``checkpoint`` replies later (the Server sets it: it parks the request until
+        #: the copy is done); without a server the request waits for the copy itself.
+        self.defer_checkpoints = False
+        #: A segment created before lineages existed gets one per daemon process: its
+        #: checkpoints link only to those this process wrote.
+        self._lineage_fallback = uuid.uuid4().hex
         self.generations = (
             np.zeros(config.capacity, dtype=np.int64) if segment is None else segment.generations
         )
@@ -110,7 +122,13 @@ class DaemonState:
             self.config.capacity,
             storage_dir=self.config.storage_dir,
             exist_ok=True,
-            extra={"unit": self.config.unit, "mode": self.config.mode, "daemon_pid": os.getpid()},
+            extra={
+                "unit": self.config.unit,
+                "mode": self.config.mode,
+                "daemon_pid": os.getpid(),
+                # which rows' stamps may be compared with a checkpoint's (checkpoint.py)
+                "lineage": uuid.uuid4().hex,
+            },
             **segment_access(self.config.group),  # owner-only, or 0660 for --group
         )
         self.generations = self.segment.generations
@@ -185,3 +203,60 @@ class DaemonState:
         """The container and counters as JSON (what the journal snapshots and checkpoints
         store; open reservations are left out: their rows are never published)."""
         return container_state(self.container, dict(self.counters.__dict__))
+
+    # -- checkpoints (see checkpoint.py) ------------------------------------------------------
+
+    @property
+    def lineage(self) -> str:
+        """The segment's lineage: stamps of two segments of one lineage mean the same bytes."""
+        extra = (self.segment.manifest.get("extra") or {}) if self.segment is not None else {}
+        return str(extra.get("lineage") or self._lineage_fallback)
+
+    def begin_checkpoint(self, to: str | Path) -> CheckpointJob:
+        """Take the cut (O(metadata), in the loop) and start the copy thread. CheckpointError
+        with no schema yet, while another checkpoint runs, or when ``to`` cannot be used."""
+        t0 = time.perf_counter()
+        if self.segment is None:
+            raise CheckpointError("the buffer has no schema yet: nothing to checkpoint")
+        running = self.checkpoint_job
+        if running is not None and not running.done:
+            raise CheckpointError(
+                f"a checkpoint to {running.dest} is being written ({running.progress()}); "
+                "one at a time: wait for its reply"
+            )
+        dest, lock_fd = open_destination(to)
+        try:
+            # The container's state holds the sampler, the rate limiter and the generator.
+            cut = Cut(
+                state={**self.persistent_state(), "name": self.config.name},
+                use_counts=self.container.use_counts.copy(),
+                pointer=self.container.pointer,
+                open_ranges=[r for res in self.container.reservations.values() for r in res.ranges],
+                lineage=self.lineage,
+            )
+            job = CheckpointJob(self.segment, cut, dest, lock_fd)
+        except BaseException:
+            os.close(lock_fd)
+            raise
+        job.cut_seconds = time.perf_counter() - t0
+        self.checkpoint_job = job
+        job.start()
+        return job
+
+    def _save_for_checkpoint(self, ranges: list[tuple[int, int]], deadline: float) -> None:
+        """Before rows are granted: a running checkpoint saves the cut's rows among them first
+        (copy-on-write); Deferred when it holds too much in memory to take more now."""
+        job = self.checkpoint_job
+        if job is not None and not job.finished and not job.protect(ranges):
+            raise Deferred(
+                "a checkpoint is saving these rows before they may be overwritten "
+                f"({job.progress()}); the writers outrun its copy",
+                deadline,
+            )
+
+    def stop_checkpoint(self) -> None:
+        """Cancel a running checkpoint (the daemon is stopping): its temp folder goes."""
+        job = self.checkpoint_job
+        if job is not None and not job.done:
+            log.warning("stopping: the checkpoint to %s is cancelled", job.dest)
+            job.cancel()

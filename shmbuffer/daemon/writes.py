@@ -3,7 +3,9 @@ remote writer's ``write``.
 
 A reservation bumps the generation stamp of its rows *before* the writer learns which rows it
 got, and is journaled before the reply hands them out; a commit is journaled before the reply
-acknowledges it. A reserve that would evict leased episodes, lap a writer still copying, or
+acknowledges it. While a checkpoint is being written, a reserve first has the checkpoint save
+the rows of its cut it is about to hand out (``checkpoint.py``). A reserve that would evict
+leased episodes, lap a writer still copying, whose rows that checkpoint cannot save yet, or
 that flow control holds back raises :class:`~shmbuffer.daemon.state.Deferred` having changed
 nothing (a piggybacked commit is taken out of ``fields`` first, so a retry does not redo it).
 """
@@ -75,7 +77,7 @@ class WriteOps(DaemonState):
             )
         num_rows, num_sub = fields["rows"], episode_split(fields)
         priority = self._checked_priority(fields)  # refused before anything is evicted
-        _, evict = self.container.plan(num_rows, num_sub)
+        ranges, evict = self.container.plan(num_rows, num_sub)
         deadline = now + fields.get("timeout_ms", 30_000) / 1000
         leased = len(self.leases) and self.leases.pinned(  # no lease, no lookup: the hot path
             ep.id for s, e in evict for ep in self.container.registry.overlapping(s, e)
@@ -88,6 +90,7 @@ class WriteOps(DaemonState):
         blocked = self.container.insert_blocker(num_rows, num_sub)
         if blocked is not None:
             raise Deferred(f"cannot reserve {num_rows} rows now: {blocked}", deadline, "insert")
+        self._save_for_checkpoint(ranges, deadline)  # a running checkpoint's rows, saved first
         self._journal_room(record_bytes(4 + 2 * len(evict)))  # OutOfSpaceError: nothing done
         reservation = self.container.reserve(num_rows, num_sub, owner=client.id)
         if priority is not None:

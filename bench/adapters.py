@@ -112,6 +112,7 @@ class Shmbuffer(Adapter):
             capacity, unit=unit, mode="circular", name=self.seg, schema=schema(spec)
         )
         self.row_sampler = self.buf
+        self._episode_out: dict[int, Any] = {}  # sample_episodes(n)'s reused out= (issue 10)
         self._recent: deque[Any] = deque()
         self._recent_rows = 0
 
@@ -154,7 +155,13 @@ class Shmbuffer(Adapter):
         return self.row_sampler.sample(n)
 
     def sample_episodes(self, n: int, length: int) -> Any:
-        return self.buf.sample_episodes(n)
+        # The first call's copy is the out= of the next ones: warm pages, as a learner reusing
+        # its batch and the copy limit's steady pass
+        out = self._episode_out.get(n)
+        got = self.buf.sample_episodes(n, out=out)
+        if out is None and not isinstance(got, list):
+            self._episode_out[n] = got
+        return got
 
     def close(self) -> None:
         for buf in {id(b): b for b in (self.row_sampler, self.buf)}.values():

@@ -298,7 +298,8 @@ class Buffer:
             first, last = self.container.registry.rows_at(positions[[0, -1]])
             if last - first == len(positions) - 1 and np.all(np.diff(positions) == 1):
                 self.container.use_counts[first : last + 1] += 1
-                return rows.copy_range(self.segment.columns, int(first), int(last) + 1)
+                columns, arrays = self.segment.columns, self.segment.arrays
+                return rows.copy_range(columns, int(first), int(last) + 1, arrays)
         physical = self.container.registry.rows_at(positions)
         data = self._read(physical)
         return data[0] if scalar else data
@@ -343,12 +344,37 @@ class Buffer:
         seen = None if generation is None else _host(generation)
         return self.container.update_priorities(_host(index), _host(priority), seen, stamps)
 
-    def sample_episodes(self, n: int) -> TensorDict | list[TensorDict]:
+    def sample_episodes(
+        self, n: int, out: TensorDict | Mapping[str, Any] | None = None
+    ) -> TensorDict | list[TensorDict]:
         """``n`` whole episodes drawn by the sampler: ``[n, L]`` if their lengths agree, else a
-        list."""
+        list.
+
+        ``out``: a preallocated TensorDict (or nested dict of tensors) to copy into, reused
+        across calls, so the copy lands in warm pages instead of fresh ones (32 x 200 rows of
+        u8[4,84,84], 180 MB: 47 ms into fresh memory, 29 ms into ``out``, the copy limit's
+        speed; small batches gain nothing: the allocator recycles their pages warm anyway).
+        Each schema key needs a contiguous CPU tensor of the column's dtype shaped
+        ``[*lead, *row_shape]`` whose leading dims hold at least the rows drawn: ``[n, L]`` for
+        episodes of ``L`` steps, or ``[n * longest]``; other keys are left alone. The result is
+        then views of ``out`` (its first rows), valid until the next call that reuses it. A
+        key, dtype or shape that does not fit raises InvalidArgumentError naming it before
+        anything is drawn; too few rows raises it after the draw (the episodes drawn count as
+        sampled)."""
         self._check_open()
+        target = None
+        if out is not None and self.segment is not None:
+            target = rows.out_arrays(self.segment.schema, out)
         drawn = self.container.sample_episodes(n)
-        return self._episodes(drawn.starts, drawn.ends, scalar=False, physical=drawn.rows)
+        if target is None:
+            return self._episodes(drawn.starts, drawn.ends, scalar=False, physical=drawn.rows)
+        assert self.segment is not None
+        arrays, flat, held = target
+        lengths = drawn.ends - drawn.starts
+        rows.check_out_rows(held, lengths)
+        rows.gather_columns(self.segment.columns, drawn.rows, self.segment.arrays, out=arrays)
+        total = len(drawn.rows)
+        return rows.episodes({key: tensor[:total] for key, tensor in flat.items()}, lengths)
 
     def sample_slices(
         self,
@@ -444,13 +470,13 @@ class Buffer:
         """The rows, copied out; the container already counted the read."""
         if self.segment is None:  # nothing written yet, so nothing can be selected
             return TensorDict({}, batch_size=[0])
-        return rows.read(self.segment.columns, physical)
+        return rows.read(self.segment.columns, physical, self.segment.arrays)
 
     def _read(self, physical: np.ndarray) -> TensorDict:
         if self.segment is None:  # nothing written yet, so nothing can be selected
             return TensorDict({}, batch_size=[0])
         self.container.count_use(physical)
-        return rows.read(self.segment.columns, physical)
+        return rows.read(self.segment.columns, physical, self.segment.arrays)
 
     def _episodes(
         self,
@@ -460,18 +486,16 @@ class Buffer:
         physical: np.ndarray | None = None,
     ) -> TensorDict | list[TensorDict]:
         """Episodes ``[starts, ends)``; ``physical`` given: their rows, already counted."""
+        if self.segment is None:  # nothing written yet, so nothing can be selected
+            return TensorDict({}, batch_size=[0]) if scalar else []
         lengths = ends - starts
         if physical is None:
-            data = self._read(rows.episode_rows(starts, lengths))
-        else:
-            data = self._copy(physical)
+            physical = rows.episode_rows(starts, lengths)
+            self.container.count_use(physical)
+        flat = rows.read_columns(self.segment.columns, physical, self.segment.arrays)
         if scalar:
-            return data
-        if len(lengths) == 0:
-            return []
-        if np.all(lengths == lengths[0]):
-            return data.reshape(len(lengths), int(lengths[0]))
-        return list(data.split(lengths.tolist()))
+            return rows.nest(flat, [len(physical)])
+        return rows.episodes(flat, lengths)
 
     # -- lifecycle --------------------------------------------------------------------------
 

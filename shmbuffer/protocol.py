@@ -37,7 +37,8 @@ from shmbuffer.errors import ProtocolError, ShmBufferError, VersionMismatchError
 PROTOCOL_VERSION = "1.2"
 PROTOCOL_MAJOR = int(PROTOCOL_VERSION.split(".", maxsplit=1)[0])
 
-#: Largest header accepted, in bytes; payload frames are bounded by the daemon's own limit.
+#: Largest request header the daemon accepts, in bytes; payload frames are bounded by its own
+#: limit. Reply headers are decoded whole (a sample reply holds 16 bytes per row: ``decode``).
 MAX_HEADER_BYTES = 64 * 1024
 MAX_INT = 2**62
 

@@ -1,13 +1,30 @@
 """Copying rows in and out of a segment's columns: the only code that touches row bytes.
 
 Writes go through numpy (``np.copyto`` reached libc memcpy speed here, torch's single-thread
-``copy_`` about two thirds of it); gathers use ``torch.index_select(out=)`` into one fresh
-allocation per column. Both work on plain ``{key: tensor}`` dicts, not TensorDicts, to keep
-per-call overhead in microseconds.
+``copy_`` about two thirds of it). Gathers go through numpy too, chosen per column by what was
+fastest here (issue 10: CPU time, one thread, 256 rows drawn at random from 1M f32[64] rows or
+50k u8[4,84,84] rows, with the other columns beside them):
+
+* a column of one value per row: fancy indexing ``a[rows]``, numpy's 1-D fast path (~1 us;
+  ``np.take`` ~2.5 us, ``torch.index_select`` 4-6 us);
+* wider rows: ``np.take(a, rows, axis=0, out=np.empty(...), mode="clip")`` (f32[64]: 17 us,
+  ``torch.index_select`` 24 us, fancy indexing 45 us; the whole f32[64] + scalars gather 40 us
+  against 52 us for index_select into ``torch.empty`` and 68 us for cpprb's fancy indexing).
+  On u8[4,84,84] rows every way is memory bound and within noise of the others.
+
+Not worth it, measured: sorting the rows first (the sort and the reorder cost more than the
+locality gains), one allocation for all columns (slower than one per column), and copying runs
+of consecutive rows (episodes, slices) one ``np.copyto`` per run (no faster than ``np.take``
+over their rows, which streams them; 3x slower for 16-row runs of small rows). Results are
+tensors over numpy memory (``torch.from_numpy``: such a tensor cannot ``resize_``); a caller's
+``out`` (:func:`out_arrays`) takes the copy instead, in pages that are warm by the second call.
+Everything works on plain ``{key: tensor}`` dicts, not TensorDicts, to keep per-call overhead
+in microseconds.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
@@ -16,7 +33,8 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from shmbuffer.schema import Key
+from shmbuffer.errors import InvalidArgumentError
+from shmbuffer.schema import Key, Schema, key_str
 
 Range = tuple[int, int]
 
@@ -139,27 +157,173 @@ def nest(flat: Mapping[Key, torch.Tensor], batch_size: Sequence[int]) -> TensorD
     return TensorDict._new_unsafe(nested, batch_size=torch.Size(batch_size))
 
 
+#: What :func:`out_arrays` makes of a caller's ``out``: numpy views to copy into, the same
+#: memory as flat tensors, and the rows each holds.
+OutArrays = tuple[dict[Key, np.ndarray], dict[Key, torch.Tensor], int]
+
+
+def _numpy_view(column: torch.Tensor) -> np.ndarray:
+    """A column's memory as numpy (bfloat16 as its uint16 bits, as a segment's ``arrays``)."""
+    if column.dtype == torch.bfloat16:
+        return column.view(torch.uint16).numpy()
+    return column.numpy()
+
+
+_LARGEST = np.maximum.reduce  # the ufunc's own method: ndarray.max() adds a microsecond
+
+
+def _out_of_range(index: np.ndarray, capacity: int) -> IndexError:
+    bad = index[(index < 0) | (index >= capacity)]
+    return IndexError(f"row {int(bad[0])} is out of range for {capacity} rows")
+
+
 def gather_columns(
-    columns: Mapping[Key, torch.Tensor], rows: np.ndarray
+    columns: Mapping[Key, torch.Tensor],
+    rows: np.ndarray,
+    arrays: Mapping[Key, np.ndarray] | None = None,
+    *,
+    out: Mapping[Key, np.ndarray] | None = None,
 ) -> dict[Key, torch.Tensor]:
-    """Copy the given physical rows (any order, duplicates allowed) out of every column."""
-    index = torch.from_numpy(np.require(rows, dtype=np.int64, requirements=["C", "W"]))
-    out = {}
+    """Copy the given physical rows (any order, duplicates allowed) out of every column.
+
+    ``arrays``: the columns' numpy views (a segment's ``arrays``; made here if not given).
+    ``out``: numpy views to copy into, each with at least ``len(rows)`` rows of the column's
+    row shape and dtype (checked by :func:`out_arrays`); the result is then views of them.
+    A row out of range raises IndexError before anything is copied.
+
+    Written for per-call overhead (this runs once per ``sample``): at 256 small rows each
+    microsecond here is 2% of the call.
+    """
+    sources = arrays or {k: _numpy_view(c) for k, c in columns.items()}
+    index: np.ndarray = np.ascontiguousarray(rows, dtype=np.int64)
+    n = len(index)
+    if n and sources:
+        # np.take(mode="clip") would clamp a bad row silently: check them all first, in one
+        # reduction (a negative row is huge as unsigned)
+        capacity = len(next(iter(sources.values())))
+        if int(_LARGEST(index.view(np.uint64))) >= capacity:
+            raise _out_of_range(index, capacity)
+    result = {}
     for key, column in columns.items():
-        dst = torch.empty((len(index), *column.shape[1:]), dtype=column.dtype)
-        torch.index_select(column, 0, index, out=dst)
-        out[key] = dst
-    return out
+        src = sources[key]
+        if out is None and src.ndim == 1:
+            got = torch.from_numpy(src[index])  # numpy's 1-D fast path
+        else:
+            dst = np.empty((n, *src.shape[1:]), src.dtype) if out is None else out[key][:n]
+            np.take(src, index, axis=0, out=dst, mode="clip")  # in range: checked above
+            got = torch.from_numpy(dst)
+        result[key] = got.view(torch.bfloat16) if column.dtype == torch.bfloat16 else got
+    return result
 
 
-def gather(columns: Mapping[Key, torch.Tensor], rows: np.ndarray) -> TensorDict:
-    """Copy the given physical rows into a new TensorDict."""
-    return nest(gather_columns(columns, rows), [len(rows)])
+def gather(
+    columns: Mapping[Key, torch.Tensor],
+    rows: np.ndarray,
+    arrays: Mapping[Key, np.ndarray] | None = None,
+) -> TensorDict:
+    """Copy the given physical rows into a new TensorDict (see :func:`gather_columns`)."""
+    return nest(gather_columns(columns, rows, arrays), [len(rows)])
 
 
-def copy_range(columns: Mapping[Key, torch.Tensor], start: int, stop: int) -> TensorDict:
-    """Copy one contiguous range of rows (memcpy speed, no index tensor)."""
-    return nest({k: c[start:stop].clone() for k, c in columns.items()}, [stop - start])
+def out_arrays(schema: Schema, out: Any, what: str = "out") -> OutArrays:
+    """A caller's preallocated ``out`` (a TensorDict, or a possibly nested dict of tensors) as
+    flat numpy views to copy into, the matching flat tensors, and how many rows they hold.
+
+    Every column needs a CPU tensor of its dtype, contiguous, shaped ``[*lead, *row_shape]``
+    (any leading dims: ``[n, L]`` or ``[rows]``); keys the schema lacks are left alone. A
+    tensor that does not fit raises InvalidArgumentError naming the key, its dtype and shape.
+    """
+    if not isinstance(out, TensorDict | Mapping):
+        raise InvalidArgumentError(
+            f"{what} must be a TensorDict or a dict of tensors, got {type(out).__name__}"
+        )
+    arrays: dict[Key, np.ndarray] = {}
+    flat: dict[Key, torch.Tensor] = {}
+    held: int | None = None
+    for field in schema:
+        key, name, row_shape = field.key, key_str(field.key), field.shape
+        tensor = _leaf(out, key)
+        if not isinstance(tensor, torch.Tensor):
+            got = "nothing" if tensor is None else type(tensor).__name__
+            raise InvalidArgumentError(f"{what} has no tensor for key {name!r} (got {got})")
+        lead = tensor.shape[: tensor.dim() - len(row_shape)]
+        problem = None
+        if tensor.dtype != field.dtype:
+            problem = f"dtype {tensor.dtype}, the column's is {field.dtype}"
+        elif tensor.dim() < len(row_shape) + 1 or tuple(tensor.shape[len(lead) :]) != row_shape:
+            problem = f"shape {list(tensor.shape)}, not [*batch, {', '.join(map(str, row_shape))}]"
+        elif tensor.device.type != "cpu":
+            problem = f"device {tensor.device}: out must be on the CPU"
+        elif tensor.requires_grad:
+            problem = "requires_grad set: copies cannot go into a tensor autograd tracks"
+        elif not tensor.is_contiguous():
+            problem = f"shape {list(tensor.shape)} but not contiguous"
+        if problem is not None:
+            raise InvalidArgumentError(f"{what}[{name!r}] does not fit: {problem}")
+        rows = math.prod(lead)  # np.prod of a torch.Size took 25 us
+        if held is not None and rows != held:
+            raise InvalidArgumentError(
+                f"{what}[{name!r}] holds {rows} rows, other keys {held}: give every key the "
+                "same leading shape"
+            )
+        held = rows
+        view = tensor.reshape(rows, *row_shape)  # contiguous: a view, never a copy
+        flat[key] = view
+        raw = view.view(torch.uint16) if view.dtype == torch.bfloat16 else view
+        arrays[key] = raw.numpy()
+    return arrays, flat, held or 0
+
+
+def check_out_rows(held: int, lengths: np.ndarray, what: str = "out") -> None:
+    """Refuse episodes of ``lengths`` that an ``out`` of ``held`` rows cannot take (the draw
+    is made by then: the message says so)."""
+    total = int(lengths.sum())
+    if total > held:
+        raise InvalidArgumentError(
+            f"{what} holds {held} rows per key, but the {len(lengths)} episodes drawn hold "
+            f"{total} (the longest {int(lengths.max())}; they count as sampled): give {what} "
+            "n x the longest episode's rows"
+        )
+
+
+def _leaf(out: Any, key: Key) -> Any:
+    node = out
+    for part in key:
+        if isinstance(node, TensorDict):
+            node = node.get(part, None)
+        elif isinstance(node, Mapping):
+            node = node.get(part)
+        else:
+            return None
+    return node
+
+
+def copy_columns(
+    columns: Mapping[Key, torch.Tensor],
+    start: int,
+    stop: int,
+    arrays: Mapping[Key, np.ndarray] | None = None,
+) -> dict[Key, torch.Tensor]:
+    """Copy one contiguous range of rows (memcpy speed, no index tensor). Through numpy when
+    ``arrays`` are given: ``ndarray.copy`` took 485 us for 200 u8[4,84,84] rows and 23 us for
+    1,000 f32[64] rows, ``Tensor.clone`` 1,037 and 75 us."""
+    if arrays is None:
+        return {k: c[start:stop].clone() for k, c in columns.items()}
+    flat = {}
+    for key, column in columns.items():
+        got = torch.from_numpy(arrays[key][start:stop].copy())
+        flat[key] = got.view(torch.bfloat16) if column.dtype == torch.bfloat16 else got
+    return flat
+
+
+def copy_range(
+    columns: Mapping[Key, torch.Tensor],
+    start: int,
+    stop: int,
+    arrays: Mapping[Key, np.ndarray] | None = None,
+) -> TensorDict:
+    """:func:`copy_columns` as a TensorDict."""
+    return nest(copy_columns(columns, start, stop, arrays), [stop - start])
 
 
 def view(columns: Mapping[Key, torch.Tensor], start: int, stop: int) -> TensorDict:
@@ -167,11 +331,39 @@ def view(columns: Mapping[Key, torch.Tensor], start: int, stop: int) -> TensorDi
     return nest({k: c[start:stop] for k, c in columns.items()}, [stop - start])
 
 
-def read(columns: Mapping[Key, torch.Tensor], rows: np.ndarray) -> TensorDict:
+def read_columns(
+    columns: Mapping[Key, torch.Tensor],
+    rows: np.ndarray,
+    arrays: Mapping[Key, np.ndarray] | None = None,
+) -> dict[Key, torch.Tensor]:
     """Copy rows out, using a plain range copy when they are contiguous and ascending."""
     if len(rows) and rows[-1] - rows[0] == len(rows) - 1 and np.all(np.diff(rows) == 1):
-        return copy_range(columns, int(rows[0]), int(rows[-1]) + 1)
-    return gather(columns, rows)
+        return copy_columns(columns, int(rows[0]), int(rows[-1]) + 1, arrays)
+    return gather_columns(columns, rows, arrays)
+
+
+def read(
+    columns: Mapping[Key, torch.Tensor],
+    rows: np.ndarray,
+    arrays: Mapping[Key, np.ndarray] | None = None,
+) -> TensorDict:
+    """:func:`read_columns` as a TensorDict."""
+    return nest(read_columns(columns, rows, arrays), [len(rows)])
+
+
+def episodes(
+    flat: Mapping[Key, torch.Tensor], lengths: np.ndarray
+) -> TensorDict | list[TensorDict]:
+    """Copied episodes (their rows one after another in ``flat``) as ``[n, L]`` if their
+    lengths agree, else a list of ``[L_i]``. Each tensor is viewed as ``[n, L, ...]`` before
+    the TensorDict is made: ``TensorDict.reshape`` cost 70-90 us a call."""
+    if len(lengths) == 0:
+        return []
+    if np.all(lengths == lengths[0]):
+        n, length = len(lengths), int(lengths[0])
+        shaped = {k: t.view(n, length, *t.shape[1:]) for k, t in flat.items()}
+        return nest(shaped, [n, length])
+    return list(nest(flat, [int(lengths.sum())]).split(lengths.tolist()))
 
 
 def slice_rows(starts: np.ndarray, length: int) -> np.ndarray:

@@ -23,7 +23,7 @@ import operator
 import os
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -379,7 +379,9 @@ class Reader:
         """
         assert self.segment is not None
         stamps = self.segment.generations
-        data = rows.gather(self.segment.columns, physical)
+        data = rows.gather(self.segment.columns, physical, self.segment.arrays)
+        if not (stamps[physical] != gens).any():  # the usual case, in one comparison
+            return data
         todo = np.arange(len(physical) // group)
         for _ in range(MAX_RESAMPLES):
             where = rows.slice_rows(todo * group, group)
@@ -400,7 +402,9 @@ class Reader:
                 fresh = decode_i64(reply["rows"])
             where = rows.slice_rows(todo * group, group)
             physical[where], gens[where] = fresh, decode_i64(reply["gens"])
-            data[torch.from_numpy(where)] = rows.gather(self.segment.columns, fresh)
+            data[torch.from_numpy(where)] = rows.gather(
+                self.segment.columns, fresh, self.segment.arrays
+            )
         raise TornReadError(f"rows kept being overwritten through {MAX_RESAMPLES} resamples")
 
     # -- priorities ---------------------------------------------------------------------------
@@ -496,7 +500,7 @@ class Reader:
                 yield self._from_frames(frames, [len(physical[part])])
                 continue
             assert self.segment is not None
-            data = rows.gather(self.segment.columns, physical[part])
+            data = rows.gather(self.segment.columns, physical[part], self.segment.arrays)
             moved = self.segment.generations[physical[part]] != gens[part]
             if moved.any():
                 raise TornReadError(
@@ -506,19 +510,35 @@ class Reader:
                 )
             yield data
 
-    def _from_frames(self, frames: list[Any], batch_size: list[int]) -> TensorDict:
+    def _from_frames(
+        self,
+        frames: list[Any],
+        batch_size: list[int],
+        out: tuple[dict[Any, np.ndarray], dict[Any, torch.Tensor]] | None = None,
+    ) -> TensorDict:
+        """The rows of payload frames, copied into fresh tensors, or into ``out`` (the arrays
+        and tensors :func:`rows.out_arrays` made of the caller's ``out``)."""
         assert self.schema is not None
         n = int(np.prod(batch_size))
         flat: dict[Any, Any] = {}
         for field, frame in zip(self.schema.fields, frames, strict=True):
             array = np.frombuffer(frame.buffer, dtype=np.uint8)
-            flat[field.key] = rows.from_bytes(array, field.dtype, (n, *field.shape), copy=True)
+            shape = (n, *field.shape)
+            if out is None:
+                flat[field.key] = rows.from_bytes(array, field.dtype, shape, copy=True)
+                continue
+            # bfloat16 travels as raw 16-bit patterns: copied as such into out's uint16 view
+            dtype = torch.uint16 if field.dtype == torch.bfloat16 else field.dtype
+            np.copyto(out[0][field.key][:n], rows.from_bytes(array, dtype, shape))
+            flat[field.key] = out[1][field.key][:n]
         return rows.nest(flat, [n]).reshape(*batch_size)
 
     # -- episodes ---------------------------------------------------------------------------
 
     @contextmanager
-    def sample_episodes(self, n: int) -> Iterator[EpisodeViews]:
+    def sample_episodes(
+        self, n: int, out: TensorDict | Mapping[str, Any] | None = None
+    ) -> Iterator[EpisodeViews]:
         """``n`` whole episodes drawn by the daemon's sampler, as a sequence of ``[length]``
         TensorDicts (:class:`~shmbuffer.clients.leased.EpisodeViews`: indexable, iterable,
         ``len``).
@@ -529,14 +549,31 @@ class Reader:
         once it lapsed, building a view and the block's exit raise ``LeaseExpiredError``
         (data read from the views may have changed). Remotely: copies, always valid.
 
+        ``out``: copies instead, into a preallocated TensorDict (or nested dict of tensors)
+        reused across calls, as :meth:`Buffer.sample_episodes <shmbuffer.Buffer.sample_episodes>`
+        takes it (each schema key a contiguous CPU tensor of the column's dtype, leading dims
+        holding at least the rows drawn). Locally the episodes are copied under their lease,
+        which is released before the block starts, so writers are never held back by it; the
+        views are then of ``out`` and always valid. A key, dtype or shape that does not fit
+        raises InvalidArgumentError naming it, before the request when the schema is known.
+
         At most ``2**20`` episodes a call (the protocol's bound on ``n``), holding at most
         ``max_payload_bytes / 16`` rows (2**27 by default); more is refused by the daemon.
         """
         n = _count(n, "n")
+        self._ready()
+        target = self._out_target(out)  # checked before anything is drawn, if possible
         if self.remote:
             reply, frames = self._sample(kind="episodes", n=n)
             lengths = decode_i64(reply["lengths"])
-            data = self._from_frames(frames, [int(lengths.sum())])
+            total = int(lengths.sum())
+            copy_to = None
+            if out is not None:
+                target = target or self._out_target(out)
+                assert target is not None  # the reply brought the schema
+                rows.check_out_rows(target[2], lengths)
+                copy_to = target[:2]
+            data = self._from_frames(frames, [total], copy_to)
             offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
             columns = {f.key: data[f.key] for f in self.schema.fields} if self.schema else {}
             yield EpisodeViews(columns, decode_i64(reply["ids"]), offsets, lengths)
@@ -547,14 +584,12 @@ class Reader:
         ttl = float(self.conn.buffer.get("lease_ttl", 30.0))
         lease = ClientLease(int(reply["lease"]), n, ttl, sent)
         self._leases[lease.id] = lease
-        views = EpisodeViews(
-            self.segment.columns,
-            decode_i64(reply["ids"]),
-            decode_i64(reply["starts"]),
-            decode_i64(reply["lengths"]),
-            lease,
-            self.conn,
-        )
+        ids, starts = decode_i64(reply["ids"]), decode_i64(reply["starts"])
+        lengths = decode_i64(reply["lengths"])
+        if out is not None:
+            yield self._copy_episodes(lease, ids, starts, lengths, out, target)
+            return
+        views = EpisodeViews(self.segment.columns, ids, starts, lengths, lease, self.conn)
         try:
             self._start_renewer(ttl)
             if time.monotonic() - sent > ttl / 3:  # a slow reply: restart the clock now
@@ -564,6 +599,45 @@ class Reader:
             self._end_lease(lease, quiet=True)
             raise
         self._end_lease(lease, quiet=False)
+
+    def _out_target(self, out: Any) -> rows.OutArrays | None:
+        """``out`` checked against the schema (None when there is no ``out`` or no schema
+        yet: then it is checked once the reply brought the schema)."""
+        if out is None or self.schema is None:
+            return None
+        return rows.out_arrays(self.schema, out)
+
+    def _copy_episodes(
+        self,
+        lease: ClientLease,
+        ids: np.ndarray,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        out: Any,
+        target: rows.OutArrays | None,
+    ) -> EpisodeViews:
+        """Copy leased episodes into ``out`` and let the lease go: a lease that certainly held
+        until the copy ended (:meth:`ClientLease.valid`) is released without waiting; else the
+        release's answer decides, and LeaseExpiredError says the copy may be torn."""
+        assert self.segment is not None
+        try:
+            target = target or self._out_target(out)
+            assert target is not None  # the reply brought the schema
+            arrays, flat, held = target
+            rows.check_out_rows(held, lengths)
+            physical = rows.episode_rows(starts, lengths)
+            rows.gather_columns(self.segment.columns, physical, self.segment.arrays, out=arrays)
+        except BaseException:
+            self._end_lease(lease, quiet=True)
+            raise
+        if lease.valid():
+            self._leases.pop(lease.id, None)
+            lease.released = True
+            self._release_soon([lease.id])
+        else:
+            self._end_lease(lease, quiet=False)
+        offsets = (np.cumsum(lengths) - lengths).astype(np.int64)
+        return EpisodeViews(flat, ids, offsets, lengths)
 
     def _end_lease(self, lease: ClientLease, quiet: bool) -> None:
         """Release the lease; unless ``quiet``, raise LeaseExpiredError if it had lapsed."""

@@ -118,7 +118,7 @@ class SampleOps(DaemonState):
         client.rows_sampled += len(physical)
         if fields.get("payload", False):  # remote reader: the daemon copies the rows out
             assert self.segment is not None
-            data = rows.gather_columns(self.segment.columns, physical)
+            data = rows.gather_columns(self.segment.columns, physical, self.segment.arrays)
             return reply, [rows.to_bytes(t, t.dtype) for t in data.values()]
         if kind != "episodes":  # leased episodes need no stamps: no writer can reach them
             reply["gens"] = encode_i64(self.generations[physical])
@@ -216,7 +216,7 @@ class SampleOps(DaemonState):
                 f"they were listed (row {int(physical[moved][0])}); iterate over a buffer no "
                 "writer is writing to"
             )
-        data = rows.gather_columns(self.segment.columns, physical)
+        data = rows.gather_columns(self.segment.columns, physical, self.segment.arrays)
         return {}, [rows.to_bytes(t, t.dtype) for t in data.values()]
 
     def op_release(

@@ -4,7 +4,9 @@ A state holds the registry, the ring, the sampler (its kind, settings and state)
 counts and the generator's state, as plain values; the ``replay_*`` methods the journal calls
 run the same code as the live requests (:mod:`shmbuffer.reservations`,
 :mod:`shmbuffer.sampling`: that is why this part is built on both), so whatever a commit or
-eviction does to the sampler is redone on ``--resume`` too.
+eviction does to the sampler is redone on ``--resume`` too, and :meth:`replay_sample` draws a
+journaled sample again (the generator set as it was), so what samples changed (consumption,
+epochs, ``max_times_sampled`` counts, the limiter's sampled count) comes back as well.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from typing import Any, Self
 import numpy as np
 import numpy.typing as npt
 
+from shmbuffer.errors import ShmBufferError
 from shmbuffer.registry import Episode, EpisodeRegistry
 from shmbuffer.reservations import ReservationOps
 from shmbuffer.ringstate import Range
+from shmbuffer.rows import episode_rows, slice_rows
 from shmbuffer.samplers import RateLimiter, Sampler, make_rate_limiter, make_sampler
-from shmbuffer.sampling import SamplingOps
+from shmbuffer.sampling import EPISODES, ROWS, SLICES, SamplingOps, set_rng_words
 
 
 class PersistenceOps(ReservationOps, SamplingOps):
@@ -84,7 +88,9 @@ class PersistenceOps(ReservationOps, SamplingOps):
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Take over ``state`` (see :meth:`state`); open reservations are dropped and use
-        counters restart at 0 for every committed row. ValueError when it does not fit this
+        counters restart at 0 for every committed row, or take ``state["use_counts"]`` (an
+        array, what the dead daemon's counter file held: see :meth:`adopt_use_counts`) when
+        it is there. ValueError when it does not fit this
         container (capacity, unit, mode, another sampler kind) or is inconsistent; checked
         before anything changes, except a sampler state that fails its own checks (the owner
         discards the container then). A different limiter kind keeps the saved counts."""
@@ -113,6 +119,8 @@ class PersistenceOps(ReservationOps, SamplingOps):
         self.use_counts[:] = -1
         for ep in registry:
             self.use_counts[ep.start : ep.end] = 0
+        if state.get("use_counts") is not None:
+            self.adopt_use_counts(state["use_counts"])
         self.sampler.attach(registry, self.unit, self.capacity)
         if "state" in saved:
             self.sampler.load_state_dict(decode_state(saved["state"]))
@@ -125,6 +133,18 @@ class PersistenceOps(ReservationOps, SamplingOps):
             self.rng.bit_generator.state = decode_state(rng)
         self.priority_updates = int(state.get("priority_updates", 0))
         self.priority_updates_stale = int(state.get("priority_updates_stale", 0))
+
+    def adopt_use_counts(self, saved: npt.ArrayLike) -> None:
+        """Take the use counters a dead daemon left (its counter file, written in place by
+        every read): kept for every committed row, -1 elsewhere. The registry is what the
+        journal replayed, the state of the last acknowledged request, so a row the file
+        still counts but no episode holds (an unacknowledged reservation's) goes back to -1.
+        ValueError for a wrong size."""
+        counts = np.asarray(saved)
+        if counts.shape != (self.capacity,):
+            raise ValueError(f"use counts of shape {counts.shape}, the ring has {self.capacity}")
+        committed = self.use_counts >= 0
+        self.use_counts[committed] = np.maximum(counts[committed], 0)
 
     # -- journal replay: the same code as the live requests, without their checks ---------
 
@@ -165,6 +185,55 @@ class PersistenceOps(ReservationOps, SamplingOps):
     def replay_priorities(self, rows: npt.ArrayLike, priority: npt.ArrayLike) -> int:
         """Redo a priority update (stale rows were already left out when it was journaled)."""
         return self.update_priorities(rows, priority)
+
+    def replay_sample(
+        self,
+        call: int,
+        n: int,
+        length: int,
+        strict: bool,
+        handed: int,
+        refused: bool,
+        rng: Sequence[int] | None,
+    ) -> bool:
+        """Redo a journaled draw (see :class:`~shmbuffer.ringstate.SampleLog` for the
+        arguments): the generator set to ``rng`` when given, the sampler asked again (its
+        consumption, epochs and counts move as they did), the limiter told ``handed`` rows
+        (exact, whatever the draw) and the use counters the rows drawn. The limiter is not
+        asked: the live draw was admitted.
+
+        True when the draw went as journaled (refused or not; as many rows). Samplers whose
+        draws change state draw the same again (their contract); others, say uniform draws
+        through a registry laid out otherwise after a resume, may not, and need not."""
+        if rng is not None:
+            set_rng_words(self.rng, rng)
+        sampler = self.sampler
+        try:
+            if call == ROWS:
+                rows = sampler.sample_rows(n, self.rng).rows
+                got = rows.size
+            elif call == EPISODES:
+                episodes = sampler.sample_episodes(n, self.rng)
+                rows = episode_rows(episodes.starts, episodes.ends - episodes.starts)
+                got = rows.size
+            elif call == SLICES:
+                sliced = sampler.sample_slices(n, length, self.rng, strict)
+                rows = slice_rows(sliced.starts, length)
+                if not strict:  # the real rows only, as the live draw counted them
+                    real = np.arange(length) < sliced.lengths[:, None]
+                    rows = rows[real.reshape(-1)]
+                got = n * length
+            else:
+                raise ValueError(f"unknown sample call {call}")
+        except (ShmBufferError, ValueError, IndexError):
+            sampler.changed_on_refusal = False
+            self.rng_unlogged = sampler.uses_rng
+            if not refused:  # the live draw handed rows out: the limiter counts them anyway
+                self.rate_limiter.on_sample(handed)
+            return refused
+        self.rate_limiter.on_sample(handed)
+        self.count_use(rows)
+        return not refused and got == handed
 
 
 def encode_state(value: Any) -> Any:

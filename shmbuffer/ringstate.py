@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -95,6 +95,33 @@ class PriorityUpdate:
     stale: int
 
 
+class SampleLog(Protocol):
+    """Who hears of every sample the container hands out (the daemon's journal, so that a
+    resumed daemon redoes them; see ``daemon/journal.py``). Called with the owner's calls
+    serialised, like everything else here."""
+
+    def room_for_sample(self, n: int) -> None:
+        """Before a draw of ``n`` items changes anything: make room for what it will record
+        (OutOfSpaceError refuses the sample with nothing changed)."""
+
+    def sampled(
+        self,
+        call: int,
+        n: int,
+        length: int,
+        strict: bool,
+        handed: int,
+        refused: bool,
+        rng: list[int] | None,
+    ) -> None:
+        """A draw changed state, before its rows are handed out: ``call`` (ROWS, EPISODES or
+        SLICES of :mod:`shmbuffer.sampling`) of ``n`` items (slices of ``length`` rows,
+        ``strict``) handed out ``handed`` rows (the limiter's count), or was ``refused``
+        yet changed the sampler (a FIFO's drops). ``rng``: the generator's state before the
+        draw as :func:`~shmbuffer.sampling.rng_words`, when a refused draw may have moved
+        it since the last record (None: where the previous record's draw left it)."""
+
+
 class RingState:
     """The container's fields; see the module docstring and
     :class:`~shmbuffer.container.Container` for the arguments."""
@@ -133,8 +160,14 @@ class RingState:
         #: Rows the pointer has moved, early-wrap skips included (not journaled: after a
         #: restart no reservation is open to compare it with).
         self.travelled = 0
-        #: Reads per row since it was committed; -1 for rows that hold no committed data.
+        #: Reads per row since it was committed; -1 for rows that hold no committed data. The
+        #: daemon swaps it for a file-backed array of the same values (``journal.py``): only
+        #: ever written in place here.
         self.use_counts = np.full(capacity, -1, dtype=np.int32)
+        #: Told every sample (None: nobody, as in-process); see :class:`SampleLog`.
+        self.sample_log: SampleLog | None = None
+        #: A refused draw may have moved the generator since the last sample logged.
+        self.rng_unlogged = False
         self.reservations: dict[int, Reservation] = {}
         self._next_reservation = 1
 

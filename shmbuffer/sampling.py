@@ -9,6 +9,13 @@ request the limiter (or a FIFO sampler holding unconsumed rows) refuses raises
 (and, for writes, ``insert_blocker``) first and parks the request instead. Bad arguments (a
 negative or NaN priority, an index out of range, a call the sampler does not serve in this
 unit) raise :class:`~shmbuffer.errors.InvalidArgumentError` with nothing changed.
+
+With a :class:`~shmbuffer.ringstate.SampleLog` (the daemon's journal) every draw is told to it
+before the caller hands the rows out: the call, its size and the rows counted by the limiter
+(a resumed daemon draws again,
+:meth:`~shmbuffer.persistence.PersistenceOps.replay_sample`), plus the generator's
+state when a refused draw may have moved it since. Nothing more is logged per sample, so the
+cost is one small record (``bench/sample_journal.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from shmbuffer.ringstate import (
     Mask,
     PriorityUpdate,
     RingState,
+    SampleLog,
     as_invalid_argument,
     raise_invalid,
 )
@@ -35,6 +43,37 @@ from shmbuffer.rows import episode_rows, slice_rows
 from shmbuffer.samplers.base import check_beta, check_count, check_update
 
 _ONE_USE = np.int32(1)  # count_use's increment, of use_counts' dtype (numpy's fast add.at)
+#: The kinds of draw a :class:`~shmbuffer.ringstate.SampleLog` is told (journaled as numbers).
+ROWS, EPISODES, SLICES = 0, 1, 2
+_U64 = (1 << 64) - 1
+
+
+def rng_words(rng: np.random.Generator) -> list[int] | None:
+    """The generator's state as six int64 words (PCG64's state and increment, 128 bits each,
+    and its buffered 32-bit half); None for another bit generator. ~7 us: taken only when a
+    refused draw may have moved it."""
+    state = rng.bit_generator.state
+    if state.get("bit_generator") != "PCG64":
+        return None
+    words = [state["state"]["state"], state["state"]["inc"]]
+    split = [part for w in words for part in (w & _U64, w >> 64)]
+    return [v - (1 << 64) if v >= 1 << 63 else v for v in split] + [
+        int(state["has_uint32"]),
+        int(state["uinteger"]),
+    ]
+
+
+def set_rng_words(rng: np.random.Generator, words: Sequence[int]) -> None:
+    """Undo :func:`rng_words` into ``rng`` (a PCG64 generator); ValueError if they do not fit."""
+    if len(words) != 6 or rng.bit_generator.state.get("bit_generator") != "PCG64":
+        raise ValueError(f"generator state of {len(words)} words does not fit this generator")
+    u = [int(w) & _U64 for w in words[:4]]
+    rng.bit_generator.state = {
+        "bit_generator": "PCG64",
+        "state": {"state": u[0] | u[1] << 64, "inc": u[2] | u[3] << 64},
+        "has_uint32": int(words[4]),
+        "uinteger": int(words[5]) & 0xFFFFFFFF,
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,19 +161,48 @@ class SamplingOps(RingState):
         limiter refuses, InvalidArgumentError for bad arguments; nothing is counted then."""
         # try/except, not ``with as_invalid_argument``: free on this hot path (Python 3.11's
         # zero-cost exceptions), where the ``with`` measured ~2 us of a ~110 us sample.
+        log = self.sample_log
         try:
             n = check_count(n, "n")
             if beta is not None:
                 check_beta(beta)
             if not self.rate_limiter.can_sample(n):
                 raise self._refused(f"{n} rows")
-            draw = self.sampler.sample_rows(n, self.rng)
+            rng = None if log is None else self._before_draw(log, n)
+            try:
+                draw = self.sampler.sample_rows(n, self.rng)
+            except BaseException:
+                self._draw_refused(ROWS, n, 0, True, rng)
+                raise
             weight = self._weights(draw.probability, beta)
         except (ValueError, IndexError) as exc:
             raise_invalid(exc)
         self.rate_limiter.on_sample(n)
         self.count_use(draw.rows)
+        if log is not None:
+            log.sampled(ROWS, n, 0, True, n, False, rng)
         return RowSample(draw.rows, draw.probability, weight)
+
+    def _before_draw(self, log: SampleLog, n: int) -> list[int] | None:
+        """Room in the log first; the generator's state if a refused draw moved it."""
+        log.room_for_sample(n)
+        if self.rng_unlogged and self.sampler.uses_rng:
+            self.rng_unlogged = False
+            return rng_words(self.rng)
+        return None
+
+    def _draw_refused(
+        self, call: int, n: int, length: int, strict: bool, rng: list[int] | None
+    ) -> None:
+        """A draw raised: it may have moved the generator; one that changed the sampler
+        anyway (a FIFO's drops) is logged as refused, so a replay redoes it."""
+        sampler = self.sampler
+        if sampler.changed_on_refusal:
+            sampler.changed_on_refusal = False
+            if self.sample_log is not None:
+                self.sample_log.sampled(call, n, length, strict, 0, True, rng)
+        if sampler.uses_rng:
+            self.rng_unlogged = True
 
     def sample_episodes(self, n: int, *, beta: float | None = None) -> EpisodeSample:
         """``n`` whole episodes by the sampler. The limiter is asked about ``n`` times the mean
@@ -144,14 +212,22 @@ class SamplingOps(RingState):
             n = check_count(n, "n")
         episodes = len(self.registry)
         expected = n * max(1, round(self.registry.num_rows / episodes)) if episodes else n
+        log = self.sample_log
         with as_invalid_argument:
             self._admit(expected, f"{n} episodes", beta)
-            draw = self.sampler.sample_episodes(n, self.rng)
+            rng = None if log is None else self._before_draw(log, n)
+            try:
+                draw = self.sampler.sample_episodes(n, self.rng)
+            except BaseException:
+                self._draw_refused(EPISODES, n, 0, True, rng)
+                raise
             weight = self._weights(draw.probability, beta)
         lengths = draw.ends - draw.starts
         physical = episode_rows(draw.starts, lengths)
         self.rate_limiter.on_sample(physical.size)
         self.count_use(physical)
+        if log is not None:
+            log.sampled(EPISODES, n, 0, True, physical.size, False, rng)
         return EpisodeSample(draw.ids, draw.starts, draw.ends, draw.probability, weight, physical)
 
     def sample_slices(
@@ -162,9 +238,15 @@ class SamplingOps(RingState):
         limiter counts ``n * length`` rows; use counts only the real ones."""
         with as_invalid_argument:
             n, length = check_count(n, "n"), check_count(length, "length")
+        log = self.sample_log
         with as_invalid_argument:
             self._admit(n * length, f"{n} slices of {length} rows", beta)
-            draw = self.sampler.sample_slices(n, length, self.rng, strict)
+            rng = None if log is None else self._before_draw(log, n)
+            try:
+                draw = self.sampler.sample_slices(n, length, self.rng, strict)
+            except BaseException:
+                self._draw_refused(SLICES, n, length, strict, rng)
+                raise
             weight = self._weights(draw.probability, beta)
         mask = None
         if strict:
@@ -176,6 +258,8 @@ class SamplingOps(RingState):
             flat = np.where(mask, first + offsets, first).reshape(-1)
         self.rate_limiter.on_sample(n * length)
         self.count_use(flat if mask is None else flat[mask.reshape(-1)])
+        if log is not None:
+            log.sampled(SLICES, n, length, strict, n * length, False, rng)
         return SliceSample(draw.starts, draw.lengths, draw.probability, weight, flat, mask)
 
     def check_priorities(

@@ -1,4 +1,5 @@
-"""The metadata journal: record codec, torn tails, epochs, and replay == live state."""
+"""The metadata journal: record codec, torn tails, epochs, and replay == live state (samples,
+use counts and leases included)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,8 @@ from shmbuffer.daemon.journal import (
     COMMIT,
     EPOCH,
     RESERVE,
+    SAMPLE,
+    USE_COUNTS_FILE,
     Journal,
     JournalError,
     container_state,
@@ -27,8 +31,15 @@ from shmbuffer.daemon.journal import (
     record_bytes,
     restore_container,
 )
-from shmbuffer.errors import CapacityError, OutOfSpaceError
-from shmbuffer.samplers import FifoSampler, PrioritizedSampler
+from shmbuffer.daemon.leases import ORPHAN, LeaseTable
+from shmbuffer.errors import CapacityError, EmptyBufferError, InvalidArgumentError, OutOfSpaceError
+from shmbuffer.samplers import (
+    FifoSampler,
+    PrioritizedSampler,
+    SampleToInsertRatio,
+    make_sampler,
+)
+from shmbuffer.sampling import rng_words, set_rng_words
 
 
 @pytest.fixture
@@ -411,11 +422,102 @@ def test_priorities_survive_replay_exactly(folder: Path, unit: str) -> None:
     journal.close()
 
 
-def test_what_samples_change_comes_from_the_last_snapshot(folder: Path) -> None:
-    """At least once: FIFO consumption after the last snapshot is handed out again after a
-    crash (documented in docs/architecture.md); the generator restarts at the snapshot's."""
-    container = Container(40, unit="episode", sampler=FifoSampler(max_times_sampled=1), seed=5)
+# -- what samples change (issue 13, item 2): SAMPLE records drawn again on replay ----------
+
+#: Samplers whose draws change their state; and, journaled because a sample-to-insert limiter
+#: decides by the sampled count, two whose draws do not.
+SAMPLERS = [
+    ("fifo", {"max_times_sampled": 1}),
+    ("fifo", {"max_times_sampled": 2}),
+    ("without-replacement", {}),
+    ("without-replacement", {"max_times_sampled": 2}),
+    ("prioritized", {"max_times_sampled": 3}),
+    ("uniform", {"max_times_sampled": 2}),
+    ("prioritized", {"limiter": True}),
+    ("uniform", {"limiter": True}),
+]
+
+
+def _open_limiter() -> SampleToInsertRatio:
+    """A sample-to-insert limiter that never refuses (its window is huge)."""
+    return SampleToInsertRatio(samples_per_insert=1.0, min_size=0, error_buffer=1e12)
+
+
+def _sample_mix(container: Container, rng: np.random.Generator) -> None:
+    """One draw of a random kind and size; refusals (nothing to hand out, a call the sampler
+    does not serve in this unit) are part of the mix."""
+    kind = rng.choice(["rows", "episodes", "slices", "slices"])
+    n = int(rng.integers(1, 6))
+    with contextlib.suppress(EmptyBufferError, InvalidArgumentError):
+        if kind == "rows":
+            container.sample_rows(n)
+        elif kind == "episodes":
+            container.sample_episodes(n)
+        else:
+            container.sample_slices(n, int(rng.integers(1, 5)), strict=bool(rng.random() < 0.7))
+
+
+@pytest.mark.parametrize("unit", ["transition", "episode"])
+@pytest.mark.parametrize(("sampler", "options"), SAMPLERS)
+def test_samples_replay_to_the_live_sampler_state(
+    folder: Path, unit: str, sampler: str, options: dict[str, Any]
+) -> None:
+    """A daemon SIGKILLed at any point resumes with what samples changed: consumption,
+    epochs, max_times_sampled counts, the limiter's sampled count, use counts, and (where the
+    draws are the sampler's own) the generator."""
+    rng = np.random.default_rng(len(sampler) + 7 * len(options) + len(unit))
+    options = dict(options)
+    limiter = _open_limiter() if options.pop("limiter", False) else None
+    container = Container(
+        60,
+        unit=unit,
+        sampler=make_sampler(sampler, **options),
+        rate_limiter=limiter,
+        seed=int(rng.integers(99)),
+    )
     journal = Journal(folder)
+    journal.track(container)
+    assert container.sample_log is journal
+    journal.start(container_state(container))
+    counters = {"rows_committed": 0, "episodes_committed": 0}
+    samples = 0
+    for step in range(600):
+        action = rng.random()
+        n = int(rng.integers(1, 5)) * int(rng.integers(1, 3))
+        if action < 0.35 and not container.insert_blocker(n):  # a FIFO waits for readers
+            _, evict = container.plan(n, 1)
+            r = container.reserve(n)
+            journal.append_reserve(
+                evict, container.pointer, container.rows_written, container.next_reservation
+            )
+            _commit_journaled(container, journal, r.id, None, counters)
+        elif action < 0.95:
+            before = container.rate_limiter.sampled
+            _sample_mix(container, rng)
+            samples += container.rate_limiter.sampled > before
+        elif step % 3 == 0:
+            journal.snapshot(container_state(container, counters))
+    assert samples > 50
+    loaded = Journal(folder).load()
+    assert loaded["diverged"] == 0
+    back = restore_container(loaded)
+    assert back.sampler.state_dict() == container.sampler.state_dict()
+    assert back.rate_limiter.sampled == container.rate_limiter.sampled
+    assert np.array_equal(back.use_counts, container.use_counts)
+    if sampler != "uniform" and not container.rng_unlogged:
+        # uniform draws go through the registry's slots, which a resume compacts
+        assert back.rng.bit_generator.state == container.rng.bit_generator.state
+    journal.close()
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "prioritized"])
+def test_draws_that_change_nothing_are_not_journaled(folder: Path, sampler: str) -> None:
+    """No record, no cost: a resume takes the sampled figure from the snapshot and moves the
+    generator on, so it does not hand out the draws it handed out since again."""
+    container = Container(40, unit="episode", sampler=make_sampler(sampler), seed=3)
+    journal = Journal(folder)
+    journal.track(container)
+    assert container.sample_log is not journal  # it only makes room for leases
     journal.start(container_state(container))
     counters = {"rows_committed": 0, "episodes_committed": 0}
     for _ in range(4):
@@ -425,15 +527,190 @@ def test_what_samples_change_comes_from_the_last_snapshot(folder: Path) -> None:
             evict, container.pointer, container.rows_written, container.next_reservation
         )
         _commit_journaled(container, journal, r.id, None, counters)
-    assert container.sample_episodes(2).ids.tolist() == [0, 1]
+    container.sample_rows(8)
     journal.snapshot(container_state(container, counters))
     at_snapshot = container.rng.bit_generator.state
-    assert container.sample_episodes(1).ids.tolist() == [2]  # after the snapshot: not kept
-    container.rng.random(3)
+    after = container.sample_rows(64).rows
+    assert all(kind != SAMPLE for kind, _ in records(journal.path.read_bytes()))
+    back = restore_container(Journal(folder).load())
+    assert back.rate_limiter.sampled == 8  # the snapshot's figure
+    assert back.rng.bit_generator.state != at_snapshot
+    assert not np.array_equal(back.sample_rows(64).rows, after)  # not the same draws again
+    journal.close()
+
+
+def test_fifo_consumed_before_a_crash_is_never_handed_out_again(folder: Path) -> None:
+    container = Container(40, unit="episode", sampler=FifoSampler(max_times_sampled=1), seed=5)
+    journal = Journal(folder)
+    journal.track(container)
+    journal.start(container_state(container))
+    counters = {"rows_committed": 0, "episodes_committed": 0}
+    for _ in range(6):
+        _, evict = container.plan(5)
+        r = container.reserve(5)
+        journal.append_reserve(
+            evict, container.pointer, container.rows_written, container.next_reservation
+        )
+        _commit_journaled(container, journal, r.id, None, counters)
+    assert container.sample_episodes(2).ids.tolist() == [0, 1]
+    journal.snapshot(container_state(container, counters))
+    assert container.sample_episodes(1).ids.tolist() == [2]  # after the snapshot: journaled
+    assert container.sample_slices(1, 5).starts.tolist() == [15]
+    loaded = Journal(folder).load()
+    assert loaded["replayed"] == 2
+    records_after = records(journal.path.read_bytes())
+    assert [kind for kind, _ in records_after[1:]] == [SAMPLE, SAMPLE]
+    restored = restore_container(loaded)
+    assert restored.rate_limiter.sampled == 20
+    assert restored.sample_episodes(2).ids.tolist() == [4, 5]  # never 0 to 3 again
+    assert np.array_equal(restored.use_counts[:20], np.ones(20))
+    journal.close()
+
+
+def test_a_refused_fifo_draw_that_dropped_rows_is_journaled(folder: Path) -> None:
+    # A strict slice call with too little left drops the short remainders it met (they can
+    # never be served) even though it waits: a resumed daemon must drop them too.
+    container = Container(20, unit="transition", sampler=FifoSampler(max_times_sampled=1))
+    journal = Journal(folder)
+    journal.track(container)
+    journal.start(container_state(container))
+    counters = {"rows_committed": 0, "episodes_committed": 0}
+    for n in (3, 3):
+        _, evict = container.plan(n)
+        r = container.reserve(n)
+        journal.append_reserve(
+            evict, container.pointer, container.rows_written, container.next_reservation
+        )
+        _commit_journaled(container, journal, r.id, None, counters)
+    with pytest.raises(EmptyBufferError):
+        container.sample_slices(1, 4)  # both 3-row chunks are too short: dropped, then waits
+    assert container.sampler.stats()["dropped_rows"] == 6
+    kinds = [(kind, f[5]) for kind, f in records(journal.path.read_bytes()) if kind == SAMPLE]
+    assert kinds == [(SAMPLE, 1)]  # one SAMPLE, marked refused
     restored = restore_container(Journal(folder).load())
-    assert restored.rng.bit_generator.state == at_snapshot
-    assert restored.rate_limiter.sampled == 10  # the two episodes before the snapshot
-    assert restored.sample_episodes(2).ids.tolist() == [2, 3]  # episode 2 again, never 0 or 1
+    assert restored.sampler.state_dict() == container.sampler.state_dict()
+    journal.close()
+
+
+def test_the_generator_is_journaled_where_a_refused_draw_moved_it(folder: Path) -> None:
+    container = Container(30, unit="episode", sampler=make_sampler("without-replacement"))
+    journal = Journal(folder)
+    journal.track(container)
+    journal.start(container_state(container))
+    counters = {"rows_committed": 0, "episodes_committed": 0}
+    for _ in range(3):
+        _, evict = container.plan(5)
+        r = container.reserve(5)
+        journal.append_reserve(
+            evict, container.pointer, container.rows_written, container.next_reservation
+        )
+        _commit_journaled(container, journal, r.id, None, counters)
+    container.sample_episodes(2)
+    with pytest.raises(EmptyBufferError):
+        container.sample_slices(1, 6)  # a fresh epoch drawn (the generator moved), no 6 rows
+    assert container.rng_unlogged
+    container.sample_episodes(2)
+    sizes = [len(f) for kind, f in records(journal.path.read_bytes()) if kind == SAMPLE]
+    assert sizes == [6, 12]  # the second carries the generator's six words
+    restored = restore_container(Journal(folder).load())
+    assert restored.sampler.state_dict() == container.sampler.state_dict()
+    assert restored.rng.bit_generator.state == container.rng.bit_generator.state
+    journal.close()
+
+
+def test_rng_words_round_trip() -> None:
+    rng = np.random.default_rng(123)
+    rng.random(7)
+    rng.integers(0, 10, dtype=np.int32)  # a buffered 32-bit half
+    words = rng_words(rng)
+    assert words is not None and len(words) == 6
+    assert all(-(2**63) <= w < 2**63 for w in words)
+    other = np.random.default_rng(0)
+    set_rng_words(other, words)
+    assert other.bit_generator.state == rng.bit_generator.state
+    with pytest.raises(ValueError, match="words"):
+        set_rng_words(other, words[:5])
+
+
+def test_use_counts_live_in_a_file_beside_the_journal(folder: Path) -> None:
+    container = Container(16)
+    journal = Journal(folder)
+    journal.track(container)
+    journal.start(container_state(container))
+    counters = {"rows_committed": 0, "episodes_committed": 0}
+    _, evict = container.plan(8)
+    r = container.reserve(8)
+    journal.append_reserve(evict, container.pointer, container.rows_written, 2)
+    _commit_journaled(container, journal, r.id, None, counters)
+    container.count_use(np.array([1, 1, 5]))  # iterate counts uses without a SAMPLE
+    _, evict = container.plan(4)
+    container.reserve(4)  # open at the crash: its rows were never committed
+    saved = np.fromfile(folder / USE_COUNTS_FILE, dtype="<i4")
+    assert np.array_equal(saved, container.use_counts)  # the file is the live array
+    restored = restore_container(Journal(folder).load())
+    assert restored.use_counts.tolist() == [0, 2, 0, 0, 0, 1, 0, 0] + [-1] * 8
+    journal.close()
+
+
+# -- leases (issue 13, item 2) ------------------------------------------------------------
+
+
+def test_leases_replay_with_wall_clock_expiries(folder: Path) -> None:
+    container = Container(16)
+    journal = Journal(folder)
+    leases = LeaseTable(ttl=30.0)
+    journal.track(container, leases)
+    journal.start(container_state(container))
+    t = time.monotonic()  # the daemon's clock
+    a = leases.grant(1, [3, 4], t)
+    b = leases.grant(2, [5], t)
+    c = leases.grant(2, [6], t)
+    journal.snapshot(container_state(container))  # a and b in the snapshot
+    leases.release(b.id, owner=2)
+    leases.renew(a.id, owner=1, now=t + 10)
+    d = leases.grant(1, [7, 7], t + 10)
+    loaded = Journal(folder).load()
+    held = {entry[0]: entry for entry in loaded["leases"]["held"]}
+    assert sorted(held) == [a.id, c.id, d.id]
+    assert held[d.id][4] == [7, 7]
+    wall = time.time()
+    assert abs(held[a.id][3] / 1e6 - (wall + 30.0)) < 5  # renewed "10 s later": 30 s more
+    fresh = LeaseTable(ttl=1.0)
+    restored = fresh.restore(loaded["leases"], now=50.0)
+    assert sorted(lease.id for lease in restored) == [a.id, c.id, d.id]
+    assert all(lease.owner == ORPHAN for lease in restored)
+    assert fresh.pinned([3, 4, 5, 6, 7]) == [3, 4, 6, 7]
+    by_id = {lease.id: lease for lease in restored}
+    assert 50.0 + 25 < by_id[a.id].expires <= 50.0 + 30.5  # converted to the new clock
+    assert fresh.grant(9, [1], 50.0).id == d.id + 1  # ids go on after the saved ones
+    journal.close()
+
+
+def test_expired_leases_are_not_restored(folder: Path) -> None:
+    journal = Journal(folder)
+    leases = LeaseTable(ttl=0.05)
+    journal.track(Container(8), leases)
+    journal.start(container_state(Container(8)))
+    leases.grant(1, [0], time.monotonic())
+    time.sleep(0.1)
+    assert LeaseTable(ttl=5.0).restore(Journal(folder).load()["leases"], 0.0) == []
+    journal.close()
+
+
+def test_a_lease_record_cut_short_is_ignored(folder: Path) -> None:
+    journal = Journal(folder)
+    leases = LeaseTable(ttl=30.0)
+    journal.track(Container(8), leases)
+    journal.start(container_state(Container(8)))
+    leases.grant(1, [0], 0.0)
+    size = journal._offset
+    leases.grant(1, [1, 2], 0.0)
+    data = bytearray(journal.path.read_bytes())
+    data[size + 20] ^= 0xFF
+    journal.path.write_bytes(bytes(data))
+    loaded = Journal(folder).load()
+    assert [entry[4] for entry in loaded["leases"]["held"]] == [[0]]
+    assert loaded["torn"] > 0
     journal.close()
 
 

@@ -1,11 +1,15 @@
-"""LeaseTable: grant, release, pins, TTL expiry, per-owner release, ownership errors."""
+"""LeaseTable: grant, release, pins, TTL expiry, per-owner release, ownership errors, and what
+it keeps across a daemon restart (its log, restored leases, adoption)."""
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import pytest
 
-from shmbuffer.daemon.leases import LeaseTable
-from shmbuffer.errors import NotFoundError, PermissionDeniedError
+from shmbuffer.daemon.leases import ORPHAN, Lease, LeaseTable, holder
+from shmbuffer.errors import NotFoundError, OutOfSpaceError, PermissionDeniedError
 
 
 def test_grant_and_pinned() -> None:
@@ -100,3 +104,107 @@ def test_renew_errors_and_no_resurrection() -> None:
     assert table.pinned([0]) == []
     with pytest.raises(NotFoundError):
         table.renew(42, owner=1, now=0.0)
+
+
+# -- across a daemon restart (issue 13, item 2) --------------------------------------------
+
+
+class RecordingLog:
+    """A LeaseLog that keeps what it was told, or refuses (a full journal)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.full = False
+
+    def _take(self, *call: Any) -> None:
+        if self.full:
+            raise OutOfSpaceError("journal full")
+        self.calls.append(call)
+
+    def lease_granted(self, lease: Lease, expires_us: int) -> None:
+        self._take("grant", lease.id, lease.holder, expires_us)
+
+    def lease_renewed(self, lease_id: int, expires_us: int) -> None:
+        self._take("renew", lease_id, expires_us)
+
+    def lease_released(self, lease_id: int) -> None:
+        self._take("release", lease_id)
+
+
+def test_the_log_hears_grants_renewals_releases_not_expiries() -> None:
+    table = LeaseTable(ttl=10.0)
+    table.log = log = RecordingLog()
+    table.holder_of = {1: holder(100, "h"), 2: holder(200, "h")}.get
+    now = time.monotonic()
+    a = table.grant(1, [3], now)
+    b = table.grant(2, [4], now)
+    table.renew(a.id, 1, now + 5)
+    table.renew(a.id, 1, now)  # extends nothing: no record
+    table.release(b.id, 2)
+    table.grant(1, [5], now)
+    table.expire(now + 100)
+    kinds = [(call[0], call[1]) for call in log.calls]
+    assert kinds == [("grant", 1), ("grant", 2), ("renew", 1), ("release", 2), ("grant", 3)]
+    assert log.calls[0][2] == holder(100, "h")
+    wall = time.time()
+    assert abs(log.calls[0][3] / 1e6 - (wall + 10)) < 2  # wall-clock microseconds
+    assert abs(log.calls[2][2] / 1e6 - (wall + 10)) < 2  # "now + 5" is the present
+
+
+def test_what_the_log_refuses_is_not_done() -> None:
+    table = LeaseTable(ttl=10.0)
+    table.log = log = RecordingLog()
+    lease = table.grant(1, [3], 0.0)
+    log.full = True
+    with pytest.raises(OutOfSpaceError):
+        table.renew(lease.id, 1, 5.0)  # a reader's deadline must not outlast the journal's
+    assert lease.expires == 10.0
+    with pytest.raises(OutOfSpaceError):
+        table.grant(1, [4], 0.0)
+    assert table.pinned([4]) == [] and len(table) == 1
+    table.release(lease.id, 1)  # a release not journaled only pins longer after a resume
+    assert len(table) == 0
+    log.full = False
+    assert table.grant(1, [4], 0.0).id == lease.id + 1
+
+
+def test_restored_leases_are_orphans_their_process_may_adopt() -> None:
+    old = LeaseTable(ttl=30.0)
+    old.holder_of = {7: holder(100, "h"), 8: holder(200, "h")}.get
+    now = time.monotonic()
+    mine = old.grant(7, [1, 2], now)
+    other = old.grant(8, [3], now)
+    state = old.to_state(now)
+
+    table = LeaseTable(ttl=30.0)  # the resumed daemon: new client ids from 1 again
+    table.holder_of = {1: holder(100, "h"), 2: holder(300, "h"), 3: holder(100, "g")}.get
+    restored = table.restore(state, now=5.0)
+    assert [lease.owner for lease in restored] == [ORPHAN, ORPHAN]
+    assert table.pinned([1, 2, 3]) == [1, 2, 3]
+    assert table.release_owner(1) == []  # a new client 1 does not own what old client 1 did
+    assert table.count_owner(1) == 0 and len(table) == 2
+    with pytest.raises(PermissionDeniedError):
+        table.renew(mine.id, owner=2, now=6.0)  # another process
+    with pytest.raises(PermissionDeniedError):
+        table.renew(mine.id, owner=3, now=6.0)  # the same pid on another host
+    assert table.renew(mine.id, owner=1, now=6.0).owner == 1  # its process: adopted
+    assert table.release_owner(1) == [restored[0]]  # and gone with that client
+    assert table.pinned([1, 2, 3]) == [3]
+    assert table.grant(2, [9], 6.0).id == other.id + 1
+
+
+def test_restore_converts_wall_clock_expiries_and_drops_expired_ones() -> None:
+    table = LeaseTable(ttl=1.0)
+    wall_us = int(time.time() * 1e6)
+    state = {
+        "next": 9,
+        "held": [
+            [3, 100, 1, wall_us + 20_000_000, [1]],  # 20 s left
+            [4, 100, 1, wall_us - 1_000_000, [2]],  # expired a second ago
+        ],
+    }
+    restored = table.restore(state, now=500.0)
+    assert [lease.id for lease in restored] == [3]
+    assert 519.0 < restored[0].expires <= 520.5
+    assert table.expire(519.0) == [] and table.pinned([1, 2]) == [1]
+    assert table.grant(1, [5], 500.0).id == 9

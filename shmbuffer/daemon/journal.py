@@ -6,24 +6,17 @@ memory. So every change to them is appended to ``<segment dir>/journal.bin`` *be
 that acknowledges it, and a resumed daemon rebuilds them as ``state.json`` (the last snapshot)
 plus the journal records written after it.
 
-Record format (little endian)::
-
-    u32 body_length | u32 crc32(body) | body = int64[type, field, field, ...]
-
-Types: ``EPOCH [epoch]`` (first record of every journal generation), ``RESERVE [pointer,
-rows_written, next_reservation, n, (start, stop) * n]`` (the rows a reservation evicted and where
-the ring stands after it), ``COMMIT [rows_committed, episodes_committed, n, (id, start, end) *
-n]``, ``CLEAR [pointer]``, ``RESTORE [pointer, rows_written, n, (id, start, end) * n]`` (an
-aborted reservation publishing again what it evicted, see :meth:`Container.abort`) and
-``PRIORITY [n, row * n, float64 bits * n]`` (priorities set by ``update_priorities`` or given
-to a commit, rows already filtered for staleness; replayed through the sampler). A plain
-abort needs no record: it changed nothing but what its RESERVE record already holds. A crash
-in the middle of a write leaves a short or CRC-failing last record, which :meth:`Journal.load`
+Records (:mod:`shmbuffer.daemon.records`, their format, types and replay) are int64 fields
+behind a length and a CRC: EPOCH, RESERVE, COMMIT, CLEAR, RESTORE, PRIORITY (the ring, the
+registry and priorities), SAMPLE (a draw) and LEASE, RENEW, RELEASE (leases). A crash in the
+middle of a write leaves a short or CRC-failing last record, which :meth:`Journal.load`
 ignores (its request was never acknowledged).
 
 Space is reserved ahead, never discovered at append: the file is preallocated with
 ``posix_fallocate`` in chunks of :data:`JOURNAL_CHUNK` bytes and records are written in place
-(``pwrite``) after the last one; everything after them is zeros. The service calls
+after the last one, through a shared mapping of the allocated file (a copy into the page
+cache, which outlives the process like a ``pwrite``'s bytes, minus the syscall); everything
+after them is zeros. The service calls
 :meth:`Journal.reserve` *before* it changes any state for a request; when the file system is full
 it first tries a snapshot (which resets the journal to its start) and otherwise raises
 :class:`OutOfSpaceError`, so the request is refused, nothing was applied, and no record is ever
@@ -32,45 +25,122 @@ torn in the middle of the journal: what was acknowledged is always replayed.
 Replay runs the records through the container's ``replay_*`` methods, the same code as the live
 requests (eviction, registry add, and what both tell the sampler and the rate limiter), so a
 replayed registry equals the live one (ids included) and sampler state follows it: priorities
-come back exactly. What only a *sample* changes is not journaled (one record per sample would
-cost more than the sample): FIFO consumed marks, epoch progress, ``max_times_sampled`` counts,
-the limiter's sampled count and the generator come from the last snapshot, so after a daemon
-crash what was handed out since may be handed out again (at least once, not exactly once).
+come back exactly. A SAMPLE record is redone by drawing again
+(:meth:`Container.replay_sample`) with the generator where it was, so what only samples change
+comes back too: FIFO consumed marks (nothing consumed before a SIGKILL is handed out again),
+the without-replacement epoch's walk, ``max_times_sampled`` counts and the limiter's sampled
+count (journaled, exact). That holds because a sampler whose draws change its state draws as a
+function of its state, the live episodes and the generator (``samplers/base.py``). A replayed
+draw that does not go as journaled is counted (``diverged`` in :meth:`Journal.load`, logged by
+the resume). A SAMPLE is appended after the draw and before the reply that hands the rows out;
+its room, and a lease's, is reserved before the draw (:meth:`Journal.room_for_sample`).
+
+Draws that change nothing but the generator and the sampled figure (a uniform or prioritized
+sampler without ``max_times_sampled``, no sample-to-insert limiter: :func:`journals_samples`)
+are not journaled, so they cost nothing (a record costs ~5-10 us of CPU in the loop,
+``bench/sample_journal.py``): a resume takes the sampled figure from the last snapshot and
+moves the generator 2**127 steps on from the snapshot's, so it does not repeat the draws it
+handed out since. (Replaying them would not give the generator back anyway: a uniform draw
+goes through the registry's internal layout, which a resume rebuilds compact.)
+
+Use counters are not journaled: :meth:`Journal.track` moves the container's per-row counter
+array into ``<segment dir>/use_counts.bin``, a file on the same tmpfs that every read updates
+in place (so a SIGKILL loses nothing and a sample pays nothing more); a resume keeps the
+counts of every row the replayed registry holds. Leases live in the snapshot and in LEASE,
+RENEW and RELEASE records (see ``leases.py``): a resumed daemon pins what they pinned until
+their TTL passes. The snapshot also keeps ``iterate``'s shuffle seed (``iterate_seed``), so a
+rank that asks for pass k after a restart gets the order another rank got before it.
 
 Snapshots bound replay time: :meth:`Journal.snapshot` writes ``state.json`` under a new epoch
 (temp file + ``os.replace``) and then truncates the journal and starts it with an ``EPOCH``
 record. A crash between the two leaves a journal of the previous epoch, whose records are already
 in the snapshot and are skipped. tmpfs needs no fsync: the files only have to outlive the
 process, not the machine (which takes the segment with it anyway).
-
-Per-row use counters are not journaled (one record per sample would cost more than the sample):
-after a resume every committed row counts 0 uses.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
-import struct
+import time
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from shmbuffer.container import Container, Range
+from shmbuffer.daemon.clients import ClientTable
+from shmbuffer.daemon.journal_hooks import (
+    file_backed,
+    holder_lookup,
+    journals_samples,
+    lease_struct,
+    move_on,
+    sample_log_for,
+)
+from shmbuffer.daemon.leases import Lease, LeaseTable
+from shmbuffer.daemon.records import (
+    CLEAR,
+    COMMIT,
+    EPOCH,
+    HEAD,
+    LEASE,
+    LEASE_FIELDS,
+    PRIORITY,
+    RELEASE,
+    RELEASE_BODY,
+    RENEW,
+    RENEW_BODY,
+    RESERVE,
+    RESTORE,
+    SAMPLE,
+    SAMPLE_BODY,
+    SAMPLE_RNG_BODY,
+    apply_record,
+    encode_record,
+    iter_records,
+    priority_fields,
+    record_bytes,
+)
 from shmbuffer.errors import JournalError, OutOfSpaceError
 from shmbuffer.registry import Episode
 from shmbuffer.samplers import RateLimiter, Sampler
 
+__all__ = [  # the record names are re-exported: importers know them from here
+    "CLEAR",
+    "COMMIT",
+    "EPOCH",
+    "JOURNAL_FILE",
+    "LEASE",
+    "PRIORITY",
+    "RELEASE",
+    "RENEW",
+    "RESERVE",
+    "RESTORE",
+    "SAMPLE",
+    "STATE_FILE",
+    "USE_COUNTS_FILE",
+    "Journal",
+    "apply_record",
+    "container_state",
+    "encode_record",
+    "iter_records",
+    "priority_fields",
+    "record_bytes",
+    "restore_container",
+]
+
 JOURNAL_FILE = "journal.bin"
 STATE_FILE = "state.json"
+USE_COUNTS_FILE = "use_counts.bin"
 STATE_FORMAT = 1
 
-EPOCH, RESERVE, COMMIT, CLEAR, RESTORE, PRIORITY = 0, 1, 2, 3, 4, 5
-_HEAD = struct.Struct("<II")
+_SAMPLE_BYTES = HEAD.size + SAMPLE_RNG_BODY.size
+_EPOCH_BYTES = record_bytes(1)
 #: Snapshot once the journal holds this many records (and more than twice the episodes).
 SNAPSHOT_EVERY = 20_000
 #: The journal file grows by preallocated chunks of this many bytes (~500 reserve + commit
@@ -109,78 +179,6 @@ def restore_container(
     return container
 
 
-# -- records ----------------------------------------------------------------------------------
-
-
-def encode_record(kind: int, fields: Iterable[int]) -> bytes:
-    return _framed(np.array([kind, *fields], dtype="<i8").tobytes())
-
-
-def _framed(body: bytes) -> bytes:
-    return _HEAD.pack(len(body), zlib.crc32(body)) + body
-
-
-def priority_fields(rows: np.ndarray, priority: np.ndarray) -> np.ndarray:
-    """The fields of a PRIORITY record: ``[n, rows..., float64 bits...]``."""
-    head = np.array([rows.size], dtype="<i8")
-    bits = np.ascontiguousarray(priority, dtype="<f8").view("<i8")
-    return np.concatenate([head, np.asarray(rows, dtype="<i8"), bits])
-
-
-def record_bytes(num_fields: int) -> int:
-    """The encoded size of a record with ``num_fields`` fields after its type."""
-    return _HEAD.size + 8 * (1 + num_fields)
-
-
-_EPOCH_BYTES = record_bytes(1)
-
-
-def iter_records(data: bytes) -> Iterator[tuple[int, np.ndarray, int]]:
-    """``(type, fields, end offset)`` of each whole record; stops at a torn or corrupt one."""
-    offset = 0
-    while offset + _HEAD.size <= len(data):
-        length, crc = _HEAD.unpack_from(data, offset)
-        start, end = offset + _HEAD.size, offset + _HEAD.size + length
-        if length < 8 or length % 8 or end > len(data):
-            return
-        body = data[start:end]
-        if zlib.crc32(body) != crc:
-            return
-        values = np.frombuffer(body, dtype="<i8")
-        yield int(values[0]), values[1:], end
-        offset = end
-
-
-def apply_record(container: Container, counters: dict[str, int], kind: int, f: np.ndarray) -> None:
-    """Redo one record on ``container`` through its replay methods (JournalError if it does
-    not fit)."""
-    try:
-        if kind == RESERVE:
-            pointer, rows_written, next_reservation, n = (int(v) for v in f[:4])
-            evicted = [(int(f[4 + 2 * i]), int(f[5 + 2 * i])) for i in range(n)]
-            container.replay_reserve(evicted, pointer, rows_written, next_reservation)
-        elif kind == COMMIT:
-            counters["rows_committed"], counters["episodes_committed"] = int(f[0]), int(f[1])
-            n = int(f[2])
-            episodes = f[3 : 3 + 3 * n].reshape(n, 3).tolist()  # ValueError if cut short
-            container.replay_commit([(i, s, e) for i, s, e in episodes])
-        elif kind == CLEAR:
-            container.replay_clear(int(f[0]))
-        elif kind == RESTORE:
-            pointer, rows_written, n = (int(v) for v in f[:3])
-            restored = [Episode(*(int(v) for v in f[3 + 3 * i : 6 + 3 * i])) for i in range(n)]
-            container.replay_restore(restored, pointer, rows_written)
-        elif kind == PRIORITY:
-            n = int(f[0])
-            if f.size != 1 + 2 * n:
-                raise ValueError(f"PRIORITY record of {f.size} fields for {n} rows")
-            container.replay_priorities(f[1 : 1 + n], f[1 + n :].view("<f8"))
-        elif kind != EPOCH:
-            raise JournalError(f"unknown journal record type {kind}")
-    except (IndexError, ValueError) as exc:
-        raise JournalError(f"journal record {kind} does not apply: {exc}") from exc
-
-
 # -- the journal ------------------------------------------------------------------------------
 
 
@@ -205,9 +203,88 @@ class Journal:
         self.epoch = 0
         self.records = 0
         self._fd: int | None = None
+        #: The allocated file, mapped shared: a record is a copy into the page cache, not a
+        #: syscall (a pwrite measured ~3 us of a ~10 us record in the loop); what a process
+        #: stores there outlives it, as a pwrite's bytes do.
+        self._map: mmap.mmap | None = None
         self._offset = 0  # where the next record goes; zeros from here on
         self._allocated = 0  # bytes of the file reserved with posix_fallocate
         self._state_fn: Callable[[], dict[str, Any]] | None = None
+        self._leases: LeaseTable | None = None  # put in every snapshot (track)
+        self._iterate_seed: int | None = None
+
+    # -- what else a resume keeps ---------------------------------------------------------
+
+    def track(
+        self,
+        container: Container,
+        leases: LeaseTable | None = None,
+        clients: ClientTable | None = None,
+        iterate_seed: int | None = None,
+    ) -> None:
+        """Keep what samples and leases change across a resume (call before :meth:`start`):
+        the container tells this journal every draw (SAMPLE records) where a draw changes
+        anything but the generator and figures (:func:`journals_samples`), and its use
+        counters move into ``use_counts.bin`` beside it (their current values copied; written
+        in place from then on); ``leases`` tell it grants, renewals and releases and go into
+        every snapshot, matched to processes through ``clients``; ``iterate_seed`` too."""
+        container.use_counts = file_backed(self.folder / USE_COUNTS_FILE, container.use_counts)
+        container.sample_log = sample_log_for(container, self)
+        if leases is not None:
+            leases.log = self
+            if clients is not None:
+                leases.holder_of = holder_lookup(clients)
+        self._leases = leases
+        self._iterate_seed = iterate_seed
+
+    def room_for_sample(self, n: int) -> None:
+        """Room for a SAMPLE record and a lease of up to ``n`` episodes (a sample of ``n``
+        items is held by at most ``n`` episodes), before the draw changes anything."""
+        self.reserve(_SAMPLE_BYTES + record_bytes(LEASE_FIELDS + n))
+
+    def sampled(
+        self,
+        call: int,
+        n: int,
+        length: int,
+        strict: bool,
+        handed: int,
+        refused: bool,
+        rng: list[int] | None,
+    ) -> None:
+        """Append a SAMPLE record (see :class:`~shmbuffer.ringstate.SampleLog`)."""
+        if self._fd is None:
+            return
+        head = (SAMPLE, call, n, length, int(strict), handed, int(refused))
+        body = SAMPLE_BODY.pack(*head) if rng is None else SAMPLE_RNG_BODY.pack(*head, *rng)
+        self._append_body(body)
+
+    def lease_granted(self, lease: Lease, expires_us: int) -> None:
+        if self._fd is None:
+            return
+        pid, host_crc = lease.holder or (0, 0)
+        ids = lease.episode_ids
+        body = lease_struct(len(ids)).pack(
+            LEASE, lease.id, pid, host_crc, expires_us, len(ids), *ids
+        )
+        self._append_body(body)
+
+    def lease_renewed(self, lease_id: int, expires_us: int) -> None:
+        if self._fd is not None:
+            self._append_body(RENEW_BODY.pack(RENEW, lease_id, expires_us))
+
+    def lease_released(self, lease_id: int) -> None:
+        if self._fd is not None:
+            self._append_body(RELEASE_BODY.pack(RELEASE, lease_id))
+
+    def _extras(self) -> dict[str, Any]:
+        """What a snapshot keeps besides the container state."""
+        out: dict[str, Any] = {}
+        if self._leases is not None:
+            out["leases"] = self._leases.to_state(time.monotonic())
+        if self._iterate_seed is not None:
+            out["iterate_seed"] = str(self._iterate_seed)  # 128 bits: JSON ints are not
+        return out
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -226,6 +303,7 @@ class Journal:
                 raise
             # What a previous daemon left is zeroed by the first snapshot below.
             self._fd, self._offset, self._allocated = fd, size, max(size, self.chunk)
+            self._remap()
         self._state_fn = state_fn
         try:
             previous = json.loads(self.state_path.read_text()).get("epoch", 0)
@@ -244,7 +322,7 @@ class Journal:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "w") as f:
-                json.dump({**state, "epoch": epoch}, f, separators=(",", ":"))
+                json.dump({**state, **self._extras(), "epoch": epoch}, f, separators=(",", ":"))
             os.replace(tmp, self.state_path)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
@@ -288,6 +366,14 @@ class Journal:
         extra = -(-need // self.chunk) * self.chunk  # whole chunks
         self._fallocate(self._fd, self._allocated, extra)
         self._allocated += extra
+        self._remap()
+
+    def _remap(self) -> None:
+        """Map the allocated file (all of it is allocated: no store can SIGBUS)."""
+        assert self._fd is not None
+        if self._map is not None:
+            self._map.close()
+        self._map = mmap.mmap(self._fd, self._allocated)
 
     def _fallocate(self, fd: int, offset: int, length: int) -> None:
         try:
@@ -302,7 +388,14 @@ class Journal:
 
     def _pwrite(self, data: bytes, offset: int) -> None:
         assert self._fd is not None
-        view = memoryview(data)
+        end = offset + len(data)
+        if self._map is not None and end <= self._allocated:
+            self._map[offset:end] = data
+            return
+        written = os.pwrite(self._fd, data, offset)
+        if written == len(data):
+            return
+        view, offset = memoryview(data)[written:], offset + written
         while view:  # preallocated: a short write is not expected, but never leave one
             written = os.pwrite(self._fd, view, offset)
             view, offset = view[written:], offset + written
@@ -317,13 +410,23 @@ class Journal:
             return
         if isinstance(fields, np.ndarray):  # vectorised: no Python int per field
             body = np.concatenate([np.array([kind], dtype="<i8"), fields.astype("<i8")])
-            record = _framed(body.tobytes())
+            self._append_body(body.tobytes())
         else:
-            record = encode_record(kind, fields)
-        if self._offset + len(record) > self._allocated:
+            self._append_body(np.array([kind, *fields], dtype="<i8").tobytes())
+
+    def _append_body(self, body: bytes) -> None:
+        """Frame and write one record body (its type first, little-endian int64s). Inline,
+        no helper calls: it runs once per sample, where each Python call costs ~1 us."""
+        assert self._fd is not None
+        record = HEAD.pack(len(body), zlib.crc32(body)) + body
+        end = self._offset + len(record)
+        if end > self._allocated:
             self._grow(len(record))  # a caller that did not reserve: grow, never snapshot
         try:
-            self._pwrite(record, self._offset)
+            if self._map is not None:
+                self._map[self._offset : end] = record
+            else:
+                self._pwrite(record, self._offset)
         except BaseException:
             # The record is not in the journal (the request fails); zero what may have
             # landed, so the next record starts on clean bytes.
@@ -360,6 +463,9 @@ class Journal:
         self._append(PRIORITY, priority_fields(rows, priority))
 
     def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -382,21 +488,41 @@ class Journal:
             raise JournalError(f"{self.state_path} is not a JSON object")
         container = restore_container(state)
         counters = dict(state.get("counters", {}))
+        saved_leases = state.get("leases") or {}
+        leases = {int(entry[0]): list(entry) for entry in saved_leases.get("held", [])}
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
             data = b""
-        replayed, used = 0, 0
+        replayed, used, diverged = 0, 0, 0
+        stateful = container.sampler.draws_change_state
         records = iter_records(data)
         first = next(records, None)
         if first is not None and first[0] == EPOCH and int(first[1][0]) == state.get("epoch"):
             used = first[2]
             for kind, fields, end in records:
-                apply_record(container, counters, kind, fields)
+                if not apply_record(container, counters, kind, fields, leases) and stateful:
+                    diverged += 1
                 replayed, used = replayed + 1, end
         elif first is not None:  # an older generation: already in the snapshot
             used = len(data)
+        if not journals_samples(container):  # draws since the snapshot are not journaled:
+            move_on(container.rng)  # do not repeat them
         out = container_state(container, counters)
         torn = len(data[used:].rstrip(b"\0"))  # the preallocated rest is zeros
-        out.update(epoch=state.get("epoch", 0), replayed=replayed, torn=torn)
+        out.update(epoch=state.get("epoch", 0), replayed=replayed, torn=torn, diverged=diverged)
+        out["leases"] = {"next": saved_leases.get("next", 1), "held": sorted(leases.values())}
+        if state.get("iterate_seed") is not None:
+            out["iterate_seed"] = int(state["iterate_seed"])
+        out["use_counts"] = self._saved_use_counts(container.capacity)
         return out
+
+    def _saved_use_counts(self, capacity: int) -> np.ndarray | None:
+        """The counter file a dead daemon left (None: none, or not of this ring)."""
+        path = self.folder / USE_COUNTS_FILE
+        try:
+            if path.stat().st_size != 4 * capacity:
+                return None
+            return np.fromfile(path, dtype="<i4")
+        except OSError:
+            return None

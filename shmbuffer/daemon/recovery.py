@@ -1,9 +1,11 @@
 """After a daemon is gone: ``start --resume``, ``start --restore``, ``cleanup``.
 
 * **resume** re-attaches the segment a SIGKILLed (or ``stop --keep``-ed) daemon left on tmpfs
-  and rebuilds its registry, ring pointer and counters from the journal (see ``journal.py``).
-  Reservations that were open at the crash are gone: their rows were evicted when reserved and
-  never committed, so they are never published.
+  and rebuilds its registry, ring pointer, counters, sampler and limiter state (samples
+  included), use counters and leases from the journal (see ``journal.py``). Reservations that
+  were open at the crash are gone: their rows were evicted when reserved and never committed,
+  so they are never published. Leases are kept until their TTL passes: a reader of views the
+  dead daemon leased keeps them unchanged, whichever writers reconnect.
 * **restore** creates a fresh segment from a checkpoint folder (see ``checkpoint.py``), copies
   the rows in and rebuilds the same state, sampler state (priorities, epochs, consumed
   marks), rate limiter counts, generator state and use counters included.
@@ -209,14 +211,28 @@ def resume_service(config: DaemonConfig) -> BufferService:
     segment = Segment.attach(config.name, storage_dir=storage_dir)
     _rewrite_manifest(segment)
     config = dataclasses.replace(config, storage_dir=storage_dir, schema=manifest["schema"])
+    if config.seed is None and state.get("iterate_seed") is not None:
+        # iterate's shuffles go on as the dead daemon's (its generator comes from the state)
+        config = dataclasses.replace(config, seed=state["iterate_seed"])
     service = BufferService.from_state(config, segment, state)
+    # Leases of readers that may still be reading views: pinned until their TTL passes,
+    # journaled again in the new generation (before any client is served).
+    leases = service.leases.restore(state["leases"], time.monotonic())
+    if state["diverged"]:
+        log.warning(
+            "resume: %d journaled samples did not draw the same again; the %s sampler's "
+            "state may differ from the dead daemon's",
+            state["diverged"],
+            service.container.sampler.name,
+        )
     log.warning(
-        "resumed %s: %d episodes, %d rows, pointer %d (snapshot + %d journal records, %d torn "
-        "bytes ignored) in %.3fs",
+        "resumed %s: %d episodes, %d rows, pointer %d, %d leases held on (snapshot + %d "
+        "journal records, %d torn bytes ignored) in %.3fs",
         path,
         service.container.num_episodes,
         service.container.num_rows,
         service.container.pointer,
+        len(leases),
         state["replayed"],
         state["torn"],
         time.perf_counter() - t0,

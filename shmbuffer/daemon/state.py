@@ -177,6 +177,8 @@ class DaemonState:
     def _start_journal(self) -> None:
         assert self.segment is not None
         journal = Journal(self.segment.path)
+        # samples, leases and use counts survive --resume too (journal.py)
+        journal.track(self.container, self.leases, self.clients, self._iterate_seed)
         journal.start(self.persistent_state(), state_fn=self.persistent_state)
         self.journal = journal  # only once it can take records
 

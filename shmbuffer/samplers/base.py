@@ -14,6 +14,13 @@ O(k) numpy work plus O(log E) per episode touched (the same order as the row cop
 ``sample_*`` O(n log C); ``update_priorities`` O(k log C). Samplers count a sample when they
 return it, so the owner validates a request (sizes, limits) *before* calling ``sample_*``.
 
+Replay: the daemon's journal redoes a sample by drawing again, with the generator set to the
+state it had (``daemon/journal.py``). So a sampler whose draws change its state
+(:attr:`Sampler.draws_change_state`) must draw as a function of its own state, the live
+episodes and the generator only, never of how the registry lays them out internally (a
+resumed registry is rebuilt compact), and must change nothing on a refused call unless it
+sets :attr:`Sampler.changed_on_refusal`.
+
 Bad input raises ``ValueError`` naming the argument (``priority``, ``max_times_sampled``, ...)
 or ``IndexError`` naming ``index``, and changes nothing.
 """
@@ -110,11 +117,17 @@ class Sampler(ABC):
     name: ClassVar[str]
     #: Whether ``update_priorities`` and a ``priority`` on commit mean anything here.
     has_priorities: ClassVar[bool] = False
+    #: Whether draws take numbers from the generator (the journal then keeps its state where
+    #: a refused call may have moved it; see ``daemon/journal.py``).
+    uses_rng: ClassVar[bool] = True
 
     def __init__(self, *, max_times_sampled: int | None = None) -> None:
         if max_times_sampled is not None:
             max_times_sampled = check_count(max_times_sampled, "max_times_sampled")
         self.max_times_sampled: int | None = max_times_sampled
+        #: Set by a call that raised EmptyBufferError yet changed state (a FIFO keeps the
+        #: drops it made); the owner journals such a call and clears the flag.
+        self.changed_on_refusal = False
         self.unit = "transition"
         self.capacity = 0
         self._registry: EpisodeRegistry | None = None
@@ -241,6 +254,12 @@ class Sampler(ABC):
     def blocks_overwrite(self, start: int, stop: int) -> bool:
         """True while rows ``[start, stop)`` hold data a reader has not consumed yet."""
         return False
+
+    @property
+    def draws_change_state(self) -> bool:
+        """Whether a draw changes this sampler's state (counts, consumption, epochs): what a
+        journal replay must then redo exactly. Only ``max_times_sampled`` does, here."""
+        return self.max_times_sampled is not None
 
     # -- state -------------------------------------------------------------------------------
 

@@ -81,6 +81,7 @@ class FifoSampler(Sampler):
     """Oldest first; consume-once with ``max_times_sampled``; see the module docstring."""
 
     name = "fifo"
+    uses_rng = False  # the order is deterministic
 
     def __init__(self, *, max_times_sampled: int | None = None) -> None:
         super().__init__(max_times_sampled=max_times_sampled)
@@ -248,6 +249,8 @@ class FifoSampler(Sampler):
             # Remainders too short for a strict slice can never be served; dropping them is
             # kept even though this call waits, or they would hold writers back for ever.
             drops = plan.dropped if self.unit == "transition" else plan.drop_only_rows
+            if self._limit and drops:
+                self.changed_on_refusal = True  # journaled by the owner: a resume keeps them
             self._hand_out(plan.drop_only, [], drops)
             raise EmptyBufferError(
                 f"fifo cannot hand out {n} {'rows' if length == 0 else 'pieces'} now, "

@@ -65,6 +65,9 @@ class RateLimiter(ABC):
     name: ClassVar[str]
     #: Options ``configure`` accepts for this limiter.
     options: ClassVar[tuple[str, ...]] = ()
+    #: Whether its decisions depend on the sampled count (then the daemon journals every
+    #: sample, so a resume keeps the count exactly; otherwise it is a figure for ``status``).
+    counts_samples: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.inserted = 0
@@ -205,6 +208,7 @@ class SampleToInsertRatio(RateLimiter):
 
     name = "sample-to-insert"
     options = ("samples_per_insert", "min_size", "error_buffer")
+    counts_samples = True
 
     def __init__(self, samples_per_insert: float, min_size: int, error_buffer: float) -> None:
         super().__init__()

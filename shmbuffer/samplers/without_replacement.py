@@ -88,6 +88,10 @@ class WithoutReplacementSampler(Sampler):
         self._registry = registry
         self.index.restore(episodes)
 
+    @property
+    def draws_change_state(self) -> bool:
+        return True  # every draw moves the epoch's walk
+
     def on_clear(self) -> None:
         self.index.clear()
         epoch = self._epoch

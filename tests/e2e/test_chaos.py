@@ -62,12 +62,11 @@ one, the others are under ``-m chaos``):
   crash). The test accepts at most ``FIFO_BATCH`` unrecorded acknowledged episodes per such
   call in flight, and none besides: every other acknowledged episode must be consumed (by a
   consumer or the final drain) — nothing a writer acknowledged is overwritten unconsumed.
-  Nothing is consumed twice by one daemon. After a daemon SIGKILL and ``--resume``, what was
-  handed out since the last snapshot may be handed out again (consumed marks are not
-  journaled: at least once across a daemon crash, ``docs/sampling.md``); those repeats, each
-  consumed once from the daemon that died and again from a later one, are counted apart
-  (``redelivered_after_daemon_kill``) and allowed while ``FIFO_EXACTLY_ONCE_ACROSS_RESUME`` is
-  False (issue 13's item 2 journals them; then set it True).
+  Nothing is consumed twice by one daemon, nor across a daemon SIGKILL and ``--resume``: every
+  draw is journaled before its reply (``docs/sampling.md``), so an episode consumed from the
+  daemon that died is not handed out by a later one. Such repeats are counted apart
+  (``redelivered_after_daemon_kill``) and must be 0 while ``FIFO_EXACTLY_ONCE_ACROSS_RESUME``
+  is True (issue 13, item 2; it was at least once before).
 """
 
 from __future__ import annotations
@@ -110,7 +109,7 @@ FIFO_WAIT = 0.5  # seconds a consume call waits in the daemon for data
 #: unconsumed episodes and writers wait for consumption (what must never lose one).
 FIFO_PAUSE = 0.02
 #: Whether consumed marks survive a daemon SIGKILL and ``--resume`` (issue 13, item 2).
-FIFO_EXACTLY_ONCE_ACROSS_RESUME = False
+FIFO_EXACTLY_ONCE_ACROSS_RESUME = True
 PRIORITY_SAMPLES = 20  # sample(256) calls checked against the sum tree after the run
 
 

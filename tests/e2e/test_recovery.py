@@ -1,17 +1,24 @@
-"""Daemon crash recovery through the real CLI: ``start --resume`` after SIGKILL, a plain
-``start`` after SIGKILL, ``cleanup``, and ``checkpoint`` + ``start --restore``."""
+"""Daemon crash recovery through the real CLI: ``start --resume`` after SIGKILL (the ring, and
+what samples and leases changed: a learner's leased views, use counts, FIFO consumption), a
+plain ``start`` after SIGKILL, ``cleanup``, and ``checkpoint`` + ``start --restore``."""
 
 from __future__ import annotations
 
 import signal
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
+import torch
 
 from shmbuffer import Reader, Writer
 from shmbuffer.clients.connection import Connection
-from shmbuffer.demo import make_episode
+from shmbuffer.demo import check_episode, make_episode
+from shmbuffer.errors import LeaseExpiredError, WaitTimeoutError
+from tests.e2e.conftest import wait_for
 
 LENGTH = 10
 OBS = (2, 3)
@@ -165,3 +172,172 @@ def test_checkpoint_stop_restore(daemon, e2e_env, tmp_path):
     ids, found = committed(d.name)
     assert ids == set(range(N))
     assert found == set(range(N))
+
+
+# -- what samples and leases changed survives --resume too (issue 13, item 2) ----------------
+
+RING = 4  # episodes of LENGTH rows: a writer of RING more laps the ring
+
+
+def use_counts(d: Any) -> np.ndarray:
+    """The daemon's per-row use counters: the file it updates in place (``journal.py``)."""
+    return np.fromfile(Path(d.segment_path) / "use_counts.bin", dtype="<i4")
+
+
+class LeasedAcrossKill:
+    """A learner inside ``sample_episodes`` (every episode of a full ring leased, views built)
+    when the daemon is SIGKILLed, and the daemon resumed; then a writer connecting to the
+    resumed daemon to lap the ring. ``ttl`` must outlast a resume (a daemon start imports
+    torch: 9-18 s measured on a loaded 2-core machine)."""
+
+    def __init__(self, daemon: Any, ttl: float) -> None:
+        self.ttl = ttl
+        args = ["--lease-ttl", str(ttl)]
+        d = daemon(capacity=RING * LENGTH, unit="episode", args=args)
+        write_episodes(d.name, 0, RING)
+        self.reader = reader = Reader(d.name, timeout=5, auto_renew=False)
+        for _ in range(5):
+            reader.sample(64)  # use counts beyond zero
+        for _ in range(20):  # a block whose lease pins every episode of the ring
+            self.block = reader.sample_episodes(32)
+            self.episodes = self.block.__enter__()
+            if len({int(ep["episode"][0]) for ep in self.episodes}) == RING:
+                break
+            self.block.__exit__(None, None, None)
+        else:
+            pytest.fail("never leased the whole ring")
+        self.views = [self.episodes[i] for i in range(len(self.episodes))]  # built in time
+        self.before = [v["obs"].clone() for v in self.views]
+        counts = use_counts(d)
+        assert counts.sum() > 64 * 5  # the samples and the leased episodes
+        self.episodes.renew()  # the lease now ends ttl after this
+        self.expires = time.time() + ttl
+        sigkill(d)
+        self.daemon = daemon(
+            name=d.name, capacity=RING * LENGTH, unit="episode", args=[*args, "--resume"]
+        )
+        assert time.time() < self.expires - 2, "the resume outlasted the lease: raise its ttl"
+        assert self.daemon.stats()["leases"] == 1
+        assert "1 leases held on" in self.daemon.log()
+        assert np.array_equal(use_counts(self.daemon), counts)  # use counts survive too
+        self.acked: list[float] = []
+        self.errors: list[BaseException] = []
+        self.writer = Writer(d.name, timeout=5, reserve_timeout=3 * ttl, batch_bytes=0)
+        self.thread = threading.Thread(target=self._lap, daemon=True)
+        self.thread.start()
+
+    def _lap(self) -> None:
+        try:
+            for e in range(RING):
+                self.writer.add_episode(make_episode(1, e, LENGTH, OBS))
+                self.writer.flush()
+                self.acked.append(time.time())
+        except BaseException as exc:
+            self.errors.append(exc)
+
+    def unchanged_until(self, until: float) -> None:
+        """Until wall-clock ``until`` the writer waits and the views stay as they were."""
+        while time.time() < until:
+            for view, obs in zip(self.views, self.before, strict=True):
+                assert torch.equal(view["obs"], obs), "leased rows overwritten"
+            assert not self.acked and self.thread.is_alive(), (self.acked, self.errors)
+            time.sleep(0.1)
+
+    def writer_finishes(self) -> None:
+        self.thread.join(3 * self.ttl)
+        assert not self.thread.is_alive(), "the writer still blocks"
+        assert not self.errors, self.errors
+        assert len(self.acked) == RING
+        pairs = zip(self.views, self.before, strict=True)
+        assert any(not torch.equal(v["obs"], obs) for v, obs in pairs)  # it reached them
+
+    def close(self) -> None:
+        self.writer.close()
+        self.reader.close()
+
+
+def test_leased_views_survive_a_daemon_kill_until_released(daemon):
+    """The resumed daemon keeps the dead daemon's lease: a writer that laps the ring waits and
+    the learner's views stay as they were, until the learner's process, on a new connection,
+    adopts the lease by id and releases it; then the writer goes on at once. Use counts
+    survive the kill too. (The TTL is long, to outlast any resume; nothing waits for it.)"""
+    run = LeasedAcrossKill(daemon, ttl=120.0)
+    try:
+        run.unchanged_until(time.time() + 3.0)
+        conn = Connection(run.daemon.name, "reader", timeout=5)  # same pid and host
+        try:
+            conn.call("release", lease=run.episodes.lease)
+        finally:
+            conn.close()
+        run.writer_finishes()
+        assert run.acked[0] < run.expires - 60  # long before the TTL
+        assert run.daemon.stats()["leases"] == 0
+        with pytest.raises(LeaseExpiredError):
+            run.block.__exit__(None, None, None)  # its old connection: lapsed, as it must say
+    finally:
+        run.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_leased_views_survive_a_daemon_kill_until_their_ttl(daemon):
+    """As above, but nobody releases the lease: the writer waits until its TTL (journaled in
+    wall-clock time, converted by the resumed daemon), then proceeds."""
+    run = LeasedAcrossKill(daemon, ttl=40.0)
+    try:
+        run.unchanged_until(run.expires - 0.5)
+        run.writer_finishes()
+        assert run.acked[0] >= run.expires - 0.5, f"written {run.expires - run.acked[0]:.2f}s early"
+        with pytest.raises(LeaseExpiredError):
+            run.block.__exit__(None, None, None)
+        assert run.daemon.stats()["leases"] == 0
+    finally:
+        run.close()
+
+
+def iterate_order(name: str) -> list[int]:
+    """The rows of ``iterate``'s pass 3 (one rank), in the daemon's shuffled order."""
+    with Reader(name, timeout=5) as r:
+        reply = r.conn.call("iterate", rank=0, world_size=1, shuffle=True, epoch=3)
+    return np.frombuffer(reply["rows"], dtype="<i8").tolist()
+
+
+def test_fifo_consumption_survives_a_daemon_kill(daemon):
+    """Episodes a consume-once FIFO handed out before a SIGKILL are not handed out again by
+    the resumed daemon; every other one is, once; the limiter's count, the use counts and
+    ``iterate``'s shuffles come back."""
+    args = ["--sampler", "fifo", "--max-times-sampled", "1"]
+    d = daemon(capacity=1000, unit="episode", args=args)
+    write_episodes(d.name, 0, N)
+
+    def consume(name: str, sizes: tuple[int, ...], calls: int | None = None) -> list[int]:
+        """Episode numbers consumed by ``sample_episodes`` of each size in turn, until none
+        is left for it (or after ``calls`` calls)."""
+        got: list[int] = []
+        with Reader(name, timeout=5, sample_timeout=0.5) as r:
+            for n in sizes:
+                while calls is None or len(got) < calls * n:
+                    try:
+                        with r.sample_episodes(n) as episodes:
+                            for ep in episodes:
+                                check_episode(ep)
+                                got.append(int(ep["episode"][0]))
+                    except WaitTimeoutError:
+                        break
+        return got
+
+    first = consume(d.name, (3,), calls=3)
+    assert first == list(range(9))  # oldest first
+    shuffled = iterate_order(d.name)  # counts a use of every row, without a SAMPLE
+    before = d.stats()
+    counts = use_counts(d)
+    sigkill(d)
+    resumed = daemon(name=d.name, capacity=1000, unit="episode", args=["--resume"])
+    assert np.array_equal(use_counts(resumed), counts)
+    assert iterate_order(d.name) == shuffled  # iterate's seed too (no --seed given)
+    after = resumed.stats()
+    assert after["rate_limiter"]["sampled"] == before["rate_limiter"]["sampled"] == 9 * LENGTH
+    assert after["sampler"]["figures"] == before["sampler"]["figures"]
+    rest = consume(d.name, (2, 1))  # an odd one is left for the last
+    assert sorted(rest) == list(range(9, N))  # nothing of ``first`` again, nothing lost
+    wait_for(lambda: resumed.stats()["leases"] == 0, 10, what="the drain's leases to go")

@@ -1,0 +1,153 @@
+"""The journal's records: their format, their codec, and how each is redone on replay.
+
+:mod:`shmbuffer.daemon.journal` writes them (before the reply that acknowledges what they
+record) and says what a resume makes of them; this module encodes and decodes them
+(:func:`encode_record`; :func:`iter_records` stops at a torn or corrupt record) and redoes one
+(:func:`apply_record`) through the container's ``replay_*`` methods, the same code as the live
+requests.
+
+Record format (little endian)::
+
+    u32 body_length | u32 crc32(body) | body = int64[type, field, field, ...]
+
+Types: ``EPOCH [epoch]`` (first record of every journal generation), ``RESERVE [pointer,
+rows_written, next_reservation, n, (start, stop) * n]`` (the rows a reservation evicted and where
+the ring stands after it), ``COMMIT [rows_committed, episodes_committed, n, (id, start, end) *
+n]``, ``CLEAR [pointer]``, ``RESTORE [pointer, rows_written, n, (id, start, end) * n]`` (an
+aborted reservation publishing again what it evicted, see :meth:`Container.abort`),
+``PRIORITY [n, row * n, float64 bits * n]`` (priorities set by ``update_priorities`` or given
+to a commit, rows already filtered for staleness; replayed through the sampler), ``SAMPLE
+[call, n, length, strict, handed, refused, (rng * 6)?]`` (a draw the container handed out, or
+one refused after it changed the sampler; the generator's six words only when a refused draw
+may have moved it since the last SAMPLE), ``LEASE [id, pid, host crc32, expires_us, n, episode
+id * n]``, ``RENEW [id, expires_us]`` and ``RELEASE [id]`` (leases, expiries as wall-clock
+microseconds). A plain abort needs no record: it changed nothing but what its RESERVE record
+already holds; nor does a lease's expiry (a resume drops it by its wall-clock expiry). A crash
+in the middle of a write leaves a short or CRC-failing last record, which :meth:`Journal.load`
+ignores (its request was never acknowledged).
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from shmbuffer.container import Container
+from shmbuffer.errors import JournalError
+from shmbuffer.registry import Episode
+
+EPOCH, RESERVE, COMMIT, CLEAR, RESTORE, PRIORITY = 0, 1, 2, 3, 4, 5
+SAMPLE, LEASE, RENEW, RELEASE = 6, 7, 8, 9
+HEAD = struct.Struct("<II")
+#: A SAMPLE's body: its type and six fields, and with the generator's six words.
+SAMPLE_BODY = struct.Struct("<7q")
+SAMPLE_RNG_BODY = struct.Struct("<13q")
+RENEW_BODY = struct.Struct("<3q")
+RELEASE_BODY = struct.Struct("<2q")
+LEASE_FIELDS = 5  # before the episode ids
+
+
+def encode_record(kind: int, fields: Iterable[int]) -> bytes:
+    return framed(np.array([kind, *fields], dtype="<i8").tobytes())
+
+
+def framed(body: bytes) -> bytes:
+    return HEAD.pack(len(body), zlib.crc32(body)) + body
+
+
+def priority_fields(rows: np.ndarray, priority: np.ndarray) -> np.ndarray:
+    """The fields of a PRIORITY record: ``[n, rows..., float64 bits...]``."""
+    head = np.array([rows.size], dtype="<i8")
+    bits = np.ascontiguousarray(priority, dtype="<f8").view("<i8")
+    return np.concatenate([head, np.asarray(rows, dtype="<i8"), bits])
+
+
+def record_bytes(num_fields: int) -> int:
+    """The encoded size of a record with ``num_fields`` fields after its type."""
+    return HEAD.size + 8 * (1 + num_fields)
+
+
+_EPOCH_BYTES = record_bytes(1)
+
+
+def iter_records(data: bytes) -> Iterator[tuple[int, np.ndarray, int]]:
+    """``(type, fields, end offset)`` of each whole record; stops at a torn or corrupt one."""
+    offset = 0
+    while offset + HEAD.size <= len(data):
+        length, crc = HEAD.unpack_from(data, offset)
+        start, end = offset + HEAD.size, offset + HEAD.size + length
+        if length < 8 or length % 8 or end > len(data):
+            return
+        body = data[start:end]
+        if zlib.crc32(body) != crc:
+            return
+        values = np.frombuffer(body, dtype="<i8")
+        yield int(values[0]), values[1:], end
+        offset = end
+
+
+def apply_record(
+    container: Container,
+    counters: dict[str, int],
+    kind: int,
+    f: np.ndarray,
+    leases: dict[int, list[Any]] | None = None,
+) -> bool:
+    """Redo one record on ``container`` through its replay methods, and a lease record on
+    ``leases`` (id -> ``[id, pid, host crc, expires_us, episode ids]``, as the snapshot keeps
+    them). False for a SAMPLE whose draw did not go as journaled; JournalError for a record
+    that does not fit."""
+    try:
+        if kind == SAMPLE:
+            call, n, length, strict, handed, refused = (int(v) for v in f[:6])
+            if f.size not in (6, 12):
+                raise ValueError(f"SAMPLE record of {f.size} fields")
+            rng = [int(v) for v in f[6:]] or None
+            return container.replay_sample(
+                call, n, length, bool(strict), handed, bool(refused), rng
+            )
+        if kind in (LEASE, RENEW, RELEASE):
+            _apply_lease(leases if leases is not None else {}, kind, f)
+            return True
+        if kind == RESERVE:
+            pointer, rows_written, next_reservation, n = (int(v) for v in f[:4])
+            evicted = [(int(f[4 + 2 * i]), int(f[5 + 2 * i])) for i in range(n)]
+            container.replay_reserve(evicted, pointer, rows_written, next_reservation)
+        elif kind == COMMIT:
+            counters["rows_committed"], counters["episodes_committed"] = int(f[0]), int(f[1])
+            n = int(f[2])
+            episodes = f[3 : 3 + 3 * n].reshape(n, 3).tolist()  # ValueError if cut short
+            container.replay_commit([(i, s, e) for i, s, e in episodes])
+        elif kind == CLEAR:
+            container.replay_clear(int(f[0]))
+        elif kind == RESTORE:
+            pointer, rows_written, n = (int(v) for v in f[:3])
+            restored = [Episode(*(int(v) for v in f[3 + 3 * i : 6 + 3 * i])) for i in range(n)]
+            container.replay_restore(restored, pointer, rows_written)
+        elif kind == PRIORITY:
+            n = int(f[0])
+            if f.size != 1 + 2 * n:
+                raise ValueError(f"PRIORITY record of {f.size} fields for {n} rows")
+            container.replay_priorities(f[1 : 1 + n], f[1 + n :].view("<f8"))
+        elif kind != EPOCH:
+            raise JournalError(f"unknown journal record type {kind}")
+    except (IndexError, ValueError) as exc:
+        raise JournalError(f"journal record {kind} does not apply: {exc}") from exc
+    return True
+
+
+def _apply_lease(leases: dict[int, list[Any]], kind: int, f: np.ndarray) -> None:
+    lease_id = int(f[0])
+    if kind == LEASE:
+        pid, host_crc, expires_us, n = (int(v) for v in f[1:5])
+        if f.size != LEASE_FIELDS + n:
+            raise ValueError(f"LEASE record of {f.size} fields for {n} episodes")
+        leases[lease_id] = [lease_id, pid, host_crc, expires_us, f[5:].tolist()]
+    elif kind == RENEW and lease_id in leases:
+        leases[lease_id][3] = int(f[1])
+    elif kind == RELEASE:
+        leases.pop(lease_id, None)

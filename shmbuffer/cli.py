@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from shmbuffer import curve, runtime
 from shmbuffer.daemon import security
 from shmbuffer.daemon.config import DaemonConfig, load_schema_file
-from shmbuffer.errors import ShmBufferError
+from shmbuffer.errors import ConfigError, ShmBufferError
 from shmbuffer.protocol import PROTOCOL_VERSION
 from shmbuffer.runtime import runtime_dir
 from shmbuffer.samplers import RATE_LIMITERS, SAMPLERS
@@ -70,7 +70,16 @@ def cmd_start(args: argparse.Namespace) -> int:
         error_buffer=args.error_buffer,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        device=args.device,
+        pin_memory=args.pin_memory,
     )
+    if config.device != "cpu" and (args.resume or args.restore):
+        flag = "--resume" if args.resume else "--restore"
+        raise ConfigError(
+            f"--device {config.device} cannot be combined with {flag}: GPU memory does not "
+            "outlive the daemon that allocated it, and checkpoints of a GPU buffer are not "
+            "written (docs/cuda.md); start it afresh"
+        )
     if args.resume or args.restore:  # capacity/unit/mode/schema come from what is loaded
         from shmbuffer.daemon.recovery import adopt_settings
 
@@ -164,11 +173,13 @@ def _serve(
     _write_private(runtime_dir() / f"{config.name}.pid", f"{os.getpid()}\n".encode())
     security.share_runtime(config)  # with --group: the runtime dir and file become group-readable
     log.info(
-        "buffer %r: %d rows, unit=%s, mode=%s; listening on %s (pid %d)",
+        "buffer %r: %d rows, unit=%s, mode=%s, device=%s%s; listening on %s (pid %d)",
         config.name,
         config.capacity,
         config.unit,
         config.mode,
+        config.device,
+        " (pinned)" if config.pin_memory else "",
         server.endpoint,
         os.getpid(),
     )
@@ -581,6 +592,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     start.add_argument(
         "--metrics-host", default=None, help="address for --metrics-port (default 127.0.0.1)"
+    )
+    start.add_argument(
+        "--device",
+        default=None,
+        metavar="D",
+        help="where the rows live: cpu (default), cuda or cuda:N (GPU memory shared with "
+        "clients by CUDA IPC; docs/cuda.md)",
+    )
+    start.add_argument(
+        "--pin-memory",
+        action="store_true",
+        default=None,
+        help="CPU buffer page-locked in every reader with CUDA, for full-speed host -> device "
+        "copies of its rows",
     )
     _add_sampler_flags(start)
     recover = start.add_mutually_exclusive_group()

@@ -187,6 +187,8 @@ def gather_columns(
     """Copy the given physical rows (any order, duplicates allowed) out of every column.
 
     ``arrays``: the columns' numpy views (a segment's ``arrays``; made here if not given).
+    Columns on a GPU (a CUDA segment's, whose ``arrays`` is empty) are gathered there by
+    :func:`shmbuffer.cuda_rows.gather_columns`, into device tensors or ``out``.
     ``out``: numpy views to copy into, each with at least ``len(rows)`` rows of the column's
     row shape and dtype (checked by :func:`out_arrays`); the result is then views of them.
     A row out of range raises IndexError before anything is copied.
@@ -194,7 +196,14 @@ def gather_columns(
     Written for per-call overhead (this runs once per ``sample``): at 256 small rows each
     microsecond here is 2% of the call.
     """
-    sources = arrays or {k: _numpy_view(c) for k, c in columns.items()}
+    if arrays:
+        sources = arrays
+    elif columns and next(iter(columns.values())).device.type != "cpu":
+        from shmbuffer import cuda_rows  # a CudaSegment's columns (no numpy views): gathered
+
+        return cuda_rows.gather_columns(columns, rows, out=out)  # on their device
+    else:
+        sources = {k: _numpy_view(c) for k, c in columns.items()}
     index: np.ndarray = np.ascontiguousarray(rows, dtype=np.int64)
     n = len(index)
     if n and sources:

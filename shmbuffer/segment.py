@@ -127,9 +127,13 @@ def _layout(schema: Schema, capacity: int) -> dict[str, Any]:
 
 
 def _views(
-    schema: Schema, capacity: int, make: Callable[[Field, tuple[int, ...], int], torch.Tensor]
+    schema: Schema,
+    capacity: int,
+    make: Callable[[Field, tuple[int, ...], int], torch.Tensor],
+    host: bool = True,
 ) -> tuple[TensorDict, dict[Key, torch.Tensor], dict[Key, np.ndarray]]:
-    """One tensor per field from ``make(field, shape, numel)``, as a TensorDict and flat dicts."""
+    """One tensor per field from ``make(field, shape, numel)``, as a TensorDict and flat dicts
+    (no numpy views unless ``host``: device memory has none)."""
     columns: dict[Key, torch.Tensor] = {}
     arrays: dict[Key, np.ndarray] = {}
     nested: dict[str, Any] = {}
@@ -137,9 +141,10 @@ def _views(
         shape = (capacity, *field.shape)
         t = make(field, shape, int(np.prod(shape, dtype=np.int64)))
         columns[field.key] = t
-        # numpy has no bfloat16: expose the raw bits as uint16 (np.copyto still works on them)
-        raw = t.view(torch.uint16) if field.dtype == torch.bfloat16 else t
-        arrays[field.key] = raw.numpy()
+        if host:
+            # numpy has no bfloat16: expose the raw bits as uint16 (np.copyto still works on them)
+            raw = t.view(torch.uint16) if field.dtype == torch.bfloat16 else t
+            arrays[field.key] = raw.numpy()
         node = nested
         for part in field.key[:-1]:
             node = node.setdefault(part, {})
@@ -223,6 +228,57 @@ def _available_memory() -> int | None:
         return None
 
 
+def check_capacity(capacity: object) -> None:
+    if not isinstance(capacity, int) or capacity < 1:
+        raise SegmentError(f"capacity must be a positive int, got {capacity!r}")
+
+
+def read_manifest(name: str, storage_dir: str | Path | None = None) -> tuple[Path, dict[str, Any]]:
+    """The folder and manifest of segment ``name``, checked for what every kind shares (its
+    format version, a schema and a data file name); a segment still being made, or whose maker
+    died, has no manifest yet."""
+    path = segment_path(name, storage_dir)
+    _check_default_root(storage_dir)
+    if not path.is_dir():
+        raise SegmentNotFoundError(f"no segment {name!r} at {path}")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise SegmentError(
+            f"segment {name!r} at {path} has no {MANIFEST}: still being created, or its "
+            "creator died (unlink it)"
+        ) from None
+    except (OSError, ValueError) as e:
+        raise SegmentError(f"segment {name!r}: unreadable manifest {path / MANIFEST}: {e}") from e
+    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+        version = manifest.get("format_version") if isinstance(manifest, dict) else None
+        raise SegmentError(
+            f"segment {name!r} at {path}: format_version {version!r}, this code reads "
+            f"{FORMAT_VERSION}"
+        )
+    return path, manifest
+
+
+def map_data(name: str, path: Path, manifest: Mapping[str, Any]) -> mmap.mmap:
+    """``manifest["size"]`` bytes of the segment's data file, mapped shared (its layout
+    checked by the caller first)."""
+    try:
+        size = int(manifest["size"])
+        data = path / validate_name(manifest["data_file"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise SegmentError(f"segment {name!r}: malformed manifest {path / MANIFEST}: {e}") from e
+    try:
+        fd = os.open(data, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            if os.fstat(fd).st_size < size:  # a short file would SIGBUS on access
+                raise SegmentError(f"segment {name!r}: {data} is shorter than {size} bytes")
+            return mmap.mmap(fd, size, mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise SegmentError(f"segment {name!r}: cannot map {data}: {e}") from e
+
+
 class _Columns:
     """What :class:`Segment` and :class:`LocalSegment` share: the views and their lifetime."""
 
@@ -233,10 +289,18 @@ class _Columns:
     arrays: dict[Key, np.ndarray]  # the same memory for np.copyto; bfloat16 as uint16 bits
     generations: np.ndarray  # int64 [capacity]: a stamp per row, bumped on overwrite
     _nbytes: int
+    #: Where the columns live: "cpu", or "cuda:N" for a :class:`~shmbuffer.cuda_segment.CudaSegment`
+    #: (whose ``arrays`` is empty: numpy cannot see device memory). Stamps are always on the host.
+    device: str = "cpu"
 
     @property
     def nbytes(self) -> int:
         return self._nbytes
+
+    def settle(self) -> None:
+        """Wait until the work this process queued on the columns has run: before a lease on
+        views of them goes, a GPU kernel still reading them must be done. Host memory has no
+        queue (CudaSegment overrides this)."""
 
     def close(self) -> None:
         """Drop our views; safe twice. Memory is freed once no view of it is left anywhere."""
@@ -280,18 +344,47 @@ class Segment(_Columns):
         extra: Mapping[str, Any] | None = None,
         prefault: bool = True,
         exist_ok: bool = False,
-    ) -> Segment:
+    ) -> Self:
+        check_capacity(capacity)
+        return cls._create(
+            name,
+            schema,
+            capacity,
+            _layout(schema, capacity),
+            lambda path, manifest, mm: cls(path, manifest, mm, prefault),
+            storage_dir=storage_dir,
+            file_mode=file_mode,
+            group=group,
+            extra=extra,
+            exist_ok=exist_ok,
+        )
+
+    @classmethod
+    def _create(
+        cls,
+        name: str,
+        schema: Schema,
+        capacity: int,
+        layout: Mapping[str, Any],
+        build: Callable[[Path, dict[str, Any], mmap.mmap], Self],
+        *,
+        storage_dir: str | Path | None,
+        file_mode: int,
+        group: int | None,
+        extra: Mapping[str, Any] | None,
+        exist_ok: bool,
+    ) -> Self:
+        """Make the folder, a ``data.bin`` of ``layout["size"]`` bytes and, last, the manifest
+        (``layout`` merged in) of the segment ``build(path, manifest, mm)`` returns; ``build``
+        may add manifest fields (a CUDA segment's IPC handle). Nothing is left on failure."""
         path = segment_path(name, storage_dir)
-        if not isinstance(capacity, int) or capacity < 1:
-            raise SegmentError(f"capacity must be a positive int, got {capacity!r}")
-        layout = _layout(schema, capacity)
         size = layout["size"]
         manifest: dict[str, Any] = {
             "format_version": FORMAT_VERSION,
             "name": name,
             "capacity": capacity,
             "schema": schema.to_spec(),
-            **layout,  # columns, generations, size
+            **layout,  # columns, generations, size (and a device segment's own fields)
             "data_file": DATA_FILE,
             "created": time.time(),
             "pid": os.getpid(),
@@ -299,7 +392,7 @@ class Segment(_Columns):
             "extra": dict(extra or {}),
         }
         try:  # fail on an unserialisable `extra` before anything exists on disk
-            text = json.dumps(manifest, indent=2)
+            json.dumps(manifest)
         except (TypeError, ValueError) as e:
             raise SegmentError(f"segment {name!r}: manifest not JSON-serialisable: {e}") from e
         if os.path.lexists(path):
@@ -332,11 +425,11 @@ class Segment(_Columns):
                 mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
             finally:
                 os.close(fd)  # the mmap keeps its own reference to the file
-            seg = cls(path, manifest, mm, prefault)
+            seg = build(path, manifest, mm)
             tmp = path / f".{MANIFEST}.{os.getpid()}.tmp"
             fd = _open_new(tmp, file_mode, group)
             with os.fdopen(fd, "w") as f:
-                f.write(text)
+                f.write(json.dumps(seg.manifest, indent=2))
             os.replace(tmp, path / MANIFEST)  # atomic: attachers see all or nothing
             return seg
         except OSError as e:
@@ -353,51 +446,25 @@ class Segment(_Columns):
     @classmethod
     def attach(
         cls, name: str, *, storage_dir: str | Path | None = None, prefault: bool = True
-    ) -> Segment:
-        path = segment_path(name, storage_dir)
-        _check_default_root(storage_dir)
-        if not path.is_dir():
-            raise SegmentNotFoundError(f"no segment {name!r} at {path}")
-        try:
-            manifest = json.loads((path / MANIFEST).read_text())
-        except FileNotFoundError:
+    ) -> Self:
+        path, manifest = read_manifest(name, storage_dir)
+        if "device" in manifest:
             raise SegmentError(
-                f"segment {name!r} at {path} has no {MANIFEST}: still being created, or its "
-                "creator died (unlink it)"
-            ) from None
-        except (OSError, ValueError) as e:
-            raise SegmentError(
-                f"segment {name!r}: unreadable manifest {path / MANIFEST}: {e}"
-            ) from e
-        if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
-            version = manifest.get("format_version") if isinstance(manifest, dict) else None
-            raise SegmentError(
-                f"segment {name!r} at {path}: format_version {version!r}, this code reads "
-                f"{FORMAT_VERSION}"
+                f"segment {name!r} at {path} keeps its rows on {manifest['device']}, not in "
+                "host memory: open it with shmbuffer.cuda_segment.attach_segment (Reader and "
+                "Writer do) in a process with CUDA (docs/cuda.md). Device memory does not "
+                "outlive the daemon that allocated it: there is nothing to resume from it"
             )
         try:  # never trust offsets from disk: they must match the layout the schema implies
-            schema = Schema.from_spec(manifest["schema"])
-            layout = _layout(schema, manifest["capacity"])
+            layout = _layout(Schema.from_spec(manifest["schema"]), manifest["capacity"])
             ok = all(manifest[k] == v for k, v in layout.items())
-            size = layout["size"]
-            data = path / validate_name(manifest["data_file"])
         except (KeyError, TypeError, SchemaError) as e:
             raise SegmentError(
                 f"segment {name!r}: malformed manifest {path / MANIFEST}: {e}"
             ) from e
         if not ok or manifest["name"] != name:
             raise SegmentError(f"segment {name!r}: manifest {path / MANIFEST} is inconsistent")
-        try:
-            fd = os.open(data, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-            try:
-                if os.fstat(fd).st_size < size:  # a short file would SIGBUS on access
-                    raise SegmentError(f"segment {name!r}: {data} is shorter than {size} bytes")
-                mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
-            finally:
-                os.close(fd)
-        except OSError as e:
-            raise SegmentError(f"segment {name!r}: cannot map {data}: {e}") from e
-        return cls(path, manifest, mm, prefault)
+        return cls(path, manifest, map_data(name, path, manifest), prefault)
 
     @staticmethod
     def exists(name: str, storage_dir: str | Path | None = None) -> bool:
@@ -434,8 +501,7 @@ class LocalSegment(_Columns):
     """
 
     def __init__(self, schema: Schema, capacity: int, *, prefault: bool = True) -> None:
-        if not isinstance(capacity, int) or capacity < 1:
-            raise SegmentError(f"capacity must be a positive int, got {capacity!r}")
+        check_capacity(capacity)
         self.schema = schema
         self.capacity = capacity
         layout = _layout(schema, capacity)

@@ -35,6 +35,7 @@ from shmbuffer import rows
 from shmbuffer.clients.connection import Connection
 from shmbuffer.clients.leased import ClientLease, EpisodeViews
 from shmbuffer.clients.ticker import Ticker
+from shmbuffer.cuda_segment import attach_segment
 from shmbuffer.errors import (
     EmptyBufferError,
     InvalidArgumentError,
@@ -197,7 +198,8 @@ class Reader:
             self.schema = Schema.from_spec(info["schema"])
             if not self.remote:
                 seg = info["segment"]
-                self.segment = Segment.attach(seg["name"], storage_dir=seg["storage_dir"])
+                # a CudaSegment for a --device cuda daemon; page-locked for --pin-memory
+                self.segment = attach_segment(seg["name"], seg["storage_dir"], pin=True)
         return self.segment
 
     def _send_sample(self, fields: dict[str, Any]) -> int:
@@ -307,6 +309,8 @@ class Reader:
         data = data.reshape(n, length)
         if not strict:
             mask = torch.from_numpy(np.arange(length) < items["lengths"][:, None])
+            if self.segment is not None and self.segment.device != "cpu":
+                mask = mask.to(self.segment.device)  # beside the rows it masks
             padding = ~mask
             if bool(padding.any()):  # padding rows repeat the first row: zero them
                 for leaf in data.values(include_nested=True, leaves_only=True):
@@ -644,6 +648,8 @@ class Reader:
         self._leases.pop(lease.id, None)
         if lease.released:
             return
+        if self.segment is not None:  # GPU views: kernels queued on them run before it goes
+            self.segment.settle()
         # Decided here and by this release only: a renewal racing with it fails because of it.
         lapsed = lease.lapsed
         try:

@@ -24,6 +24,8 @@ import torch
 from shmbuffer import rows
 from shmbuffer.clients.connection import Connection
 from shmbuffer.clients.ticker import Ticker
+from shmbuffer.cuda_rows import DeviceWriter
+from shmbuffer.cuda_segment import attach_segment
 from shmbuffer.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
 from shmbuffer.errors import InvalidArgumentError
 from shmbuffer.protocol import MAX_PRIORITIES, encode_f64
@@ -111,6 +113,9 @@ class Writer:
         #: Per staged piece: its priority (Items) and how many items it holds.
         self._staged_priority: list[tuple[Items, int]] = []
         self._lock = threading.RLock()  # the ticker thread shares the socket
+        #: The copy into reserved rows: rows.write, or a DeviceWriter's for a CUDA segment
+        #: (pinned staging, host -> device; device -> device for GPU rows).
+        self._write_rows: Callable[..., None] = rows.write
         self._closed = False
         self.episodes_committed = 0
         self.rows_committed = 0
@@ -122,7 +127,9 @@ class Writer:
         self.schema = Schema.from_spec(buffer["schema"])
         if not self.remote and self.segment is None:
             seg = buffer["segment"]
-            self.segment = Segment.attach(seg["name"], storage_dir=seg["storage_dir"])
+            self.segment = attach_segment(seg["name"], seg["storage_dir"])
+            if self.segment.device != "cpu":
+                self._write_rows = DeviceWriter(self.segment.device).write
 
     # -- the Buffer API -----------------------------------------------------------------------
 
@@ -314,7 +321,7 @@ class Writer:
         with rows.Progress(abort) as progress:
             for leaves, first_row, n in pieces:
                 target = rows.split_ranges(ranges, offset, n)
-                rows.write(
+                self._write_rows(
                     self.segment.columns, self.segment.arrays, target, leaves, first_row, progress
                 )
                 offset += n

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from shmbuffer.cuda_segment import cuda_problem, normalize_device
 from shmbuffer.errors import ConfigError
 from shmbuffer.names import MODES, UNITS, check_choice, validate_name
 from shmbuffer.runtime import ENV_RUNTIME_DIR, group_user_dir, runtime_dir
@@ -129,6 +130,13 @@ class DaemonConfig:
     metrics_port: int | None = None
     #: The address the metrics server listens on: loopback unless asked otherwise.
     metrics_host: str = "127.0.0.1"
+    #: Where the rows live (``--device``): ``cpu`` (a tmpfs segment) or ``cuda``/``cuda:N``
+    #: (one allocation on that GPU, shared with clients by CUDA IPC; stamps stay on the host).
+    #: See docs/cuda.md.
+    device: str = "cpu"
+    #: ``--pin-memory``: a CPU buffer that every reader with CUDA page-locks in its own
+    #: process (``cudaHostRegister``), so host -> device copies of its rows run as DMA.
+    pin_memory: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -162,6 +170,7 @@ class DaemonConfig:
         if self.seed is not None and (type(self.seed) is not int or self.seed < 0):
             raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
         self._check_metrics()
+        self._check_device()
         self.make_sampler()  # refuses a bad sampler or limiter setting before anything starts
         self.make_rate_limiter()
 
@@ -185,6 +194,31 @@ class DaemonConfig:
                 "--metrics-port needs prometheus_client, which is not installed: "
                 "pip install 'shmbuffer[live]'"
             )
+
+    def _check_device(self) -> None:
+        """``--device`` and ``--pin-memory``, checked against what this process's torch
+        reports before anything is allocated (the daemon allocates, so it must see the GPU)."""
+        if type(self.pin_memory) is not bool:
+            raise ConfigError(f"pin_memory must be true or false, got {self.pin_memory!r}")
+        try:
+            self.device = normalize_device(self.device)
+        except ValueError as exc:
+            raise ConfigError(f"--device: {exc}") from None
+        if self.device != "cpu":
+            if self.pin_memory:
+                raise ConfigError(
+                    f"--pin-memory page-locks a CPU buffer; with --device {self.device} the rows "
+                    "live on the GPU already: give one or the other"
+                )
+            problem = cuda_problem(self.device)
+            if problem is not None:
+                raise ConfigError(f"--device {self.device}: this process cannot use it: {problem}")
+        elif self.pin_memory:
+            problem = cuda_problem()
+            if problem is not None:
+                raise ConfigError(
+                    f"--pin-memory needs CUDA (it page-locks the rows for GPU copies): {problem}"
+                )
 
     def make_sampler(self) -> Sampler:
         """A new sampler as configured; ConfigError naming the setting (as its flag) that is

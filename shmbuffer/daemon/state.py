@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from shmbuffer.container import Container
+from shmbuffer.cuda_segment import check_room, create_segment
 from shmbuffer.daemon.checkpoint import open_destination
 from shmbuffer.daemon.checkpoint_job import CheckpointJob, Cut
 from shmbuffer.daemon.clients import ClientTable
@@ -34,7 +35,7 @@ from shmbuffer.daemon.security import segment_access
 from shmbuffer.daemon.stats import Counters, RateMeter
 from shmbuffer.errors import CheckpointError, OutOfSpaceError
 from shmbuffer.schema import Schema
-from shmbuffer.segment import Segment, check_fits
+from shmbuffer.segment import Segment
 
 log = logging.getLogger("shmbuffer.daemon")
 
@@ -62,8 +63,12 @@ class DaemonState:
         self.config = config
         if segment is None and config.schema is not None:
             # before any per-row allocation below
-            check_fits(
-                config.name, Schema.from_spec(config.schema), config.capacity, config.storage_dir
+            check_room(  # on the GPU too, with --device cuda
+                config.device,
+                config.name,
+                Schema.from_spec(config.schema),
+                config.capacity,
+                config.storage_dir,
             )
         try:
             self.container = Container(
@@ -116,7 +121,8 @@ class DaemonState:
         return None if self.segment is None else self.segment.schema
 
     def _create_segment(self, schema: Schema) -> None:
-        self.segment = Segment.create(
+        self.segment = create_segment(  # where config.device says (cuda_segment.py)
+            self.config.device,
             self.config.name,
             schema,
             self.config.capacity,
@@ -128,6 +134,8 @@ class DaemonState:
                 "daemon_pid": os.getpid(),
                 # which rows' stamps may be compared with a checkpoint's (checkpoint.py)
                 "lineage": uuid.uuid4().hex,
+                # readers with CUDA page-lock their mapping (cuda_segment.PinnedSegment)
+                "pin_memory": self.config.pin_memory,
             },
             **segment_access(self.config.group),  # owner-only, or 0660 for --group
         )
@@ -140,8 +148,9 @@ class DaemonState:
             self.segment = None
             raise
         log.info(
-            "allocated %s: %d rows x %d bytes = %.1f MB (%s)",
+            "allocated %s on %s: %d rows x %d bytes = %.1f MB (%s)",
             self.segment.path,
+            self.segment.device,
             self.config.capacity,
             schema.row_nbytes,
             self.segment.nbytes / 1e6,
@@ -220,6 +229,11 @@ class DaemonState:
         t0 = time.perf_counter()
         if self.segment is None:
             raise CheckpointError("the buffer has no schema yet: nothing to checkpoint")
+        if self.segment.device != "cpu":
+            raise CheckpointError(
+                f"the buffer's rows live on {self.segment.device}: checkpoints copy host "
+                "memory, and a GPU buffer's are not written yet (docs/cuda.md)"
+            )
         running = self.checkpoint_job
         if running is not None and not running.done:
             raise CheckpointError(

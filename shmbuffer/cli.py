@@ -410,7 +410,9 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     )
     print(
         f"checkpoint of {args.name!r} at {reply['path']}: {reply['bytes'] / 1e6:.1f} MB "
-        f"in {reply['seconds']:.2f}s"
+        f"in {reply['seconds']:.2f}s ({reply['copied_bytes'] / 1e6:.1f} MB copied, "
+        f"{reply['linked_bytes'] / 1e6:.1f} MB unchanged and linked; the daemon paused at most "
+        f"{reply['max_pause_ms']:.1f} ms)"
     )
     return 0
 

@@ -10,10 +10,13 @@ from shmbuffer.clients.connection import Connection
 
 def checkpoint(name: str, to: str | Path, *, timeout: float = 600.0) -> dict[str, Any]:
     """Ask the daemon serving ``name`` to checkpoint to ``to`` (a folder the daemon can write);
-    returns ``{"path", "bytes", "seconds"}``."""
+    returns ``{"path", "bytes", "seconds", "copied_bytes", "linked_bytes", "max_pause_ms"}``
+    (bytes copied, and hard-linked unchanged from the previous checkpoint; the daemon loop's
+    longest pause for it)."""
     conn = Connection(name, "admin", timeout=min(timeout, 10.0))
     try:
         reply = conn.call("checkpoint", timeout=timeout, to=str(to))
-        return {k: reply[k] for k in ("path", "bytes", "seconds")}
+        keys = ("path", "bytes", "seconds", "copied_bytes", "linked_bytes", "max_pause_ms")
+        return {k: reply[k] for k in keys}
     finally:
         conn.close()

@@ -388,7 +388,7 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
             except TornReadError:
                 return None, np.ones(want.size, dtype=bool)
             return reader._from_frames(frames, [want.size]), np.zeros(want.size, dtype=bool)
-        part = rows.gather(segment.columns, want)
+        part = rows.gather(segment.columns, want, segment.arrays)
         # A reservation bumps a row's stamp before its writer may touch the row.
         return part, segment.generations[want] != stamps
 

@@ -48,13 +48,13 @@ from typing import Any, Self
 
 import numpy as np
 import torch
-from tensordict import TensorDict
 
 from shmbuffer.errors import OutOfSpaceError, SchemaError, SegmentError
 from shmbuffer.schema import Field, Key, Schema, key_str
 from shmbuffer.segment import (
     ALIGN,
     MANIFEST,
+    Nested,
     Segment,
     _free_bytes,
     _layout,
@@ -224,7 +224,7 @@ def attach_segment(
 
 def device_views(
     schema: Schema, capacity: int, columns: Mapping[str, Any], buffer: torch.Tensor
-) -> tuple[TensorDict, dict[Key, torch.Tensor]]:
+) -> tuple[Nested, dict[Key, torch.Tensor]]:
     """The columns as views of the uint8 ``buffer`` at the layout's ``columns`` offsets (any
     device: the CPU tests carve a host buffer the same way)."""
 
@@ -236,8 +236,8 @@ def device_views(
         raw = buffer[start : start + int(region["nbytes"])]
         return raw.view(field.dtype).view(shape)
 
-    data, flat, _ = _views(schema, capacity, carve, host=False)
-    return data, flat
+    nested, flat, _ = _views(schema, capacity, carve, host=False)
+    return nested, flat
 
 
 def _no_expandable_segments() -> None:
@@ -328,7 +328,7 @@ class CudaSegment(Segment):
         self.device = str(buffer.device)
         self.buffer = buffer
         _prefault(mm, int(manifest["size"]))
-        self.data, self.columns = device_views(
+        self._nested, self.columns = device_views(
             self.schema, self.capacity, manifest["columns"], buffer
         )
         self.arrays = {}

@@ -28,13 +28,16 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict
 
 from shmbuffer.errors import SchemaError
+from shmbuffer.rows import tensordict_class
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 DEFAULT_DONE_KEYS: tuple[str, ...] = ("terminated", "truncated")  # Gymnasium
 # The done keys of RLightning-style transitions (``EnvRet.to_dict()``, see shmbuffer.hooks).
@@ -365,5 +368,5 @@ class EpisodeAssembler:
             tree = _map_leaves(
                 tree, lambda _k, t: t.transpose(0, 1).reshape(width * length, *t.shape[2:])
             )
-        data = TensorDict(tree, batch_size=[width * length], device=self.device)
+        data = tensordict_class()(tree, batch_size=[width * length], device=self.device)
         return FinishedEpisode(data=data, num_sub_episodes=width, env_id=sid)

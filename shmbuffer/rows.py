@@ -24,19 +24,31 @@ in microseconds.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
-from tensordict import TensorDict
 
 from shmbuffer.errors import InvalidArgumentError
 from shmbuffer.schema import Key, Schema, key_str
 
+if TYPE_CHECKING:
+    from tensordict import TensorDict
+
 Range = tuple[int, int]
+
+
+@functools.cache
+def tensordict_class() -> type[TensorDict]:
+    """``tensordict.TensorDict``, imported on first use: the import costs a process about 3 s
+    of CPU here (it loads torch._dynamo); the daemon imports this module but never makes one."""
+    from tensordict import TensorDict
+
+    return cast("type[TensorDict]", TensorDict)
 
 
 def as_numpy(value: Any) -> np.ndarray | None:
@@ -154,7 +166,7 @@ def nest(flat: Mapping[Key, torch.Tensor], batch_size: Sequence[int]) -> TensorD
         node[key[-1]] = tensor
     # The columns are ours and already consistent, so skip TensorDict's per-key validation
     # (9 us -> 2 us a call, which matters at 256-row samples).
-    return TensorDict._new_unsafe(nested, batch_size=torch.Size(batch_size))
+    return tensordict_class()._new_unsafe(nested, batch_size=torch.Size(batch_size))
 
 
 #: What :func:`out_arrays` makes of a caller's ``out``: numpy views to copy into, the same
@@ -242,7 +254,7 @@ def out_arrays(schema: Schema, out: Any, what: str = "out") -> OutArrays:
     (any leading dims: ``[n, L]`` or ``[rows]``); keys the schema lacks are left alone. A
     tensor that does not fit raises InvalidArgumentError naming the key, its dtype and shape.
     """
-    if not isinstance(out, TensorDict | Mapping):
+    if not isinstance(out, tensordict_class() | Mapping):
         raise InvalidArgumentError(
             f"{what} must be a TensorDict or a dict of tensors, got {type(out).__name__}"
         )
@@ -298,7 +310,7 @@ def check_out_rows(held: int, lengths: np.ndarray, what: str = "out") -> None:
 def _leaf(out: Any, key: Key) -> Any:
     node = out
     for part in key:
-        if isinstance(node, TensorDict):
+        if isinstance(node, tensordict_class()):
             node = node.get(part, None)
         elif isinstance(node, Mapping):
             node = node.get(part)

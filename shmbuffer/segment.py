@@ -36,11 +36,13 @@ import socket
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 import torch
-from tensordict import TensorDict
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 from shmbuffer.errors import (
     OutOfSpaceError,
@@ -53,6 +55,8 @@ from shmbuffer.runtime import check_private_dir
 from shmbuffer.schema import Field, Key, Schema, key_str
 
 FORMAT_VERSION = 1
+#: Columns as a tree of dicts keyed by the parts of their keys (what a TensorDict is made of).
+Nested = dict[str, Any]
 ALIGN = 4096
 DATA_FILE = "data.bin"
 MANIFEST = "manifest.json"
@@ -131,12 +135,13 @@ def _views(
     capacity: int,
     make: Callable[[Field, tuple[int, ...], int], torch.Tensor],
     host: bool = True,
-) -> tuple[TensorDict, dict[Key, torch.Tensor], dict[Key, np.ndarray]]:
-    """One tensor per field from ``make(field, shape, numel)``, as a TensorDict and flat dicts
-    (no numpy views unless ``host``: device memory has none)."""
+) -> tuple[Nested, dict[Key, torch.Tensor], dict[Key, np.ndarray]]:
+    """One tensor per field from ``make(field, shape, numel)``, as a nested dict (the tree a
+    TensorDict is built from) and flat dicts (no numpy views unless ``host``: device memory has
+    none)."""
     columns: dict[Key, torch.Tensor] = {}
     arrays: dict[Key, np.ndarray] = {}
-    nested: dict[str, Any] = {}
+    nested: Nested = {}
     for field in schema:
         shape = (capacity, *field.shape)
         t = make(field, shape, int(np.prod(shape, dtype=np.int64)))
@@ -153,7 +158,7 @@ def _views(
         if field.key[-1] in node:
             raise SchemaError(f"key {key_str(field.key)!r} is both a leaf and a group")
         node[field.key[-1]] = t
-    return TensorDict(nested, batch_size=[capacity]), columns, arrays
+    return nested, columns, arrays
 
 
 def _free_bytes(path: Path) -> int:
@@ -203,7 +208,7 @@ def _prefault(mm: mmap.mmap, size: int) -> None:
 
 def _mapped_views(
     schema: Schema, capacity: int, layout: Mapping[str, Any], mm: mmap.mmap
-) -> tuple[TensorDict, dict[Key, torch.Tensor], dict[Key, np.ndarray], np.ndarray]:
+) -> tuple[Nested, dict[Key, torch.Tensor], dict[Key, np.ndarray], np.ndarray]:
     """The columns and generation stamps of ``layout`` (see :func:`_layout`) as views of ``mm``."""
     offsets = {k: c["offset"] for k, c in layout["columns"].items()}
 
@@ -213,9 +218,9 @@ def _mapped_views(
         offset = offsets[key_str(field.key)]
         return torch.frombuffer(mm, dtype=field.dtype, count=numel, offset=offset).view(shape)
 
-    data, columns, arrays = _views(schema, capacity, view)
+    nested, columns, arrays = _views(schema, capacity, view)
     gen = layout["generations"]["offset"]
-    return data, columns, arrays, np.frombuffer(mm, np.int64, count=capacity, offset=gen)
+    return nested, columns, arrays, np.frombuffer(mm, np.int64, count=capacity, offset=gen)
 
 
 def _available_memory() -> int | None:
@@ -284,7 +289,8 @@ class _Columns:
 
     schema: Schema
     capacity: int
-    data: TensorDict  # batch_size [capacity], nested keys as in the schema
+    _nested: Nested  # the columns as a tree of dicts, nested keys as in the schema
+    _data: TensorDict | None = None
     columns: dict[Key, torch.Tensor]  # the same tensors, flat (no TensorDict overhead)
     arrays: dict[Key, np.ndarray]  # the same memory for np.copyto; bfloat16 as uint16 bits
     generations: np.ndarray  # int64 [capacity]: a stamp per row, bumped on overwrite
@@ -297,6 +303,17 @@ class _Columns:
     def nbytes(self) -> int:
         return self._nbytes
 
+    @property
+    def data(self) -> TensorDict:
+        """The columns as one TensorDict of batch size ``[capacity]``, made on first use:
+        importing tensordict costs a process about 3 s of CPU here (it loads torch._dynamo),
+        which the daemon and the command line, working on ``columns`` and ``arrays``, never need."""
+        if self._data is None:
+            from tensordict import TensorDict
+
+            self._data = TensorDict(self._nested, batch_size=[self.capacity])
+        return self._data
+
     def settle(self) -> None:
         """Wait until the work this process queued on the columns has run: before a lease on
         views of them goes, a GPU kernel still reading them must be done. Host memory has no
@@ -306,7 +323,7 @@ class _Columns:
         """Drop our views; safe twice. Memory is freed once no view of it is left anywhere."""
         self.columns, self.arrays = {}, {}
         self.generations = np.zeros(0, np.int64)
-        self.data = TensorDict({}, batch_size=[self.capacity])
+        self._nested, self._data = {}, None
 
     def __enter__(self) -> Self:
         return self
@@ -327,7 +344,7 @@ class Segment(_Columns):
         self._nbytes: int = manifest["size"]
         if prefault:
             _prefault(mm, self._nbytes)
-        self.data, self.columns, self.arrays, self.generations = _mapped_views(
+        self._nested, self.columns, self.arrays, self.generations = _mapped_views(
             self.schema, self.capacity, manifest, mm
         )
 
@@ -524,7 +541,7 @@ class LocalSegment(_Columns):
                 if e.errno != errno.EINVAL:
                     raise OutOfSpaceError(f"buffer needs {size:,} bytes of memory: {e}") from e
                 np.frombuffer(mm, np.uint8)[::_PAGE] = 0  # no MADV_POPULATE_WRITE: touch
-        self.data, self.columns, self.arrays, self.generations = _mapped_views(
+        self._nested, self.columns, self.arrays, self.generations = _mapped_views(
             schema, capacity, layout, mm
         )
         self._nbytes = sum(t.nbytes for t in self.columns.values())

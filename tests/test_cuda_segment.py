@@ -185,7 +185,7 @@ def test_device_views_are_the_buffer_at_the_layout_offsets() -> None:
     start = layout["columns"]["obs"]["offset"] + 4 * 12
     raw = buffer[start : start + 12].view(torch.float32)
     assert raw.tolist() == [1.5, 2.5, 3.5]
-    assert data["info", "rgb"].data_ptr() == columns[("info", "rgb")].data_ptr()
+    assert data["info"]["rgb"].data_ptr() == columns[("info", "rgb")].data_ptr()
 
 
 def test_check_room_counts_the_stamps_on_the_storage_folder(storage: Path) -> None:

@@ -161,12 +161,15 @@ class SamplingOps(RingState):
         limiter refuses, InvalidArgumentError for bad arguments; nothing is counted then."""
         # try/except, not ``with as_invalid_argument``: free on this hot path (Python 3.11's
         # zero-cost exceptions), where the ``with`` measured ~2 us of a ~110 us sample.
+        # The use count is ``count_use``'s scatter, inlined: the per-call Python here is
+        # ~3.5 us of a ~17 us uniform sample(256) at 1M rows.
         log = self.sample_log
+        limiter = self.rate_limiter
         try:
             n = check_count(n, "n")
             if beta is not None:
                 check_beta(beta)
-            if not self.rate_limiter.can_sample(n):
+            if not limiter.can_sample(n):
                 raise self._refused(f"{n} rows")
             rng = None if log is None else self._before_draw(log, n)
             try:
@@ -177,8 +180,8 @@ class SamplingOps(RingState):
             weight = self._weights(draw.probability, beta)
         except (ValueError, IndexError) as exc:
             raise_invalid(exc)
-        self.rate_limiter.on_sample(n)
-        self.count_use(draw.rows)
+        limiter.on_sample(n)
+        np.add.at(self.use_counts, draw.rows, _ONE_USE)
         if log is not None:
             log.sampled(ROWS, n, 0, True, n, False, rng)
         return RowSample(draw.rows, draw.probability, weight)

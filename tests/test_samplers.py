@@ -24,6 +24,7 @@ from shmbuffer.samplers import (
     make_sampler,
 )
 from shmbuffer.samplers.index import SliceMass
+from shmbuffer.samplers.prioritized import last_writes
 from tests._stats import P_MIN, chi2_p
 
 
@@ -660,3 +661,18 @@ def test_random_churn_keeps_the_mirror_exact(name: str, options: dict[str, Any],
     copy.attach(feed.registry, unit, 97)
     copy.load_state_dict(sampler.state_dict())
     assert copy.state_dict() == sampler.state_dict()
+
+
+@pytest.mark.parametrize("bound", [1000, 1 << 60])  # the packed sort, and the stable argsort
+def test_last_writes_keeps_the_last_of_each_key(bound: int) -> None:
+    """Keys ascending without repeats, each with the position of its last occurrence: what a
+    loop of writes in batch order leaves behind."""
+    rng = np.random.default_rng(4)
+    for n in (1, 2, 7, 256, 1000):
+        keys = rng.integers(0, min(bound, 50), n) * (bound // 50)
+        uniq, last = last_writes(keys, bound)
+        model: dict[int, int] = {}
+        for pos, key in enumerate(keys.tolist()):
+            model[key] = pos
+        assert uniq.tolist() == sorted(model)
+        assert last.tolist() == [model[k] for k in sorted(model)]

@@ -70,6 +70,12 @@ _ONES = np.ones(FANOUT)
 _DENSE_CHECK = 512
 
 
+def _top_used(capacity: int, depth: int) -> int:
+    """Top entries with a leaf under them: the rest hold the neutral value for good, so the
+    top's running sum and minimum skip them (10k leaves in a top of 16384: 40% less work)."""
+    return -(-capacity >> (_SHIFT * depth))
+
+
 class _Tree:
     """Shared storage and batch update; subclasses fix the operation and its neutral value."""
 
@@ -91,6 +97,7 @@ class _Tree:
         self.levels: list[F64] = [np.full(n, self._neutral, dtype=np.float64) for n in sizes]
         #: ``_rows[l][p]``: the 16 entries of level ``l`` under entry ``p`` of level l + 1.
         self._rows = [lv.reshape(-1, FANOUT) for lv in self.levels[:-1]]
+        self._top_used = _top_used(capacity, self.depth)
         self._top_dirty = True
 
     def _combine(self, rows: F64, level: int) -> F64:
@@ -253,13 +260,13 @@ class SumTree(_Tree):
 
     def __init__(self, capacity: int, *, top: int = TOP) -> None:
         super().__init__(capacity, top=top)
-        top_size = len(self.levels[-1])
-        self._top_cum: F64 = np.zeros(top_size + 1)
+        used = self._top_used  # the entries past it stay 0: their running sums are the total
+        self._top_cum: F64 = np.zeros(used + 1)
         # The top entries' running sums but the last: searchsorted(right) over them is the
         # entry holding v, the last one for any v beyond (rounding at the total).
-        self._top_search: F64 = self._top_cum[1:top_size]
+        self._top_search: F64 = self._top_cum[1:used]
         # torch's cumsum: numpy's accumulate takes ~4 ns a value, 4096 of them ~18 us.
-        self._top_t = torch.from_numpy(self.levels[-1])
+        self._top_t = torch.from_numpy(self.levels[-1][:used])
         self._top_cum_t = torch.from_numpy(self._top_cum)[1:]
         self._scratch = _Scratch(0)
 
@@ -350,7 +357,7 @@ class SumTree(_Tree):
         """The slow, exact descent for the few queries the fast one ended on an empty leaf:
         at every step, the last child of positive sum starting at or before ``v``."""
         v = np.fmax(v, 0.0)
-        top = self.levels[-1]
+        top = self.levels[-1][: self._top_used]
         node = self._last_positive(top[None, :], self._top_cum[None, :-1], v)
         v = v - self._top_cum[node]
         rows = np.arange(v.size)
@@ -414,7 +421,7 @@ class MinTree(_Tree):
         return out
 
     def _refresh_top(self) -> None:
-        self._min = float(self.levels[-1].min())
+        self._min = float(self.levels[-1][: self._top_used].min())
         self._top_dirty = False
 
     @property
@@ -443,11 +450,19 @@ class PositiveMinTree(MinTree):
         self.levels = [np.full(sums.size, np.inf) if self._copy else sums.levels[0]]
         self.levels += [np.full(len(lv), np.inf) for lv in sums.levels[1:]]
         self._rows = [lv.reshape(-1, FANOUT) for lv in self.levels[:-1]]
+        self._top_used = sums._top_used
         self._top_dirty = True
         self._min = float("inf")
 
     def _combine(self, rows: F64, level: int) -> F64:
-        return super()._combine(np.where(rows > 0.0, rows, np.inf) if level == 0 else rows, level)
+        out = super()._combine(rows, level)
+        if level == 0 and out.size and out.min() <= 0.0:
+            # Only rows holding an empty leaf (weights are >= 0: a row minimum of 0) need the
+            # masked minimum; masking every row first cost two [k, 16] passes per update.
+            fix = np.flatnonzero(out <= 0.0)
+            part = rows[fix]
+            out[fix] = super()._combine(np.where(part > 0.0, part, np.inf), level)
+        return out
 
     def refresh(self, index: I64) -> None:
         if self._copy:

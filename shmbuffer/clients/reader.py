@@ -13,18 +13,17 @@ needs (index, generation stamp, probability, importance weight) for ``update_pri
 ``iterate`` walks every stored row once per pass, split across ranks. A FIFO or consume-once
 sample waits in the daemon (``sample_timeout``) for data; such samples are never prefetched,
 and their rows are leased until the copy is checked, since a writer waits to overwrite them.
+
+:class:`Reader` is its jobs together over one shared state, as the daemon's service and the
+container are: :mod:`shmbuffer.clients.readerstate` holds the connection, attaching, the
+sample round trips and ``read`` (rows by physical index); this module transitions, slices,
+priorities and ``iterate``; :mod:`shmbuffer.clients.episode_reads` whole episodes under
+leases. Every name importers used from here is still here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
-import operator
-import os
-import time
-import weakref
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -32,49 +31,18 @@ import torch
 from tensordict import TensorDict
 
 from shmbuffer import rows
-from shmbuffer.clients.connection import Connection
+from shmbuffer.clients.episode_reads import EpisodeReads
 from shmbuffer.clients.leased import ClientLease, EpisodeViews
-from shmbuffer.clients.ticker import Ticker
-from shmbuffer.cuda_segment import attach_segment
-from shmbuffer.errors import (
-    EmptyBufferError,
-    InvalidArgumentError,
-    NotFoundError,
-    ShmBufferError,
-    TornReadError,
-    UnknownClientError,
-)
+from shmbuffer.clients.readerstate import CONSUMING_SAMPLERS, as_beta, as_count, to_host
+from shmbuffer.errors import InvalidArgumentError, ShmBufferError, TornReadError
 from shmbuffer.protocol import MAX_UPDATES, decode_f64, decode_i64, encode_f64, encode_i64
-from shmbuffer.samplers.base import check_beta, check_update
-from shmbuffer.schema import Schema
-from shmbuffer.segment import Segment
+from shmbuffer.samplers.base import check_update
+
+__all__ = ["CONSUMING_SAMPLERS", "MAX_RESAMPLES", "ClientLease", "EpisodeViews", "Reader"]
 
 MAX_RESAMPLES = 8
 #: The per-item arrays of a sample with ``info``, in the reply and in ``info``.
 _INFO = ("index", "generation", "probability", "weight")
-#: Samplers whose samples consume what they hand out (with any sampler: max_times_sampled):
-#: a sample sent ahead would take data the learner never asked for, so none is.
-CONSUMING_SAMPLERS = ("fifo", "without-replacement")
-
-
-def _count(value: Any, name: str, lo: int = 1) -> int:
-    """``value`` as a Python int (msgpack cannot send ``np.int64``); Buffer takes the same."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
-    if number < lo:
-        raise InvalidArgumentError(f"{name} must be >= {lo}, got {number}")
-    return number
-
-
-def _beta(value: Any) -> float:
-    try:
-        return check_beta(value)
-    except (TypeError, ValueError) as exc:
-        raise InvalidArgumentError(str(exc)) from None
 
 
 def _decode_item(name: str, data: bytes) -> np.ndarray:
@@ -91,25 +59,18 @@ def _slice_rows(starts: np.ndarray, length: int, lengths: np.ndarray | None) -> 
     return np.where(real, starts[:, None] + offsets, starts[:, None]).reshape(-1)
 
 
-def _host(value: Any) -> Any:
-    """A tensor (on any device, maybe needing grad) as a numpy array; others as given."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
-    return value
-
-
 def _check_update(
     index: Any, priority: Any, generation: Any, capacity: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """``update_priorities``' arguments as int64 rows, float64 priorities and int64 stamps,
     checked as the daemon checks them (InvalidArgumentError naming what is wrong)."""
     try:
-        physical, values = check_update(_host(index), _host(priority), capacity)
+        physical, values = check_update(to_host(index), to_host(priority), capacity)
     except (TypeError, ValueError, IndexError) as exc:
         raise InvalidArgumentError(f"update_priorities: {exc}") from None
     if generation is None:
         return physical, values, None
-    stamps = np.asarray(_host(generation))
+    stamps = np.asarray(to_host(generation))
     if stamps.shape != physical.shape or (stamps.dtype.kind not in "iu" and stamps.size):
         raise InvalidArgumentError(
             f"update_priorities: generation needs {physical.size} integer stamps (one per "
@@ -118,7 +79,7 @@ def _check_update(
     return physical, values, stamps.astype(np.int64, copy=False)
 
 
-class Reader:
+class Reader(EpisodeReads):
     """Samples the buffer served by a daemon.
 
     Args:
@@ -138,106 +99,11 @@ class Reader:
             writers for at most ``max_lease_hold + lease_ttl``. ``episodes.renew()`` still works.
         curve_server_key, curve_client_cert: CURVE keys for a daemon started with
             ``--curve-secret`` (see :class:`~shmbuffer.clients.connection.Connection`).
+
+    Beside sampling, :meth:`read` copies rows named by physical index, checked against their
+    stamps, and :meth:`committed_rows` lists every committed row with its stamp (what the
+    TorchRL storage reads through).
     """
-
-    def __init__(
-        self,
-        target: str = "default",
-        *,
-        remote: bool | None = None,
-        timeout: float = 10.0,
-        prefetch: bool = True,
-        sample_timeout: float | None = None,
-        curve_server_key: str | bytes | os.PathLike[str] | None = None,
-        curve_client_cert: str | os.PathLike[str] | None = None,
-        auto_renew: bool = True,
-        max_lease_hold: float | None = 600.0,
-    ) -> None:
-        self.auto_renew = auto_renew
-        self.max_lease_hold = max_lease_hold
-        self._leases: dict[int, ClientLease] = {}  # of the sample_episodes blocks now open
-        self._renewer: Ticker | None = None
-        self._ahead: tuple[Any, int] | None = None  # (request, seq) of a sample sent ahead
-        self.conn = Connection(
-            target,
-            "reader",
-            timeout=timeout,
-            remote=remote,
-            curve_server_key=curve_server_key,
-            curve_client_cert=curve_client_cert,
-        )
-        self.remote = self.conn.remote
-        self.capacity: int = self.conn.buffer["capacity"]
-        self.unit: str = self.conn.buffer["unit"]
-        #: The daemon's sampler (a daemon before protocol 1.2 samples uniformly).
-        self.sampler: str = self.conn.buffer.get("sampler", "uniform")
-        self.consumes = (
-            self.sampler in CONSUMING_SAMPLERS
-            or self.conn.buffer.get("max_times_sampled") is not None
-        )
-        self.prefetch = prefetch and not self.consumes
-        #: Seconds a sample may wait in the daemon (may be changed between calls).
-        self.sample_timeout = timeout if sample_timeout is None else float(sample_timeout)
-        if not math.isfinite(self.sample_timeout) or self.sample_timeout < 0:
-            raise ValueError(f"sample_timeout must be >= 0 seconds, got {sample_timeout!r}")
-        # A daemon before 1.2 (no sampler in its hello) never holds a sample and does not
-        # know the timeout_ms field.
-        self._daemon_waits = "sampler" in self.conn.buffer
-        self._passes: dict[tuple[int, int], int] = {}  # iterate's pass count per rank
-        self._releasing: list[int] = []  # seqs of lease releases whose replies are not taken
-        self.schema: Schema | None = None
-        self.segment: Segment | None = None
-        self.resamples = 0  # rows sampled again because a writer overwrote them mid-copy
-
-    def _ready(self) -> Segment | None:
-        """Attach once the buffer has a schema (a lazy schema appears with the first write)."""
-        if self.schema is None:
-            info = self.conn.call("stats")["stats"]
-            if info["schema"] is None:
-                return None
-            self.schema = Schema.from_spec(info["schema"])
-            if not self.remote:
-                seg = info["segment"]
-                # a CudaSegment for a --device cuda daemon; page-locked for --pin-memory
-                self.segment = attach_segment(seg["name"], seg["storage_dir"], pin=True)
-        return self.segment
-
-    def _send_sample(self, fields: dict[str, Any]) -> int:
-        if self._daemon_waits:
-            fields = {**fields, "timeout_ms": min(int(self.sample_timeout * 1000), 3_600_000)}
-        return self.conn.send("sample", payload=self.remote, **fields)
-
-    def _wait_sample(self, seq: int) -> tuple[dict[str, Any], Any]:
-        # The daemon may hold the sample for up to sample_timeout (FIFO, rate limiter); the
-        # connection pings it meanwhile, so a dead daemon is still reported within timeout.
-        reply = self.conn.wait(seq, timeout=self.sample_timeout + self.conn.timeout)
-        if self.schema is None:  # the data that let it through came with the first schema
-            self._ready()
-        return reply
-
-    def _sample(self, **fields: Any) -> tuple[dict[str, Any], Any]:
-        self._ready()
-        return self._wait_sample(self._send_sample(fields))
-
-    def _sample_ahead(self, **fields: Any) -> tuple[dict[str, Any], Any]:
-        """Like :meth:`_sample`, but the reply was requested at the previous call (when it
-        asked the same) and the next one is requested now: the round trip overlaps the
-        learner's own work. Indices that went stale meanwhile are caught by the stamps."""
-        if not self.prefetch:
-            return self._sample(**fields)
-        key = tuple(sorted(fields.items()))
-        ahead, self._ahead = self._ahead, None
-        reply = None
-        if ahead is not None:
-            try:
-                got = self._wait_sample(ahead[1])
-                reply = got if ahead[0] == key else None
-            except EmptyBufferError:  # stale: the buffer may have filled since
-                pass
-        if reply is None:
-            reply = self._sample(**fields)
-        self._ahead = (key, self._send_sample(fields))
-        return reply
 
     # -- transitions --------------------------------------------------------------------------
 
@@ -253,7 +119,7 @@ class Reader:
         ``[batch_size]``. ``beta`` overrides the importance exponent for this call. A FIFO or
         consume-once sampler (and the rate limiter) may hold the call in the daemon for up to
         ``sample_timeout`` seconds, then WaitTimeoutError."""
-        fields = self._fields("rows", _count(batch_size, "batch_size"), return_info, beta)
+        fields = self._fields("rows", as_count(batch_size, "batch_size"), return_info, beta)
         reply, frames = self._sample_ahead(**fields)
         items = self._items(reply, return_info, ())
         if self.remote:
@@ -290,8 +156,8 @@ class Reader:
                 "sample_slices(strict=False) adds a 'mask' entry, but the schema has a key "
                 "'mask' already"
             )
-        fields = self._fields("slices", _count(n, "n"), return_info, beta)
-        fields["length"] = length = _count(length, "length")
+        fields = self._fields("slices", as_count(n, "n"), return_info, beta)
+        fields["length"] = length = as_count(length, "length")
         if not strict:
             fields["strict"] = False
         reply, frames = self._sample_ahead(**fields)
@@ -323,30 +189,13 @@ class Reader:
         if info:
             fields["info"] = True
         if beta is not None:
-            fields["beta"] = _beta(beta)
+            fields["beta"] = as_beta(beta)
         if self.consumes and not self.remote:
             # What a consume-once sampler hands out may be overwritten as soon as it is
             # consumed (a writer waits for exactly that): leased until this copy is checked,
             # else it would read as torn and be sampled again, losing the consumed rows.
             fields["lease"] = True
         return fields
-
-    def _release_soon(self, leases: list[int]) -> None:
-        """Release the leases of a copy that is done without waiting for the replies (they
-        are taken at a later call); the writer they hold back goes on at once."""
-        self._collect_releases()
-        for lease in leases:
-            self._releasing.append(self.conn.send("release", lease=lease))
-
-    def _collect_releases(self) -> None:
-        still = []
-        for seq in self._releasing:
-            if not self.conn.ready(seq):
-                still.append(seq)
-                continue
-            with contextlib.suppress(NotFoundError, UnknownClientError):  # lapsed, or forgotten
-                self.conn.wait(seq)
-        self._releasing = still
 
     @staticmethod
     def _items(reply: dict[str, Any], info: bool, extra: tuple[str, ...]) -> dict[str, Any]:
@@ -469,26 +318,40 @@ class Reader:
         rows are fixed when the call is made; a row a writer reaches before its batch is read
         raises TornReadError (do not write while iterating). Copies; the sampler and the rate
         limiter are not involved."""
-        batch_size = _count(batch_size, "batch_size")
-        rank, world_size = _count(rank, "rank", 0), _count(world_size, "world_size")
+        batch_size = as_count(batch_size, "batch_size")
+        rank, world_size = as_count(rank, "rank", 0), as_count(world_size, "world_size")
         if rank >= world_size:
             raise InvalidArgumentError(f"rank must be in [0, {world_size}), got {rank}")
         key = (rank, world_size)
-        k = self._passes.get(key, 0) if epoch is None else _count(epoch, "epoch", 0)
+        k = self._passes.get(key, 0) if epoch is None else as_count(epoch, "epoch", 0)
         self._passes[key] = k + 1
+        physical, gens = self._pass_rows(rank, world_size, bool(shuffle), bool(drop_last), k)
+        return self._batches(physical, gens, batch_size, drop_last)
+
+    def committed_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every committed row and its generation stamp, ``(rows, generations)`` as int64
+        arrays in physical order: one ``iterate`` request (16 bytes a row), not a pass of
+        :meth:`iterate` (it counts for no epoch). :meth:`read` takes them back: a row whose
+        stamp moved since was reached by a writer."""
+        return self._pass_rows(0, 1, False, False, 0)
+
+    def _pass_rows(
+        self, rank: int, world_size: int, shuffle: bool, drop_last: bool, epoch: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The daemon's list of one pass's rows for ``rank`` and their stamps."""
         self._ready()
         reply = self.conn.call(
             "iterate",
             rank=rank,
             world_size=world_size,
-            shuffle=bool(shuffle),
-            drop_last=bool(drop_last),
-            epoch=k,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            epoch=epoch,
         )
         physical, gens = decode_i64(reply["rows"]), decode_i64(reply["gens"])
         if self.schema is None and physical.size:
             self._ready()
-        return self._batches(physical, gens, batch_size, drop_last)
+        return physical, gens
 
     def _batches(
         self, physical: np.ndarray, gens: np.ndarray, batch_size: int, drop_last: bool
@@ -496,16 +359,8 @@ class Reader:
         stop = len(physical) - len(physical) % batch_size if drop_last else len(physical)
         for first in range(0, stop, batch_size):
             part = slice(first, first + batch_size)
-            if self.remote:
-                seq = self.conn.send(
-                    "read", rows=encode_i64(physical[part]), gens=encode_i64(gens[part])
-                )
-                _, frames = self.conn.wait(seq)
-                yield self._from_frames(frames, [len(physical[part])])
-                continue
-            assert self.segment is not None
-            data = rows.gather(self.segment.columns, physical[part], self.segment.arrays)
-            moved = self.segment.generations[physical[part]] != gens[part]
+            # remotely the daemon refuses a torn batch itself (TornReadError from read)
+            data, moved = self.read(physical[part], gens[part])
             if moved.any():
                 raise TornReadError(
                     f"iterate: {int(moved.sum())} rows of this batch were overwritten since the "
@@ -513,177 +368,6 @@ class Reader:
                     "iterating"
                 )
             yield data
-
-    def _from_frames(
-        self,
-        frames: list[Any],
-        batch_size: list[int],
-        out: tuple[dict[Any, np.ndarray], dict[Any, torch.Tensor]] | None = None,
-    ) -> TensorDict:
-        """The rows of payload frames, copied into fresh tensors, or into ``out`` (the arrays
-        and tensors :func:`rows.out_arrays` made of the caller's ``out``)."""
-        assert self.schema is not None
-        n = int(np.prod(batch_size))
-        flat: dict[Any, Any] = {}
-        for field, frame in zip(self.schema.fields, frames, strict=True):
-            array = np.frombuffer(frame.buffer, dtype=np.uint8)
-            shape = (n, *field.shape)
-            if out is None:
-                flat[field.key] = rows.from_bytes(array, field.dtype, shape, copy=True)
-                continue
-            # bfloat16 travels as raw 16-bit patterns: copied as such into out's uint16 view
-            dtype = torch.uint16 if field.dtype == torch.bfloat16 else field.dtype
-            np.copyto(out[0][field.key][:n], rows.from_bytes(array, dtype, shape))
-            flat[field.key] = out[1][field.key][:n]
-        return rows.nest(flat, [n]).reshape(*batch_size)
-
-    # -- episodes ---------------------------------------------------------------------------
-
-    @contextmanager
-    def sample_episodes(
-        self, n: int, out: TensorDict | Mapping[str, Any] | None = None
-    ) -> Iterator[EpisodeViews]:
-        """``n`` whole episodes drawn by the daemon's sampler, as a sequence of ``[length]``
-        TensorDicts (:class:`~shmbuffer.clients.leased.EpisodeViews`: indexable, iterable,
-        ``len``).
-
-        Locally: zero-copy views of the shared rows, built when accessed, under a lease that
-        keeps writers off them until the block exits, renewed while it is open (see
-        ``auto_renew``). ``episodes.valid()`` says whether the lease still certainly holds;
-        once it lapsed, building a view and the block's exit raise ``LeaseExpiredError``
-        (data read from the views may have changed). Remotely: copies, always valid.
-
-        ``out``: copies instead, into a preallocated TensorDict (or nested dict of tensors)
-        reused across calls, as :meth:`Buffer.sample_episodes <shmbuffer.Buffer.sample_episodes>`
-        takes it (each schema key a contiguous CPU tensor of the column's dtype, leading dims
-        holding at least the rows drawn). Locally the episodes are copied under their lease,
-        which is released before the block starts, so writers are never held back by it; the
-        views are then of ``out`` and always valid. A key, dtype or shape that does not fit
-        raises InvalidArgumentError naming it, before the request when the schema is known.
-
-        At most ``2**20`` episodes a call (the protocol's bound on ``n``), holding at most
-        ``max_payload_bytes / 16`` rows (2**27 by default); more is refused by the daemon.
-        """
-        n = _count(n, "n")
-        self._ready()
-        target = self._out_target(out)  # checked before anything is drawn, if possible
-        if self.remote:
-            reply, frames = self._sample(kind="episodes", n=n)
-            lengths = decode_i64(reply["lengths"])
-            total = int(lengths.sum())
-            copy_to = None
-            if out is not None:
-                target = target or self._out_target(out)
-                assert target is not None  # the reply brought the schema
-                rows.check_out_rows(target[2], lengths)
-                copy_to = target[:2]
-            data = self._from_frames(frames, [total], copy_to)
-            offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-            columns = {f.key: data[f.key] for f in self.schema.fields} if self.schema else {}
-            yield EpisodeViews(columns, decode_i64(reply["ids"]), offsets, lengths)
-            return
-        sent = time.monotonic()
-        reply, _ = self._sample(kind="episodes", n=n, lease=True)
-        assert self.segment is not None
-        ttl = float(self.conn.buffer.get("lease_ttl", 30.0))
-        lease = ClientLease(int(reply["lease"]), n, ttl, sent)
-        self._leases[lease.id] = lease
-        ids, starts = decode_i64(reply["ids"]), decode_i64(reply["starts"])
-        lengths = decode_i64(reply["lengths"])
-        if out is not None:
-            yield self._copy_episodes(lease, ids, starts, lengths, out, target)
-            return
-        views = EpisodeViews(self.segment.columns, ids, starts, lengths, lease, self.conn)
-        try:
-            self._start_renewer(ttl)
-            if time.monotonic() - sent > ttl / 3:  # a slow reply: restart the clock now
-                lease.renew(self.conn)
-            yield views
-        except BaseException:  # the block's own error wins; the lease just goes
-            self._end_lease(lease, quiet=True)
-            raise
-        self._end_lease(lease, quiet=False)
-
-    def _out_target(self, out: Any) -> rows.OutArrays | None:
-        """``out`` checked against the schema (None when there is no ``out`` or no schema
-        yet: then it is checked once the reply brought the schema)."""
-        if out is None or self.schema is None:
-            return None
-        return rows.out_arrays(self.schema, out)
-
-    def _copy_episodes(
-        self,
-        lease: ClientLease,
-        ids: np.ndarray,
-        starts: np.ndarray,
-        lengths: np.ndarray,
-        out: Any,
-        target: rows.OutArrays | None,
-    ) -> EpisodeViews:
-        """Copy leased episodes into ``out`` and let the lease go: a lease that certainly held
-        until the copy ended (:meth:`ClientLease.valid`) is released without waiting; else the
-        release's answer decides, and LeaseExpiredError says the copy may be torn."""
-        assert self.segment is not None
-        try:
-            target = target or self._out_target(out)
-            assert target is not None  # the reply brought the schema
-            arrays, flat, held = target
-            rows.check_out_rows(held, lengths)
-            physical = rows.episode_rows(starts, lengths)
-            rows.gather_columns(self.segment.columns, physical, self.segment.arrays, out=arrays)
-        except BaseException:
-            self._end_lease(lease, quiet=True)
-            raise
-        if lease.valid():
-            self._leases.pop(lease.id, None)
-            lease.released = True
-            self._release_soon([lease.id])
-        else:
-            self._end_lease(lease, quiet=False)
-        offsets = (np.cumsum(lengths) - lengths).astype(np.int64)
-        return EpisodeViews(flat, ids, offsets, lengths)
-
-    def _end_lease(self, lease: ClientLease, quiet: bool) -> None:
-        """Release the lease; unless ``quiet``, raise LeaseExpiredError if it had lapsed."""
-        self._leases.pop(lease.id, None)
-        if lease.released:
-            return
-        if self.segment is not None:  # GPU views: kernels queued on them run before it goes
-            self.segment.settle()
-        # Decided here and by this release only: a renewal racing with it fails because of it.
-        lapsed = lease.lapsed
-        try:
-            self.conn.call("release", lease=lease.id)
-        except (NotFoundError, UnknownClientError):  # the daemon dropped it before we released it
-            lapsed = lease.lapsed = True
-        except ShmBufferError:
-            if not quiet:
-                raise
-        finally:
-            lease.released = True
-        if lapsed and not quiet:
-            raise lease.expired_error()
-
-    def _start_renewer(self, ttl: float) -> None:
-        if self.auto_renew and self._renewer is None:
-            renew = weakref.WeakMethod(self._renew_leases)
-            self._renewer = Ticker(ttl / 3, renew, "shmbuffer-renew")
-
-    def _renew_leases(self) -> None:
-        """The renewer's tick: renew every open lease still within ``max_lease_hold``. A lease
-        the daemon no longer holds is marked lapsed; a daemon that does not answer is left to
-        the lease's own deadline (``valid()`` turns False by itself)."""
-        now = time.monotonic()
-        for lease in list(self._leases.values()):
-            if lease.lapsed or lease.released:
-                continue
-            if self.max_lease_hold is not None and now - lease.opened >= self.max_lease_hold:
-                continue
-            try:
-                lease.renew(self.conn)
-            except ShmBufferError:  # lapsed (marked so), closed, or no answer: nothing to add
-                if self.conn.closed:
-                    return
 
     # -- info ---------------------------------------------------------------------------------
 

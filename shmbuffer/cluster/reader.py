@@ -26,20 +26,18 @@ shard order, concatenated (``info["shard"]`` says whose each item is).
   the others. Every ``rejoin_interval`` seconds a background thread asks the shard's host
   where its daemon is and reconnects; the next call includes it again. Every wait is bounded:
   no call hangs on a dead node.
+
+The shards, their Readers and the parallel calls are :mod:`shmbuffer.cluster.fanout`'s; this
+module is the split of a call across them, consume-once rounds, the merge and the Reader API.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import operator
-import socket
 import time
-import warnings
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import Any
@@ -48,13 +46,11 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from shmbuffer.clients.reader import Reader
 from shmbuffer.cluster.episodes import EpisodeCopies, ShardEpisodes
-from shmbuffer.cluster.placement import ShardSet, current_node
-from shmbuffer.cluster.shard import Piece, ShardLink
-from shmbuffer.cluster.split import apportion, rescale_weights, shard_mass, smallest_weight
+from shmbuffer.cluster.fanout import DOWN, ShardFanout, ShardUnavailableWarning
+from shmbuffer.cluster.shard import Piece
+from shmbuffer.cluster.split import apportion, rescale_weights, smallest_weight
 from shmbuffer.errors import (
-    ClosedError,
     DaemonUnavailableError,
     EmptyBufferError,
     InvalidArgumentError,
@@ -63,16 +59,10 @@ from shmbuffer.errors import (
 )
 from shmbuffer.samplers.base import check_update
 
-log = logging.getLogger("shmbuffer.cluster")
+__all__ = ["DOWN", "MAX_ROUNDS", "ClusterReader", "ShardUnavailableWarning"]
 
-#: Errors that mean the shard is gone (dead, restarted, unreachable): it drops out.
-DOWN = (DaemonUnavailableError, ClosedError)
 #: Rounds a call re-splits the items shards could not give (empty, or gone) over the others.
 MAX_ROUNDS = 4
-
-
-class ShardUnavailableWarning(RuntimeWarning):
-    """A shard dropped out of sampling (it rejoins by itself once its daemon is back)."""
 
 
 def _count(value: Any, name: str) -> int:
@@ -93,7 +83,7 @@ def _host(value: Any) -> Any:
     return value
 
 
-class ClusterReader:
+class ClusterReader(ShardFanout):
     """Samples every shard of a :class:`~shmbuffer.cluster.handle.ShardedBuffer` as one
     buffer; see the module docstring. Made by ``buffer.reader(...)``.
 
@@ -108,231 +98,6 @@ class ClusterReader:
         seed: seeds the split of batches across shards.
         auto_renew, max_lease_hold: as for :class:`~shmbuffer.Reader` (episode leases).
     """
-
-    def __init__(
-        self,
-        buffer: ShardSet,
-        *,
-        local: bool = False,
-        nodes: list[str] | None = None,
-        timeout: float = 5.0,
-        sample_timeout: float | None = None,
-        size_refresh: float = 0.05,
-        rejoin_interval: float = 1.0,
-        seed: int | None = None,
-        auto_renew: bool = True,
-        max_lease_hold: float | None = 600.0,
-    ) -> None:
-        self.buffer = buffer
-        self.name = buffer.name
-        self.capacity = buffer.capacity  # per shard
-        self.unit = buffer.unit
-        self.timeout = float(timeout)
-        self.sample_timeout = self.timeout if sample_timeout is None else float(sample_timeout)
-        for what, value in (("timeout", self.timeout), ("sample_timeout", self.sample_timeout)):
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"{what} must be >= 0 seconds, got {value!r}")
-        self.size_refresh = float(size_refresh)
-        self.rejoin_interval = float(rejoin_interval)
-        self.auto_renew, self.max_lease_hold = auto_renew, max_lease_hold
-        self._rng = np.random.default_rng(seed)
-        self._closed = False
-        here = current_node()
-        shards = buffer.shard_list()
-        if local:
-            shards = [buffer.local_shard()]
-        elif nodes is not None:
-            unknown = sorted(set(nodes) - {s.node_id for s in shards})
-            if unknown:
-                raise ValueError(f"nodes {unknown} have no shard of {self.name!r}: {buffer.nodes}")
-            shards = [s for s in shards if s.node_id in set(nodes)]
-        if not shards:
-            raise ValueError(f"nodes must name at least one shard of {self.name!r}")
-        self._links = [
-            ShardLink(
-                s,
-                remote=(s.host != socket.gethostname()) if here is None else s.node_id != here,
-            )
-            for s in shards
-        ]
-        self._pool = ThreadPoolExecutor(len(self._links), thread_name_prefix="shmbuffer-shard")
-        self._bg = ThreadPoolExecutor(len(self._links), thread_name_prefix="shmbuffer-rejoin")
-        # A consume-once call that timed out keeps what it got for the next call of its kind.
-        self._carry: dict[tuple[str, int, bool], list[Piece]] = {}
-        jobs = [(link, partial(self._connect, link)) for link in self._links]
-        for link, got in self._parallel(jobs):
-            if isinstance(got, Reader):
-                link.reader = got
-            else:
-                link.last_try = time.monotonic()
-                self._warn(link, got)
-        up = self._up()
-        if not up:
-            self.close()
-            raise DaemonUnavailableError(
-                f"no shard of {self.name!r} is reachable: "
-                + "; ".join(f"{link.where()}: {link.reason}" for link in self._links)
-            )
-        assert up[0].reader is not None
-        #: The shards' sampler, and whether its samples consume what they hand out.
-        self.sampler: str = up[0].reader.sampler
-        self.consumes: bool = up[0].reader.consumes
-
-    # -- shards -------------------------------------------------------------------------------
-
-    def _connect(self, link: ShardLink) -> Reader:
-        """A Reader on the shard's daemon where its host says it is now."""
-        shard = link.shard
-        if current_node() is not None:
-            shard = self.buffer.refresh(shard, timeout=max(self.timeout, 1.0))
-        reader = Reader(
-            shard.endpoint,
-            remote=link.remote,
-            timeout=self.timeout,
-            # A batch's split changes from call to call: a sample sent ahead would miss, but
-            # a reader of one shard asks it for the same every time.
-            prefetch=len(self._links) == 1,
-            sample_timeout=self.sample_timeout,
-            curve_server_key=shard.curve_server_key,
-            auto_renew=self.auto_renew,
-            max_lease_hold=self.max_lease_hold,
-        )
-        link.shard = shard
-        return reader
-
-    def _up(self) -> list[ShardLink]:
-        return [link for link in self._links if link.reader is not None]
-
-    @property
-    def shards_up(self) -> list[int]:
-        """Indices of the shards sampled now."""
-        return [link.index for link in self._up()]
-
-    def _warn(self, link: ShardLink, exc: BaseException) -> None:
-        link.reason = f"{type(exc).__name__}: {exc}"
-        message = (
-            f"{link.where()} of {self.name!r} dropped out of sampling ({link.reason}); it "
-            f"rejoins once its daemon answers again (tried every {self.rejoin_interval:g}s)"
-        )
-        log.warning("%s", message)
-        warnings.warn(ShardUnavailableWarning(message), stacklevel=4)
-
-    def _drop(self, link: ShardLink, exc: BaseException) -> None:
-        reader, link.reader = link.reader, None
-        if reader is None:
-            return
-        link.stats, link.stats_at = None, -math.inf
-        link.observed.clear()
-        link.last_try = time.monotonic()
-        self._warn(link, exc)
-        if self._closed:
-            _close_quietly(reader)
-        else:
-            self._bg.submit(_close_quietly, reader)  # its goodbye may wait: not on this thread
-
-    def _rejoin(self) -> None:
-        """Take finished reconnections; start one for each shard down long enough."""
-        now = time.monotonic()
-        for link in self._links:
-            if link.reader is not None:
-                continue
-            attempt = link.attempt
-            if attempt is not None:
-                if not attempt.done():
-                    continue
-                link.attempt = None
-                try:
-                    reader = attempt.result()
-                except Exception as exc:
-                    link.reason = f"{type(exc).__name__}: {exc}"
-                    continue
-                link.reader = reader
-                log.warning("%s of %r rejoined sampling", link.where(), self.name)
-            elif now - link.last_try >= self.rejoin_interval:
-                link.last_try = now
-                link.attempt = self._bg.submit(self._connect, link)
-
-    def _parallel(
-        self, jobs: Sequence[tuple[ShardLink, Callable[[], Any]]]
-    ) -> list[tuple[ShardLink, Any]]:
-        """Run the jobs at once (the first on this thread); each result, or its exception."""
-        if not jobs:
-            return []
-        futures = [(link, self._pool.submit(fn)) for link, fn in jobs[1:]]
-        out = [(jobs[0][0], _outcome(jobs[0][1]))]
-        backstop = 3 * self.timeout + self.sample_timeout + 5.0  # the Readers' own waits end first
-        finished, _ = wait_futures([future for _, future in futures], timeout=backstop)
-        for link, future in futures:
-            if future not in finished:  # (WaitTimeoutError is a TimeoutError: not caught here)
-                out.append((link, DaemonUnavailableError(f"no answer within {backstop:.0f}s")))
-            else:
-                out.append((link, future.exception() or future.result()))
-        return out
-
-    def _ensure_stats(self, links: list[ShardLink]) -> list[ShardLink]:
-        """Fetch the stats of the links that have none; those that answer, still up."""
-        todo = [link for link in links if link.stats is None and link.reader is not None]
-        jobs = [(link, partial(_fetch_stats, link)) for link in todo]
-        for link, got in self._parallel(jobs):
-            if isinstance(got, BaseException):
-                if isinstance(got, DOWN):
-                    self._drop(link, got)
-                else:
-                    raise got
-        return [link for link in links if link.reader is not None and link.stats is not None]
-
-    def _mass(self, link: ShardLink, kind: str, length: int, strict: bool) -> float:
-        if kind == "slices" and self.sampler == "uniform":
-            seen = link.observed.get((kind, length, strict))
-            if seen is not None:
-                return seen
-        assert link.stats is not None
-        return shard_mass(link.stats, kind, length, strict)
-
-    # -- one shard's part (on a pool thread) --------------------------------------------------
-
-    def _part(
-        self,
-        link: ShardLink,
-        kind: str,
-        k: int,
-        length: int,
-        strict: bool,
-        beta: float | None,
-        wait: float,
-    ) -> Piece:
-        reader = link.reader
-        if reader is None:
-            raise ClosedError(f"{link.where()} dropped out")
-        stats_seq = None
-        if time.monotonic() - link.stats_at >= self.size_refresh:
-            stats_seq = reader.conn.send("stats")  # its reply is taken after the sample's
-        reader.sample_timeout = wait
-        try:
-            if kind == "episodes":
-                release = reader.sample_episodes(k)
-                piece = Piece(link, k, release.__enter__(), release=release)
-            elif kind == "rows":
-                data, info = reader.sample(k, return_info=True, beta=beta)
-                piece = Piece(link, k, data, info)
-            else:
-                data, info = reader.sample_slices(
-                    k, length, strict=strict, return_info=True, beta=beta
-                )
-                piece = Piece(link, k, data, info)
-        except DOWN:
-            raise  # the stats reply will not come either
-        except BaseException:
-            if stats_seq is not None:
-                _take_stats(link, reader, stats_seq)
-            raise
-        if stats_seq is not None:
-            _take_stats(link, reader, stats_seq)
-        if piece.info is not None and self.sampler == "uniform" and k:
-            p = float(piece.info["probability"][0])
-            if p > 0:
-                link.observed[(kind, length, strict)] = 1.0 / p
-        return piece
 
     # -- the split ------------------------------------------------------------------------------
 
@@ -635,10 +400,6 @@ class ClusterReader:
         field = "rows" if self.unit == "transition" else "episodes"
         return sum(int(stats[field]) for stats in self.stats().values())
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError("this ClusterReader is closed (close() was called)")
-
     def close(self) -> None:
         """Close every shard's Reader. Safe to call twice."""
         if self._closed:
@@ -647,15 +408,7 @@ class ClusterReader:
         for pieces in self._carry.values():
             self._release(pieces)
         self._carry.clear()
-        readers = [link.reader for link in self._links if link.reader is not None]
-        for link in self._links:
-            link.reader = None
-            if link.attempt is not None:
-                link.attempt.add_done_callback(_close_attempt)
-        for reader in readers:
-            _close_quietly(reader)
-        self._pool.shutdown(wait=False)
-        self._bg.shutdown(wait=False)
+        self._close_shards()
 
     def __enter__(self) -> ClusterReader:
         return self
@@ -668,32 +421,3 @@ class ClusterReader:
             f"ClusterReader({self.name!r}, shards up {self.shards_up} of "
             f"{[lk.index for lk in self._links]}, sampler={self.sampler})"
         )
-
-
-def _outcome(fn: Callable[[], Any]) -> Any:
-    try:
-        return fn()
-    except Exception as exc:
-        return exc
-
-
-def _fetch_stats(link: ShardLink) -> None:
-    assert link.reader is not None
-    link.stats = link.reader.stats()
-    link.stats_at = time.monotonic()
-
-
-def _take_stats(link: ShardLink, reader: Reader, seq: int) -> None:
-    with contextlib.suppress(ShmBufferError):
-        link.stats = reader.conn.wait(seq)[0]["stats"]
-        link.stats_at = time.monotonic()
-
-
-def _close_quietly(reader: Reader) -> None:
-    with contextlib.suppress(Exception):
-        reader.close()
-
-
-def _close_attempt(attempt: Any) -> None:
-    with contextlib.suppress(Exception):
-        _close_quietly(attempt.result())

@@ -41,7 +41,6 @@ from shmbuffer import rows
 from shmbuffer.clients.reader import Reader
 from shmbuffer.clients.writer import Writer
 from shmbuffer.errors import TornReadError, WaitTimeoutError
-from shmbuffer.protocol import decode_i64, encode_i64
 from shmbuffer.schema import Schema
 
 __all__ = ["DaemonStorage", "daemon_storage_of"]
@@ -331,9 +330,7 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
         """A checked copy of ``physical`` (see the module docstring): the rows the list says
         are committed are copied at once, and only those a writer holds or reached during
         the copy wait for a fresh list (with many rows, some are always being written)."""
-        reader = self.reader
-        reader._ready()  # attaches the segment once the buffer has a schema
-        schema = reader.schema
+        schema = self.reader.attach()  # maps the segment once the buffer has a schema
         if schema is None:
             if physical.size:
                 raise IndexError(f"row {int(physical[0])}: nothing has been written yet")
@@ -379,28 +376,17 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
     def _copy(self, want: np.ndarray, stamps: np.ndarray) -> tuple[TensorDict | None, np.ndarray]:
         """Copy rows ``want`` listed with ``stamps``; also says which moved during the copy
         (those must be copied again; remotely a torn copy is refused whole: all of them)."""
-        reader = self.reader
-        segment = reader.segment
-        if segment is None:  # remote: the daemon copies
-            try:
-                seq = reader.conn.send("read", rows=encode_i64(want), gens=encode_i64(stamps))
-                _, frames = reader.conn.wait(seq)
-            except TornReadError:
-                return None, np.ones(want.size, dtype=bool)
-            return reader._from_frames(frames, [want.size]), np.zeros(want.size, dtype=bool)
-        part = rows.gather(segment.columns, want, segment.arrays)
-        # A reservation bumps a row's stamp before its writer may touch the row.
-        return part, segment.generations[want] != stamps
+        try:
+            return self.reader.read(want, stamps)
+        except TornReadError:  # remote: the daemon refused the copy whole
+            return None, np.ones(want.size, dtype=bool)
 
     def _refresh(self) -> _Listing:
         """Ask the daemon which rows are committed, and their stamps (then its stats: a row
         missing from the list and past the ring's extent after it was never written)."""
         reader = self.reader
-        reply = reader.conn.call(
-            "iterate", rank=0, world_size=1, shuffle=False, drop_last=False, epoch=0
-        )
+        physical, gens = reader.committed_rows()
         self._fresh_stats()
-        physical, gens = decode_i64(reply["rows"]), decode_i64(reply["gens"])
         committed = np.zeros(reader.capacity, dtype=bool)
         stamps = np.full(reader.capacity, -1, dtype=np.int64)
         committed[physical], stamps[physical] = True, gens

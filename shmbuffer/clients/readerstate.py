@@ -1,0 +1,274 @@
+"""What a :class:`~shmbuffer.clients.reader.Reader`'s jobs share, and the round trips they all
+make: the connection and the reader's settings, attaching to the segment once the buffer has a
+schema, sending a sample (ahead of time with ``prefetch``) and taking its reply, releasing the
+leases of consumed copies without waiting, and copying rows named by physical index
+(:meth:`ReaderState.read`, and payload frames for a remote reader).
+
+The reader is split by job the way the daemon's service and the container are, each a module
+over this shared state: transitions, slices, priorities and ``iterate`` in
+:mod:`shmbuffer.clients.reader` (which assembles :class:`Reader`), episodes under leases in
+:mod:`shmbuffer.clients.episode_reads`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import operator
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from shmbuffer.clients.connection import Connection
+from shmbuffer.clients.leased import ClientLease
+from shmbuffer.clients.ticker import Ticker
+from shmbuffer.cuda_segment import attach_segment
+from shmbuffer.errors import (
+    EmptyBufferError,
+    InvalidArgumentError,
+    NotFoundError,
+    SchemaError,
+    UnknownClientError,
+)
+from shmbuffer.protocol import encode_i64
+from shmbuffer.rows import from_bytes, gather, nest
+from shmbuffer.samplers.base import check_beta
+from shmbuffer.schema import Schema
+from shmbuffer.segment import Segment
+
+#: Samplers whose samples consume what they hand out (with any sampler: max_times_sampled):
+#: a sample sent ahead would take data the learner never asked for, so none is.
+CONSUMING_SAMPLERS = ("fifo", "without-replacement")
+
+
+def as_count(value: Any, name: str, lo: int = 1) -> int:
+    """``value`` as a Python int (msgpack cannot send ``np.int64``); Buffer takes the same."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
+    if number < lo:
+        raise InvalidArgumentError(f"{name} must be >= {lo}, got {number}")
+    return number
+
+
+def as_beta(value: Any) -> float:
+    try:
+        return check_beta(value)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(str(exc)) from None
+
+
+def to_host(value: Any) -> Any:
+    """A tensor (on any device, maybe needing grad) as a numpy array; others as given."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    return value
+
+
+def _row_numbers(value: Any, name: str, size: int | None = None) -> np.ndarray:
+    """``value`` (tensor, array, sequence) as a 1-D int64 array, else InvalidArgumentError."""
+    array = np.asarray(to_host(value))
+    if array.ndim != 1 or (array.dtype.kind not in "iu" and array.size):
+        raise InvalidArgumentError(
+            f"read: {name} must be a 1-D sequence of integers, got {array.dtype} "
+            f"{list(array.shape)}"
+        )
+    if size is not None and array.size != size:
+        raise InvalidArgumentError(
+            f"read: generations needs one stamp per row ({size}), got {array.size}"
+        )
+    return array.astype(np.int64, copy=False)
+
+
+class ReaderState:
+    """The fields and round trips a Reader's jobs share (the arguments are
+    :class:`~shmbuffer.clients.reader.Reader`'s, documented there)."""
+
+    def __init__(
+        self,
+        target: str = "default",
+        *,
+        remote: bool | None = None,
+        timeout: float = 10.0,
+        prefetch: bool = True,
+        sample_timeout: float | None = None,
+        curve_server_key: str | bytes | os.PathLike[str] | None = None,
+        curve_client_cert: str | os.PathLike[str] | None = None,
+        auto_renew: bool = True,
+        max_lease_hold: float | None = 600.0,
+    ) -> None:
+        self.auto_renew = auto_renew
+        self.max_lease_hold = max_lease_hold
+        self._leases: dict[int, ClientLease] = {}  # of the sample_episodes blocks now open
+        self._renewer: Ticker | None = None
+        self._ahead: tuple[Any, int] | None = None  # (request, seq) of a sample sent ahead
+        self.conn = Connection(
+            target,
+            "reader",
+            timeout=timeout,
+            remote=remote,
+            curve_server_key=curve_server_key,
+            curve_client_cert=curve_client_cert,
+        )
+        self.remote = self.conn.remote
+        self.capacity: int = self.conn.buffer["capacity"]
+        self.unit: str = self.conn.buffer["unit"]
+        #: The daemon's sampler (a daemon before protocol 1.2 samples uniformly).
+        self.sampler: str = self.conn.buffer.get("sampler", "uniform")
+        self.consumes = (
+            self.sampler in CONSUMING_SAMPLERS
+            or self.conn.buffer.get("max_times_sampled") is not None
+        )
+        self.prefetch = prefetch and not self.consumes
+        #: Seconds a sample may wait in the daemon (may be changed between calls).
+        self.sample_timeout = timeout if sample_timeout is None else float(sample_timeout)
+        if not math.isfinite(self.sample_timeout) or self.sample_timeout < 0:
+            raise ValueError(f"sample_timeout must be >= 0 seconds, got {sample_timeout!r}")
+        # A daemon before 1.2 (no sampler in its hello) never holds a sample and does not
+        # know the timeout_ms field.
+        self._daemon_waits = "sampler" in self.conn.buffer
+        self._passes: dict[tuple[int, int], int] = {}  # iterate's pass count per rank
+        self._releasing: list[int] = []  # seqs of lease releases whose replies are not taken
+        self.schema: Schema | None = None
+        self.segment: Segment | None = None
+        self.resamples = 0  # rows sampled again because a writer overwrote them mid-copy
+
+    # -- attaching ----------------------------------------------------------------------------
+
+    def _ready(self) -> Segment | None:
+        """Attach once the buffer has a schema (a lazy schema appears with the first write)."""
+        if self.schema is None:
+            info = self.conn.call("stats")["stats"]
+            if info["schema"] is None:
+                return None
+            self.schema = Schema.from_spec(info["schema"])
+            if not self.remote:
+                seg = info["segment"]
+                # a CudaSegment for a --device cuda daemon; page-locked for --pin-memory
+                self.segment = attach_segment(seg["name"], seg["storage_dir"], pin=True)
+        return self.segment
+
+    def attach(self) -> Schema | None:
+        """The buffer's schema, asked for (and, locally, its segment mapped) the first time
+        it is known; None while a buffer with a lazy schema has had no write yet."""
+        self._ready()
+        return self.schema
+
+    # -- sample round trips -------------------------------------------------------------------
+
+    def _send_sample(self, fields: dict[str, Any]) -> int:
+        if self._daemon_waits:
+            fields = {**fields, "timeout_ms": min(int(self.sample_timeout * 1000), 3_600_000)}
+        return self.conn.send("sample", payload=self.remote, **fields)
+
+    def _wait_sample(self, seq: int) -> tuple[dict[str, Any], Any]:
+        # The daemon may hold the sample for up to sample_timeout (FIFO, rate limiter); the
+        # connection pings it meanwhile, so a dead daemon is still reported within timeout.
+        reply = self.conn.wait(seq, timeout=self.sample_timeout + self.conn.timeout)
+        if self.schema is None:  # the data that let it through came with the first schema
+            self._ready()
+        return reply
+
+    def _sample(self, **fields: Any) -> tuple[dict[str, Any], Any]:
+        self._ready()
+        return self._wait_sample(self._send_sample(fields))
+
+    def _sample_ahead(self, **fields: Any) -> tuple[dict[str, Any], Any]:
+        """Like :meth:`_sample`, but the reply was requested at the previous call (when it
+        asked the same) and the next one is requested now: the round trip overlaps the
+        learner's own work. Indices that went stale meanwhile are caught by the stamps."""
+        if not self.prefetch:
+            return self._sample(**fields)
+        key = tuple(sorted(fields.items()))
+        ahead, self._ahead = self._ahead, None
+        reply = None
+        if ahead is not None:
+            try:
+                got = self._wait_sample(ahead[1])
+                reply = got if ahead[0] == key else None
+            except EmptyBufferError:  # stale: the buffer may have filled since
+                pass
+        if reply is None:
+            reply = self._sample(**fields)
+        self._ahead = (key, self._send_sample(fields))
+        return reply
+
+    def _release_soon(self, leases: list[int]) -> None:
+        """Release the leases of a copy that is done without waiting for the replies (they
+        are taken at a later call); the writer they hold back goes on at once."""
+        self._collect_releases()
+        for lease in leases:
+            self._releasing.append(self.conn.send("release", lease=lease))
+
+    def _collect_releases(self) -> None:
+        still = []
+        for seq in self._releasing:
+            if not self.conn.ready(seq):
+                still.append(seq)
+                continue
+            with contextlib.suppress(NotFoundError, UnknownClientError):  # lapsed, or forgotten
+                self.conn.wait(seq)
+        self._releasing = still
+
+    # -- rows by physical index ---------------------------------------------------------------
+
+    def read(self, rows: Any, generations: Any) -> tuple[TensorDict, np.ndarray]:
+        """A copy of the physical rows ``rows``, checked against the generation stamps
+        ``generations`` they were listed with, one per row (``Reader.committed_rows()``, a sample's
+        ``info["generation"]``).
+
+        Returns ``(data, moved)``: ``data`` a ``[len(rows)]`` TensorDict, ``moved`` a bool
+        array, True where a writer reached the row since its stamp was taken: that row of
+        ``data`` may be torn (copy it again, with its new stamp); the others are whole.
+        Locally the rows are gathered from shared memory and only those that moved are
+        flagged; remotely the daemon refuses a read with any moved row whole
+        (TornReadError), so ``moved`` is all False. A row out of range or stamps that do not
+        fit raise InvalidArgumentError naming them; a buffer with no schema yet, SchemaError.
+        """
+        physical = _row_numbers(rows, "rows")
+        stamps = _row_numbers(generations, "generations", physical.size)
+        outside = (physical < 0) | (physical >= self.capacity)
+        if outside.any():
+            raise InvalidArgumentError(
+                f"read: row {int(physical[outside][0])} of rows is out of range for a buffer "
+                f"of capacity {self.capacity}"
+            )
+        segment = self._ready()
+        if self.schema is None:
+            raise SchemaError("the buffer has no schema yet: nothing to read")
+        if segment is None:  # remote: the daemon copies, and checks the stamps itself
+            seq = self.conn.send("read", rows=encode_i64(physical), gens=encode_i64(stamps))
+            _, frames = self.conn.wait(seq)
+            return self._from_frames(frames, [physical.size]), np.zeros(physical.size, bool)
+        data = gather(segment.columns, physical, segment.arrays)
+        # A reservation bumps a row's stamp before its writer may touch the row.
+        return data, segment.generations[physical] != stamps
+
+    def _from_frames(
+        self,
+        frames: list[Any],
+        batch_size: list[int],
+        out: tuple[dict[Any, np.ndarray], dict[Any, torch.Tensor]] | None = None,
+    ) -> TensorDict:
+        """The rows of payload frames, copied into fresh tensors, or into ``out`` (the arrays
+        and tensors :func:`rows.out_arrays` made of the caller's ``out``)."""
+        assert self.schema is not None
+        n = int(np.prod(batch_size))
+        flat: dict[Any, Any] = {}
+        for field, frame in zip(self.schema.fields, frames, strict=True):
+            array = np.frombuffer(frame.buffer, dtype=np.uint8)
+            shape = (n, *field.shape)
+            if out is None:
+                flat[field.key] = from_bytes(array, field.dtype, shape, copy=True)
+                continue
+            # bfloat16 travels as raw 16-bit patterns: copied as such into out's uint16 view
+            dtype = torch.uint16 if field.dtype == torch.bfloat16 else field.dtype
+            np.copyto(out[0][field.key][:n], from_bytes(array, dtype, shape))
+            flat[field.key] = out[1][field.key][:n]
+        return nest(flat, [n]).reshape(*batch_size)

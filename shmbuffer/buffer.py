@@ -245,23 +245,23 @@ class Buffer:
         if plan is None:
             return []
         leaves, first_row, num_rows, kept = plan
-        priority = self._kept_priority(_host(priority), first_row, num_rows, num_sub_episodes, kept)
-        self.container.check_priority(num_rows, kept, priority)  # before anything is evicted
-        reservation = self.container.reserve(num_rows, kept)
+        container, segment = self.container, self.segment
+        if priority is not None:  # checked before anything is evicted
+            priority = self._kept_priority(
+                _host(priority), first_row, num_rows, num_sub_episodes, kept
+            )
+            container.check_priority(num_rows, kept, priority)
+        reservation = container.reserve(num_rows, kept)
+        generations = segment.generations
         for start, stop in reservation.ranges:  # what update_priorities' staleness check reads
-            self.segment.generations[start:stop] += 1
+            generations[start:stop] += 1
         # Validation decided every cast, so only an interrupt or a device error fails the copy:
         # what the reservation evicted comes back wherever the copy had not reached.
-        with rows.Progress(functools.partial(self.container.abort, reservation.id)) as progress:
+        with rows.Progress(functools.partial(container.abort, reservation.id)) as progress:
             rows.write(
-                self.segment.columns,
-                self.segment.arrays,
-                reservation.ranges,
-                leaves,
-                first_row,
-                progress,
+                segment.columns, segment.arrays, reservation.ranges, leaves, first_row, progress
             )
-        return self.container.commit(reservation.id, priority)
+        return container.commit(reservation.id, priority)
 
     def _kept_priority(
         self, priority: Priority, first_row: int, num_rows: int, num_sub: int, kept: int

@@ -154,7 +154,14 @@ class EpisodeRegistry:
         if self._n_live == 0:
             return None
         h, t = self._head, self._tail
-        slot = h + int(np.searchsorted(self._ids[h:t], episode_id))
+        # The oldest (FIFO eviction, trims) and newest entries are what writes touch: an
+        # element compare each (~0.1 us) before the binary search (~1.3 us with its call).
+        ids = self._ids
+        if ids[h] == episode_id:  # the head and the tail slot are always live
+            return h
+        if ids[t - 1] == episode_id:
+            return t - 1
+        slot = h + int(ids[h:t].searchsorted(episode_id))
         if slot < t and self._ids[slot] == episode_id and self._alive[slot]:
             return slot
         return None
@@ -311,7 +318,14 @@ class EpisodeRegistry:
     def overlapping(self, start: int, end: int) -> list[Episode]:
         """The live episodes overlapping ``[start, end)``, oldest first (nothing is removed)."""
         start, end = self._check_query(start, end)
-        return [self.get(i) for i in self._overlapping_ids(start, end)[2]]
+        lo, hi = self._overlap_range(start, end)
+        by_start = self._by_start
+        # The overlap index holds each live episode's bounds and id, the same as its slot's:
+        # no id -> slot search per episode (this runs on every transition-unit eviction).
+        found = [Episode(by_start[s][1], s, by_start[s][0]) for s in self._sorted_starts[lo:hi]]
+        if len(found) > 1:
+            found.sort(key=_episode_id)
+        return found
 
     def get(self, episode_id: int) -> Episode:
         slot = self._slot_of(episode_id) if self._is_id(episode_id) else None
@@ -536,6 +550,10 @@ class EpisodeRegistry:
             raise ValueError(f"next_id {next_id} is not above the largest id {last}")
         reg._next_id = next_id
         return reg
+
+
+def _episode_id(episode: Episode) -> int:
+    return episode.id
 
 
 def uniform_integers(rng: np.random.Generator, high: int, n: int) -> I64:

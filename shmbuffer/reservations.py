@@ -27,6 +27,7 @@ registry object; a clear) and the rate limiter (rows inserted, deleted, given ba
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -54,6 +55,9 @@ class ReservationOps(RingState):
         """The physical ranges a reservation of ``num_rows`` would get, and the ranges it would
         evict, without changing anything (the daemon checks leases against them first)."""
         episode_lengths(num_rows, episodes)  # validates the split
+        return self._plan(num_rows)
+
+    def _plan(self, num_rows: int) -> tuple[list[Range], list[Range]]:
         if num_rows > self.capacity:
             raise CapacityError(f"{num_rows} rows do not fit a buffer of capacity {self.capacity}")
         start, end = self.pointer, self.pointer + num_rows
@@ -74,8 +78,9 @@ class ReservationOps(RingState):
     ) -> Reservation:
         """Rows for ``episodes``: a count of equal sub-episodes, or their lengths (a writer
         that batches several small episodes into one round trip)."""
-        ranges, evict = self.plan(num_rows, episodes)
-        busy = self.conflicts(evict)
+        lengths = episode_lengths(num_rows, episodes)  # validates the split, as plan() does
+        ranges, evict = self._plan(num_rows)
+        busy = self.conflicts(evict) if self.reservations else None
         if busy:
             raise CapacityError(
                 f"rows {evict} are still reserved by an uncommitted writer (reservation "
@@ -91,13 +96,14 @@ class ReservationOps(RingState):
         end = ranges[-1][1]
         self.pointer = end if self.mode == "fixed" else end % self.capacity
         self.rows_written += num_rows
-        self.travelled += sum(e - s for s, e in evict)  # the evicted span is where it moved
+        for start, stop in evict:  # the evicted span is where the pointer moved
+            self.travelled += stop - start
         reservation = Reservation(
-            id=self._next_reservation,
-            ranges=ranges,
-            episodes=_episode_bounds(ranges, episode_lengths(num_rows, episodes)),
-            owner=owner,
-            evicted=evicted,
+            self._next_reservation,
+            ranges,
+            _episode_bounds(ranges, lengths),
+            owner,
+            evicted,
             trimmed=trimmed,
             before=before,
             travelled=self.travelled,
@@ -145,21 +151,26 @@ class ReservationOps(RingState):
         """Unpublish rows ``start:stop``. Episode unit drops every episode they touch; transition
         unit keeps the surviving tail of a chunk the ring only partly overwrites (its old
         bounds are appended to ``trimmed``)."""
-        self.use_counts[start:stop] = -1
+        use_counts, registry = self.use_counts, self.registry
+        use_counts[start:stop] = -1
+        # An episode's rows inside [start, stop) were just marked; only one reaching outside
+        # the range needs a second fill (an early wrap's or a misaligned chunk's).
         if self.unit == "episode":
-            evicted = self.registry.evict(start, stop)
+            evicted = registry.evict(start, stop)
             for ep in evicted:
-                self.use_counts[ep.start : ep.end] = -1
+                if ep.start < start or ep.end > stop:
+                    use_counts[ep.start : ep.end] = -1
             return evicted
         evicted = []
-        for ep in self.registry.overlapping(start, stop):
+        for ep in registry.overlapping(start, stop):
             if start <= ep.start and ep.end > stop:
-                self.registry.trim_front(ep.id, stop)
+                registry.trim_front(ep.id, stop)
                 if trimmed is not None:
                     trimmed.append(ep)
             else:
-                evicted.append(self.registry.remove(ep.id))
-                self.use_counts[ep.start : ep.end] = -1
+                evicted.append(registry.remove(ep.id))
+                if ep.start < start:
+                    use_counts[ep.start : ep.end] = -1
         return evicted
 
     def conflicts(self, ranges: list[Range]) -> list[Reservation]:
@@ -215,17 +226,16 @@ class ReservationOps(RingState):
         reservation = self.reservations.get(reservation_id)
         if reservation is None:
             raise NotFoundError(f"no open reservation {reservation_id}")
-        given = self._commit_priority(reservation, priority)
-        self._pop(reservation_id)
+        given = None if priority is None else self._commit_priority(reservation, priority)
+        del self.reservations[reservation_id]
+        num_rows = 0
         for start, stop in reservation.ranges:
             self.use_counts[start:stop] = 0
-        ids = [self.registry.add(s, e) for s, e in reservation.episodes]
-        self._published(
-            [Episode(i, s, e) for i, (s, e) in zip(ids, reservation.episodes, strict=True)],
-            given,
-            reservation.num_rows,
-        )
-        return ids
+            num_rows += stop - start
+        add = self.registry.add
+        episodes = [Episode(add(s, e), s, e) for s, e in reservation.episodes]
+        self._published(episodes, given, num_rows)
+        return [ep.id for ep in episodes]
 
     def _published(self, episodes: list[Episode], priority: F64 | None, num_rows: int) -> None:
         self.sampler.on_commit(episodes, priority)
@@ -350,8 +360,10 @@ def _ring(start: int, length: int, capacity: int) -> list[Range]:
 def _episode_bounds(ranges: list[Range], lengths: list[int]) -> list[Range]:
     """Physical bounds of episodes of ``lengths`` rows laid over ``ranges`` in order; an
     episode that straddles the wrap of a transition chunk becomes two entries."""
+    if len(lengths) == 1:  # one episode (a chunk of transitions): one entry per range
+        return list(ranges)
     bounds: list[Range] = []
-    ends = np.cumsum(lengths).tolist()
+    ends = list(itertools.accumulate(lengths))  # np.cumsum of a short list costs ~3 us
     logical = list(zip([0, *ends[:-1]], ends, strict=True))
     offset = 0
     for start, stop in ranges:

@@ -61,7 +61,7 @@ def raise_invalid(exc: ValueError | IndexError) -> NoReturn:
     raise InvalidArgumentError(str(exc)) from exc
 
 
-@dataclass
+@dataclass(slots=True)
 class Reservation:
     """Rows handed to one writer: physical ``ranges`` filled in order, episodes to publish."""
 

@@ -258,7 +258,14 @@ def _can_cast(src: torch.dtype, dst: torch.dtype) -> bool:
     ok = _CAN_CAST.get((src, dst))
     if ok is None:
         ok = _CAN_CAST[(src, dst)] = torch.can_cast(src, dst)
+        # A pair the full check passes with no value check: the flat fast path's test.
+        _PLAIN_COPY[(src, dst)] = ok and _range_check(src, dst) is None
     return ok
+
+
+#: (value dtype, column dtype) -> whether values go in as they are (castable, no value check);
+#: filled by :func:`_can_cast`, so a pair the full check never saw is not in it.
+_PLAIN_COPY: dict[tuple[torch.dtype | None, torch.dtype], bool] = {}
 
 
 def _nested_literal(key: Key) -> str:
@@ -302,6 +309,13 @@ class Schema:
         self.fields: tuple[Field, ...] = tuple(ordered)
         self._by_key = {f.key: f for f in ordered}
         self._row_nbytes = sum(f.row_nbytes for f in ordered)
+        #: name -> (field, dims of a batch of its rows), when every key is one name: what
+        #: :meth:`_validate_flat` checks a plain dict against.
+        self._flat: dict[str, tuple[Field, int]] = (
+            {f.key[0]: (f, len(f.shape) + 1) for f in ordered}
+            if all(len(f.key) == 1 for f in ordered)
+            else {}
+        )
 
     # -- construction -------------------------------------------------------------------
 
@@ -405,6 +419,10 @@ class Schema:
         batch dims. Lists and scalars come back as numpy arrays. Writes nothing, so a refused
         batch changes nothing.
         """
+        if batch_dims == 1 and type(batch) is dict and self._flat:
+            flat = self._validate_flat(batch)
+            if flat is not None:
+                return flat
         seen: dict[Key, Any] = {}
         narrowing: list[tuple[Key, Any, torch.dtype, torch.dtype, str]] = []
         batch_shape: tuple[int, ...] | None = None
@@ -454,6 +472,44 @@ class Schema:
             _check_fits(*item)
         assert batch_shape is not None
         return batch_shape, seen
+
+    def _validate_flat(
+        self, batch: dict[Any, Any]
+    ) -> tuple[tuple[int, ...], dict[Key, Any]] | None:
+        """:meth:`validate` of the common write in one pass, at a fraction of the full
+        check's cost (issue 10: per-call work is what small-row writes lose to): a plain dict
+        with exactly the schema's keys, all flat, of arrays or tensors whose dtype the column
+        takes as it is (castable, no value check) and whose shapes agree. The result is what
+        the full check returns for it; None sends anything else, a bad batch included, to the
+        full check, which then names what is wrong."""
+        flat, plain = self._flat, _PLAIN_COPY
+        if len(batch) != len(flat):
+            return None
+        leaves: dict[Key, Any] = {}
+        rows = -1
+        for name, value in batch.items():
+            entry = flat.get(name)
+            if entry is None:
+                return None
+            field, dims = entry
+            kind = type(value)
+            if kind is torch.Tensor:
+                dtype = value.dtype
+            elif kind is np.ndarray:
+                dtype = _NUMPY_DTYPES.get(value.dtype)
+            else:
+                return None
+            shape = value.shape
+            if not plain.get((dtype, field.dtype), False) or len(shape) != dims:
+                return None
+            if dims > 1 and shape[1:] != field.shape:
+                return None
+            if rows != shape[0]:
+                if rows >= 0:
+                    return None
+                rows = shape[0]
+            leaves[field.key] = value
+        return (rows,), leaves
 
     def _unknown_key(self, key: Key) -> str:
         known = [key_str(f.key) for f in self.fields]

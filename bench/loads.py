@@ -21,6 +21,7 @@ import queue
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -294,16 +295,45 @@ def learner_role(
 
         timed = looping(step, plan, _nothing)
 
-        def body(p: int) -> tuple[int, bool]:
-            what, amount = plan[p]
-            if what != "drain":
-                return timed(p)
-            assert ring is not None, "only the Queue learner drains"
-            for _ in range(int(amount)):
-                ring.put(handle.get(timeout=PASS_TIMEOUT))
-            return 0, False
+        # The Queue's writers block on a full queue: once this learner's timed pass is over,
+        # a thread keeps taking episodes off it (untimed) until the next pass begins, so a
+        # writer still in its last put finishes its pass instead of waiting PASS_TIMEOUT.
+        between: list[tuple[threading.Thread, threading.Event]] = []
 
-        yield body
+        def keep_draining(stop: threading.Event) -> None:
+            assert ring is not None
+            while not stop.is_set():
+                try:
+                    ring.put(handle.get(timeout=0.05))
+                except queue.Empty:
+                    continue
+
+        def stop_draining() -> None:
+            for thread, stop in between:
+                stop.set()
+                thread.join()
+            between.clear()
+
+        def body(p: int) -> tuple[int, bool]:
+            stop_draining()
+            what, amount = plan[p]
+            if what == "drain":
+                assert ring is not None, "only the Queue learner drains"
+                for _ in range(int(amount)):
+                    ring.put(handle.get(timeout=PASS_TIMEOUT))
+                return 0, False
+            result = timed(p)
+            if ring is not None:
+                stop = threading.Event()
+                thread = threading.Thread(target=keep_draining, args=(stop,), daemon=True)
+                thread.start()
+                between.append((thread, stop))
+            return result
+
+        try:
+            yield body
+        finally:
+            stop_draining()
 
 
 # -- measuring ------------------------------------------------------------------------------

@@ -8,8 +8,6 @@ the rows of its cut it is about to hand out (``checkpoint.py``). A reserve that 
 leased episodes, lap a writer still copying, whose rows that checkpoint cannot save yet, or
 that flow control holds back raises :class:`~shmbuffer.daemon.state.Deferred` having changed
 nothing (a piggybacked commit is taken out of ``fields`` first, so a retry does not redo it).
-A reserve sent ``ahead`` (a streaming writer's next reservation, asked for before it copies the
-current one) is never deferred: where it would be, it is answered with reservation 0.
 """
 
 from __future__ import annotations
@@ -63,17 +61,8 @@ class WriteOps(DaemonState):
             # Room for both records first, so a full disk refuses the pair, not half of it.
             self._journal_room(_commit_bytes(reservation) + _RESERVE_BYTES)
             fields["_committed"] = self._commit(client, fields.pop("commit"))
-        reply: dict[str, Any]
-        try:
-            reservation = self._reserve(client, fields, now)
-            reply = {"reservation": reservation.id, "ranges": [list(r) for r in reservation.ranges]}
-        except Deferred:
-            if not fields.get("ahead"):
-                raise
-            # Asked for ahead of the write that fills it: never parked (it would hold up the
-            # writes queued behind it for a write that may never come); reservation 0 says
-            # "not now", and the writer reserves again, waiting, when that write comes.
-            reply = {"reservation": 0, "ranges": []}
+        reservation = self._reserve(client, fields, now)
+        reply = {"reservation": reservation.id, "ranges": [list(r) for r in reservation.ranges]}
         if "_committed" in fields:
             reply["committed"] = fields["_committed"]
         return reply, []

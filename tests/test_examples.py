@@ -149,6 +149,7 @@ def test_dqn_learns_above_random_play(folders: tuple[Path, Path], tmp_path: Path
     check_curve_plot(curve, tmp_path / "curves.png")
 
 
+@pytest.mark.slow  # the DQN short run keeps the examples path in the default run
 @pytest.mark.timeout(SHORT_MINUTES * 60 + SHUTDOWN_S + 30)
 def test_ppo_learns_above_random_play(folders: tuple[Path, Path]) -> None:
     run = run_example(
@@ -180,6 +181,7 @@ def check_curve_plot(curve: Path, png: Path, *args: str) -> None:
 PENDULUM_SHORT_MINUTES = 2.0
 
 
+@pytest.mark.slow  # the DQN short run keeps the examples path in the default run
 @pytest.mark.timeout(PENDULUM_SHORT_MINUTES * 60 + SHUTDOWN_S + 30)
 def test_sac_pendulum_runs_end_to_end(folders: tuple[Path, Path], tmp_path: Path) -> None:
     curve = tmp_path / "sac.csv"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
@@ -124,3 +125,31 @@ def _refusals(reader: Reader) -> None:
             assert reader.stats()["samples"] == served
     assert reader.stats()["samples"] == served + 1  # only the short one was drawn
     assert reader.stats()["leases"] == 0
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "remote"])
+def test_read_copies_listed_rows_and_flags_those_a_writer_reached(ring: Any, remote: bool) -> None:
+    """``Reader.read(rows, generations)``: the rows ``committed_rows`` listed, whole while their
+    stamps hold; once a writer laps some, locally those are flagged, remotely the daemon refuses
+    the read; bad input names the argument."""
+    from shmbuffer.errors import TornReadError
+
+    with Reader(ring.name, timeout=10, remote=remote) as reader:
+        rows, gens = reader.committed_rows()
+        assert sorted(rows.tolist()) == list(range(RING * LENGTH))
+        at = np.searchsorted(rows, [0, 5, 3 * LENGTH + 7])
+        data, moved = reader.read(rows[at], gens[at])
+        # episode e fills rows e*LENGTH.. with steps e*LENGTH..: a row holds its own number
+        assert data["step"].tolist() == [0, 5, 3 * LENGTH + 7] and not moved.any()
+        with Writer(ring.name, timeout=10) as writer:
+            writer.add_episode(_episode(RING))  # overwrites episode 0: rows 0..LENGTH-1
+        if remote:
+            with pytest.raises(TornReadError):
+                reader.read(rows[at], gens[at])
+        else:
+            _, moved = reader.read(rows[at], gens[at])
+            assert moved.tolist() == [True, True, False]
+        with pytest.raises(InvalidArgumentError, match="rows"):
+            reader.read([RING * LENGTH], [0])
+        with pytest.raises(InvalidArgumentError, match="generations"):
+            reader.read(rows[:2], gens[:1])

@@ -193,6 +193,9 @@ def test_fifo_hands_each_episode_to_one_reader_in_order_while_the_writer_waits(
     8 episodes of 5 fill the ring, so the writer's 30 must wait for the readers to consume."""
     d = daemon(capacity=40, unit="episode", args=["--sampler", "fifo", "--max-times-sampled", "1"])
     children.spawn("reader", "consume_fifo_episodes", d.name, 0.02, 30.0, 1.0)
+    # A reader process starts slower than the writer (it imports tensordict): until it is
+    # connected, the thread below could consume all 30 before it asks for any.
+    assert children.get(timeout=30)[:2] == ("reader", "ready")
     children.spawn("writer", "write_fifo_episodes", d.name, 30, 5)
     mine: list[int] = []
 

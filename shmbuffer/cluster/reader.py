@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import operator
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -46,6 +45,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from shmbuffer.clients.readerstate import as_count, to_host
 from shmbuffer.cluster.episodes import EpisodeCopies, ShardEpisodes
 from shmbuffer.cluster.fanout import DOWN, ShardFanout, ShardUnavailableWarning
 from shmbuffer.cluster.shard import Piece
@@ -63,24 +63,6 @@ __all__ = ["DOWN", "MAX_ROUNDS", "ClusterReader", "ShardUnavailableWarning"]
 
 #: Rounds a call re-splits the items shards could not give (empty, or gone) over the others.
 MAX_ROUNDS = 4
-
-
-def _count(value: Any, name: str) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
-    if number < 1:
-        raise InvalidArgumentError(f"{name} must be >= 1, got {number}")
-    return number
-
-
-def _host(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
-    return value
 
 
 class ClusterReader(ShardFanout):
@@ -308,7 +290,7 @@ class ClusterReader(ShardFanout):
     ) -> TensorDict | tuple[TensorDict, dict[str, torch.Tensor]]:
         """``batch_size`` transitions across the shards (a copy), as ``Reader.sample``;
         ``info`` as described in the module docstring, plus ``info["shard"]``."""
-        n = _count(batch_size, "batch_size")
+        n = as_count(batch_size, "batch_size")
         pieces = self._draw("rows", n, beta=beta)
         merged: Any = self._merge(pieces, return_info, beta)
         return merged
@@ -325,7 +307,7 @@ class ClusterReader(ShardFanout):
         ``Reader.sample_slices`` (``strict=False``: padded, with a ``"mask"``)."""
         if type(strict) is not bool:
             raise TypeError(f"strict must be True or False, got {strict!r}")
-        n, length = _count(n, "n"), _count(length, "length")
+        n, length = as_count(n, "n"), as_count(length, "length")
         pieces = self._draw("slices", n, length, strict, beta)
         merged: Any = self._merge(pieces, return_info, beta)
         return merged
@@ -335,7 +317,7 @@ class ClusterReader(ShardFanout):
         """``n`` whole episodes across the shards, as ``Reader.sample_episodes``: views under
         a lease from this node's shard (released when the block exits), copies from the
         others."""
-        pieces = self._draw("episodes", _count(n, "n"))
+        pieces = self._draw("episodes", as_count(n, "n"))
         with ExitStack() as stack:
             for piece in pieces:
                 stack.push(partial(self._end, piece))
@@ -350,12 +332,12 @@ class ClusterReader(ShardFanout):
         self._rejoin()
         total = self.capacity * len(self.buffer.shard_list())
         try:
-            rows, values = check_update(_host(index), _host(priority), total)
+            rows, values = check_update(to_host(index), to_host(priority), total)
         except (TypeError, ValueError, IndexError) as exc:
             raise InvalidArgumentError(f"update_priorities: {exc}") from None
         stamps = None
         if generation is not None:
-            stamps = np.asarray(_host(generation))
+            stamps = np.asarray(to_host(generation))
             if stamps.shape != rows.shape or (stamps.dtype.kind not in "iu" and stamps.size):
                 raise InvalidArgumentError(
                     f"update_priorities: generation needs {rows.size} integer stamps (one per "

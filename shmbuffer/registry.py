@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import bisect
 import operator
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,13 +92,16 @@ class EpisodeRegistry:
 
     # ------------------------------------------------------------------ storage
 
-    def _reset_storage(self, slots: int) -> None:
+    def _reset_arrays(self, slots: int) -> None:
         self._ids: I64 = np.zeros(slots, dtype=np.int64)
         self._starts: I64 = np.zeros(slots, dtype=np.int64)
         self._ends: I64 = np.zeros(slots, dtype=np.int64)
         self._alive: npt.NDArray[np.bool_] = np.zeros(slots, dtype=np.bool_)
         # Slot-aligned running totals (see _cum_valid): cum[s] - cum[s-1] == length of slot s.
         self._cum: I64 = np.zeros(slots, dtype=np.int64)
+
+    def _reset_storage(self, slots: int) -> None:
+        self._reset_arrays(slots)
         # slice length -> slot-aligned running total of max(length_s - slice_length + 1, 0)
         self._slice_cum: dict[int, I64] = {}
         self._head = 0
@@ -122,18 +125,18 @@ class EpisodeRegistry:
         starts = self._starts[h:t][mask]
         ends = self._ends[h:t][mask]
         if slots is not None and slots != len(self._ids):
-            self._ids = np.zeros(slots, dtype=np.int64)
-            self._starts = np.zeros(slots, dtype=np.int64)
-            self._ends = np.zeros(slots, dtype=np.int64)
-            self._alive = np.zeros(slots, dtype=np.bool_)
-            self._cum = np.zeros(slots, dtype=np.int64)
+            self._reset_arrays(slots)
         else:
             self._alive[:t] = False
         self._ids[:n] = ids
         self._starts[:n] = starts
         self._ends[:n] = ends
+        self._finish_rebuild(n)
+
+    def _finish_rebuild(self, n: int) -> None:
+        """Slots ``0..n-1`` hold the live entries in id order: mark them, redo the totals."""
         self._alive[:n] = True
-        np.cumsum(ends - starts, out=self._cum[:n])
+        np.cumsum(self._ends[:n] - self._starts[:n], out=self._cum[:n])
         self._slice_cum = {}  # rebuilt lazily
         self._head = 0
         self._tail = n
@@ -305,6 +308,89 @@ class EpisodeRegistry:
         del self._by_start[ep.start]
         self._after_removals()
         return ep
+
+    def restore(self, episodes: Iterable[Episode]) -> None:
+        """Publish removed episodes again under their old ids (what an aborted reservation
+        evicted); a live id gets back the front rows :meth:`trim_front` took from it.
+
+        ValueError, changing nothing, if one was never added, overlaps a live episode or
+        another restored one, or does not extend a live one at its front. O(n) vectorised (one
+        rebuild of the slot arrays, as a compaction) plus O(k log n) for k episodes.
+        """
+        fronts: list[tuple[int, int, Episode]] = []  # (slot, current start, restored bounds)
+        fresh: list[Episode] = []
+        added: list[tuple[int, int, Episode]] = []  # the row runs that become live again
+        for ep in episodes:
+            if not (0 <= ep.id < self._next_id and 0 <= ep.start < ep.end <= self.capacity):
+                raise ValueError(f"cannot restore {ep}: never added, or outside the ring")
+            slot = self._slot_of(ep.id)
+            if slot is None:
+                fresh.append(ep)
+                added.append((ep.start, ep.end, ep))
+                continue
+            start = int(self._starts[slot])
+            if ep.end != int(self._ends[slot]) or ep.start >= start:
+                live = self._episode_at_slot(slot)
+                raise ValueError(
+                    f"cannot restore {ep}: it overlaps its live self {live}, not a front"
+                )
+            fronts.append((slot, start, ep))
+            added.append((ep.start, start, ep))
+        added.sort(key=lambda run: run[0])
+        for (s, e, ep), after in zip(added, [*added[1:], None], strict=True):
+            lo, hi = self._overlap_range(s, e)
+            if lo < hi:
+                other = self._by_start[self._sorted_starts[lo]][1]
+                raise ValueError(f"cannot restore {ep}: it overlaps live episode {other}")
+            if after is not None and e > after[0]:
+                raise ValueError(f"cannot restore {ep}: it overlaps {after[2]}, also restored")
+        for slot, start, ep in fronts:
+            i = bisect.bisect_left(self._sorted_starts, start)
+            self._sorted_starts[i] = ep.start  # still sorted: [ep.start, start) held nothing
+            self._by_start[ep.start] = self._by_start.pop(start)
+            self._starts[slot] = ep.start
+        for ep in fresh:
+            bisect.insort(self._sorted_starts, ep.start)
+            self._by_start[ep.start] = (ep.end, ep.id)
+        for s, e, _ in added:
+            self._spans.add(s, e)
+            self._num_rows += e - s
+        if not fresh:  # only fronts came back: the slots stay, their totals change
+            self._compact()
+            return
+        fresh.sort(key=_episode_id)
+        h, k = self._head, len(fresh)
+        head_first = fresh[-1].id < self._ids[h] and not (fronts or self._tombstones)
+        if self._n_live and k <= h and head_first:
+            # The usual give-back: the oldest episodes, evicted from the head, go back into
+            # the dead slots before it, each total one length below the next (O(k)); a
+            # front that came back changed the totals after it, so that case rebuilds.
+            for slot, ep in enumerate(fresh, h - k):
+                self._ids[slot], self._starts[slot], self._ends[slot] = ep.id, ep.start, ep.end
+            self._alive[h - k : h] = True
+            for slot in range(h - 1, h - k - 1, -1):
+                self._cum[slot] = self._cum[slot + 1] - (
+                    self._ends[slot + 1] - self._starts[slot + 1]
+                )
+            self._head, self._n_live, self._slice_cum = h - k, self._n_live + k, {}
+            return
+        h, t = self._head, self._tail
+        mask = self._alive[h:t]
+        back = np.array([(ep.id, ep.start, ep.end) for ep in fresh], dtype=np.int64)
+        cols = [np.concatenate([a[h:t][mask], back[:, j]]) for j, a in enumerate(self._columns)]
+        order = np.argsort(cols[0], kind="stable")  # old ids go back between the live ones
+        n = self._n_live = len(order)
+        if n > len(self._ids):
+            self._reset_arrays(max(2 * len(self._ids), n))
+        else:
+            self._alive[:t] = False
+        for array, col in zip(self._columns, cols, strict=True):
+            array[:n] = col[order]
+        self._finish_rebuild(n)
+
+    @property
+    def _columns(self) -> tuple[I64, I64, I64]:
+        return self._ids, self._starts, self._ends
 
     def clear(self) -> None:
         """Remove every episode; ids keep increasing (they are never reused)."""

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -444,6 +445,7 @@ class RegistryMachine(RuleBasedStateMachine):
         self.model: list[tuple[int, int, int]] = []
         self.next_id = 0
         self.rng = np.random.default_rng(0)
+        self.removed: list[tuple[int, int, int]] = []  # bounds an abort may bring back
 
     def _model_overlapping(self, start: int, end: int) -> list[tuple[int, int, int]]:
         return [x for x in self.model if start < end and x[1] < end and start < x[2]]
@@ -455,6 +457,7 @@ class RegistryMachine(RuleBasedStateMachine):
         expected = self._model_overlapping(start, end)
         assert [(e.id, e.start, e.end) for e in gone] == expected
         self.model = [x for x in self.model if x not in expected]
+        self.removed += expected
         new_id = self.reg.add(start, end)
         assert new_id == self.next_id
         self.next_id += 1
@@ -473,6 +476,7 @@ class RegistryMachine(RuleBasedStateMachine):
         item = data.draw(st.sampled_from(self.model))
         assert self.reg.remove(item[0]) == Episode(*item)
         self.model.remove(item)
+        self.removed.append(item)
         with pytest.raises(NotFoundError):
             self.reg.remove(item[0])
         # sample right away, while the tombstone may still be there (queries compact lazily)
@@ -490,11 +494,45 @@ class RegistryMachine(RuleBasedStateMachine):
         gone = self.reg.evict(start, end)
         assert [(e.id, e.start, e.end) for e in gone] == expected
         self.model = [x for x in self.model if x not in expected]
+        self.removed += expected
 
     @rule()
     def clear(self) -> None:
         self.reg.clear()
+        self.removed += self.model
         self.model = []
+
+    @precondition(lambda self: bool(self.removed))
+    @rule(data=st.data())
+    def restore(self, data: st.DataObject) -> None:
+        """An aborted reservation's give-back: removed bounds under their old ids, published
+        again if they fit between the live ones (a live id: its trimmed front comes back)."""
+        picked = data.draw(st.lists(st.sampled_from(self.removed), min_size=1, max_size=4))
+        live = {x[0]: x for x in self.model}
+        runs, ok = [], True
+        for i, s, e in picked:
+            if i in live:
+                ok &= e == live[i][2] and s < live[i][1]
+                runs.append((s, live[i][1]))
+            else:
+                runs.append((s, e))
+        runs.sort()
+        ok &= all(a[1] <= b[0] for a, b in itertools.pairwise(runs))
+        ok &= not any(s < e2 and s2 < e for s, e in runs for _, s2, e2 in self.model)
+        event(f"restore {'applied' if ok else 'refused'}")
+        if not ok:
+            before = (list(self.reg), self.reg.num_rows, self.reg._spans._starts[:])
+            with pytest.raises(ValueError, match="cannot restore"):
+                self.reg.restore([Episode(*x) for x in picked])
+            assert (list(self.reg), self.reg.num_rows, self.reg._spans._starts) == before
+            return
+        self.reg.restore([Episode(*x) for x in picked])
+        for i, s, e in picked:
+            if i in live:
+                self.model[self.model.index(live[i])] = (i, s, e)
+            else:
+                self.model.append((i, s, e))
+        self.model.sort()
 
     @precondition(lambda self: any(e - s > 1 for _, s, e in self.model))
     @rule(data=st.data())
@@ -503,6 +541,7 @@ class RegistryMachine(RuleBasedStateMachine):
         cut = data.draw(st.integers(item[1] + 1, item[2] - 1))
         assert self.reg.trim_front(item[0], cut) == Episode(item[0], cut, item[2])
         self.model[self.model.index(item)] = (item[0], cut, item[2])
+        self.removed.append(item)  # an abort gives the front back
 
     @rule(n=st.integers(1, 20), length=st.integers(1, 8))
     def sample(self, n: int, length: int) -> None:

@@ -34,7 +34,7 @@ import numpy.typing as npt
 from shmbuffer.errors import ProtocolError, ShmBufferError, VersionMismatchError
 
 #: Versioned separately from the package. Minor bumps add optional fields or ops only.
-PROTOCOL_VERSION = "1.2"
+PROTOCOL_VERSION = "1.3"
 PROTOCOL_MAJOR = int(PROTOCOL_VERSION.split(".", maxsplit=1)[0])
 
 #: Largest request header the daemon accepts, in bytes; payload frames are bounded by its own
@@ -91,6 +91,10 @@ REQUESTS: dict[str, dict[str, Spec]] = {
         "timeout_ms": _TIMEOUT,
         # The priority of what this reservation's commit publishes (since 1.2).
         "priority": _PRIORITY,
+        # A reservation asked for ahead of the write that will fill it: never parked; one
+        # that would have to wait, or evict episodes while many are live, is answered at
+        # once with reservation 0 (since 1.3).
+        "ahead": Spec((bool,), required=False),
     },
     "commit": {"reservation": _ID, "priority": _PRIORITY},
     # written: rows the writer's copy may have touched; what the reservation evicted from the
@@ -369,7 +373,7 @@ REPLIES: dict[str, dict[str, Spec]] = {
     "stats": {"stats": Spec((dict,)), **_nested("stats", _STATS)},
     "define_schema": {"buffer": Spec((dict,)), **_nested("buffer", _BUFFER)},
     "reserve": {
-        "reservation": Spec((int,)),
+        "reservation": Spec((int,)),  # 0: an ``ahead`` reserve that was not granted
         "ranges": Spec((list,)),
         "committed": Spec((list,), required=False),  # with the request's 'commit'
     },

@@ -6,6 +6,10 @@ commands that need no daemon; the others live by job, and keep their names here:
 :mod:`shmbuffer.cli_start` runs a daemon (``start``, ``run_daemon``),
 :mod:`shmbuffer.cli_admin` talks to a running one (``stop``, ``status``, ``configure``,
 ``checkpoint``).
+
+Only ``start`` (and ``demo``) import torch, about 3 s of CPU: ``status``, ``stop``,
+``configure`` and ``keygen`` answer in a fraction of a second
+(tests/test_import_cost.py pins it).
 """
 
 from __future__ import annotations
@@ -14,12 +18,12 @@ import argparse
 import logging
 import math
 import sys
+from collections.abc import Iterator
 
 from shmbuffer import curve
 from shmbuffer.cli_admin import cmd_checkpoint, cmd_configure, cmd_status, cmd_stop
 from shmbuffer.cli_start import cmd_start, run_daemon
 from shmbuffer.errors import ShmBufferError
-from shmbuffer.samplers import RATE_LIMITERS, SAMPLERS
 
 __all__ = [
     "build_parser",
@@ -67,6 +71,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # -- parser -------------------------------------------------------------------------------
 
 
+class _Names:
+    """The keys of ``shmbuffer.samplers.<table>`` as argparse ``choices``, read on first use:
+    that package imports torch, which only ``start`` needs, and argparse reads ``choices``
+    only to check a value given on the command line or to print help (the flags set a
+    ``metavar``, or ``add_argument`` would list them at once)."""
+
+    def __init__(self, table: str) -> None:
+        self._table = table
+
+    def _names(self) -> tuple[str, ...]:
+        import shmbuffer.samplers
+
+        return tuple(getattr(shmbuffer.samplers, self._table))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._names()
+
+
 def _seconds(text: str) -> float:
     """A positive, finite number of seconds (``nan``, ``inf``, 0 and negatives are usage
     errors, not a crash later: ``--watch -1`` used to fail in ``time.sleep``)."""
@@ -112,7 +137,11 @@ def _add_limiter_flags(parser: argparse.ArgumentParser) -> None:
 def _add_sampler_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="seeds every draw")
     parser.add_argument(
-        "--sampler", choices=tuple(SAMPLERS), default=None, help="how reads pick (default uniform)"
+        "--sampler",
+        choices=_Names("SAMPLERS"),
+        default=None,
+        metavar="NAME",
+        help="how reads pick: %(choices)s (default uniform)",
     )
     parser.add_argument(
         "--priority-exponent", type=_finite, default=None, help="prioritized: alpha (0.6)"
@@ -134,9 +163,10 @@ def _add_sampler_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--rate-limiter",
-        choices=tuple(RATE_LIMITERS),
+        choices=_Names("RATE_LIMITERS"),
         default=None,
-        help="flow control between inserts and samples (default none)",
+        metavar="NAME",
+        help="flow control between inserts and samples: %(choices)s (default none)",
     )
     _add_limiter_flags(parser)
 

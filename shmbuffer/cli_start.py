@@ -5,7 +5,9 @@ file and pid file beside the socket, after refusing a name a live daemon serves 
 what a dead one left behind; ``--resume``/``--restore`` go through
 :mod:`shmbuffer.daemon.recovery`. ``--detach`` starts this same command as a child in a new
 session and waits until its runtime file names it. Part of the command line
-(:mod:`shmbuffer.cli`), above both sides; it imports no client.
+(:mod:`shmbuffer.cli`), above both sides; it imports no client. The daemon's modules (torch
+among them) are imported when ``start`` runs, not with this module: the other commands load
+it too, and need none of them.
 """
 
 from __future__ import annotations
@@ -20,18 +22,20 @@ from typing import TYPE_CHECKING
 
 from shmbuffer import runtime
 from shmbuffer.daemon import security
-from shmbuffer.daemon.config import DaemonConfig, load_schema_file
 from shmbuffer.errors import ConfigError, ShmBufferError
 from shmbuffer.protocol import PROTOCOL_VERSION
 from shmbuffer.runtime import runtime_dir
 
 if TYPE_CHECKING:
+    from shmbuffer.daemon.config import DaemonConfig
     from shmbuffer.daemon.metrics import MetricsServer
 
 log = logging.getLogger("shmbuffer.daemon")
 
 
 def cmd_start(args: argparse.Namespace) -> int:
+    from shmbuffer.daemon.config import DaemonConfig, load_schema_file  # imports torch
+
     config = DaemonConfig.load(
         args.config,
         name=args.name,

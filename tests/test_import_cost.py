@@ -5,8 +5,10 @@ daemon start and every env-worker process paid it before; only TensorDict-return
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +45,35 @@ def test_segment_builds_its_tensordict_on_first_use() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=False
     )
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_commands_other_than_start_do_not_import_torch(tmp_path: Path) -> None:
+    """``shmbuffer-daemon status/stop/configure/keygen`` answer in a fraction of a second: torch
+    (~3 s of CPU) is for ``start``, which imports it when it runs. Each command here runs to
+    its answer: no daemon by that name, a silent endpoint, keys written."""
+    silent = f"ipc://{tmp_path / 'nobody.sock'}"
+    commands = [
+        ["status", "--name", "nobody", "--timeout", "0.5"],
+        ["status", "--name", silent, "--json", "--timeout", "0.5"],
+        ["stop", "--name", "nobody", "--timeout", "0.5"],
+        ["configure", "--name", "nobody", "--min-size", "3", "--timeout", "0.5"],
+        ["keygen", "--out", str(tmp_path / "keys"), "--name", "client"],
+    ]
+    probe = (
+        "import sys\n"
+        "from shmbuffer.cli import main\n"
+        f"codes = [main(argv) for argv in {commands!r}]\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'tensordict'))\n"
+        "print(codes, heavy[:5])\n"
+    )
+    env = {**os.environ, "SHMBUFFER_RUNTIME_DIR": str(tmp_path / "run")}
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,  # the assertion shows what it printed
+    )
+    assert out.stdout.splitlines()[-1:] == ["[1, 1, 1, 1, 0] []"], out.stdout + out.stderr
+    assert (tmp_path / "keys" / "client.key").is_file()

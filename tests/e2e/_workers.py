@@ -1,16 +1,84 @@
-"""Worker functions run in spawned processes by the e2e tests (no pytest imports here).
+"""Worker functions run in child processes by the e2e tests (no pytest imports here).
 
 :func:`entry` sets ``SHMBUFFER_RUNTIME_DIR`` before anything looks for a daemon, runs one
 worker and reports ``(tag, "ok", result)`` or ``(tag, "error", traceback)`` on the queue.
 Workers may also post ``(tag, "<message>", value)`` progress lines through ``say``.
+
+The children start from :func:`context`: a forkserver that has imported torch, tensordict and
+shmbuffer once, so that a child does not pay the ~3-6 s of CPU a fresh interpreter spends on
+them (every e2e test starts a daemon, most start workers too). :func:`run_cli` is the daemon
+fixture's ``shmbuffer-daemon`` process, started the same way.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 import traceback
+from multiprocessing.context import ForkServerContext, ForkServerProcess
 from typing import Any
+
+#: What the fork server imports before it forks anything: only imports, no torch op and no
+#: zmq context runs there (each child makes its own), so a child forked from it is as clean
+#: as a spawned one. A name that fails to import is skipped by multiprocessing; the child
+#: then imports it itself.
+PRELOAD = [
+    "torch",
+    "tensordict",
+    "shmbuffer.clients",
+    "shmbuffer.demo",
+    "shmbuffer.cli",
+    "shmbuffer.cli_start",
+    "shmbuffer.daemon.server",
+    "shmbuffer.daemon.service",
+    "tests.e2e._workers",
+]
+
+
+class EnvProcess(ForkServerProcess):
+    """A forkserver child that runs with the environment its parent had when it started it,
+    as a spawned child does: the fork server's own environment is the one it was started
+    with (by whichever test came first, with that test's ``SHMBUFFER_RUNTIME_DIR``)."""
+
+    _environ: dict[str, str] | None = None
+
+    def start(self) -> None:
+        self._environ = dict(os.environ)
+        super().start()
+
+    def run(self) -> None:
+        if self._environ is not None:
+            os.environ.clear()
+            os.environ.update(self._environ)
+        super().run()
+
+
+class _EnvForkServerContext(ForkServerContext):
+    Process = EnvProcess  # type: ignore[assignment]
+
+
+_CONTEXT = _EnvForkServerContext()
+
+
+def context() -> Any:
+    """The multiprocessing context of the e2e children (``Process``, ``Queue``, ``Pipe``)."""
+    _CONTEXT.set_forkserver_preload(PRELOAD)  # takes effect when the server first starts
+    return _CONTEXT
+
+
+def run_cli(argv: list[str], log_path: str) -> None:
+    """``python -m shmbuffer.cli ARGV`` with stdout and stderr to ``log_path``, in this
+    (forkserver) child: the daemon is still its own process with its own pid, signal
+    handlers, log and exit code (``main``'s return value)."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    import shmbuffer.cli
+
+    sys.argv = [shmbuffer.cli.__file__, *argv]  # `start --detach` re-runs sys.argv[1:]
+    raise SystemExit(shmbuffer.cli.main(argv))
 
 
 def entry(runtime_dir: str, results: Any, tag: str, fn: str, args: tuple[Any, ...]) -> None:

@@ -1,5 +1,12 @@
-"""Fixtures for the end-to-end tests: a real daemon subprocess started through the CLI, and
-spawned writer/reader processes that are always joined or killed.
+"""Fixtures for the end-to-end tests: a real daemon process running the CLI, and writer/reader
+processes that are always joined or killed.
+
+Both kinds of process fork from one multiprocessing fork server that has imported torch and
+shmbuffer already (:func:`tests.e2e._workers.context`): a fresh interpreter pays ~3 s of CPU
+for ``import torch``, and every test starts at least one daemon. The daemon is still its own
+process (pid, signals, log, exit code) running ``shmbuffer.cli.main``; ``daemon(via_cli=True)``
+starts it as ``python -m shmbuffer.cli start`` instead (tests/e2e/test_cli.py keeps the console
+entry under test that way), and ``SHMBUFFER_E2E_DAEMON=subprocess`` does so for every test.
 
 Every test gets its own runtime dir (a short path in /tmp, since ipc socket paths are limited
 to ~107 bytes) exported as ``SHMBUFFER_RUNTIME_DIR`` in this process and passed to every child,
@@ -10,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -31,6 +37,13 @@ from tests.e2e import _workers
 START_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 10.0
 CLI = [sys.executable, "-m", "shmbuffer.cli"]
+#: How the daemon fixture starts daemons: "forkserver" (fast) or "subprocess" (the console
+#: entry, as a user runs it), to check that the fast path hides nothing.
+DAEMON_VIA = os.environ.get("SHMBUFFER_E2E_DAEMON", "forkserver")
+if DAEMON_VIA not in ("forkserver", "subprocess"):
+    raise ValueError(
+        f"SHMBUFFER_E2E_DAEMON must be 'forkserver' or 'subprocess', got {DAEMON_VIA!r}"
+    )
 
 
 def wait_for(predicate: Any, timeout: float, interval: float = 0.02, what: str = "") -> Any:
@@ -97,10 +110,49 @@ class Env:
             pytest.fail(f"`shmbuffer-daemon {' '.join(args)}` did not finish in {timeout}s: {exc}")
 
 
+class ForkedProcess:
+    """The part of :class:`subprocess.Popen` the tests use (``pid``, ``poll``, ``wait``,
+    ``send_signal``, ``kill``, ``returncode``) over a forkserver child. Exit codes read as
+    Popen's do: the code the process exited with, ``-N`` for death by signal N."""
+
+    def __init__(self, process: Any, args: list[str]) -> None:
+        self._process = process
+        self.args = args
+
+    @property
+    def pid(self) -> int:
+        return int(self._process.pid)
+
+    @property
+    def returncode(self) -> int | None:
+        code: int | None = self._process.exitcode  # reaps without blocking
+        return code
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        code = self.returncode
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # as Popen: never signal a reaped pid (it may be reused)
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 @dataclass
 class DaemonHandle:
     name: str
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | ForkedProcess
     endpoint: str
     storage_dir: Path
     env: Env
@@ -161,8 +213,9 @@ def e2e_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[Env]:
 
 @pytest.fixture
 def daemon(e2e_env: Env) -> Iterator[Any]:
-    """Factory: ``daemon(capacity=..., unit=..., args=[...])`` starts a real daemon through
-    ``shmbuffer-daemon start`` and waits until its runtime file names its pid."""
+    """Factory: ``daemon(capacity=..., unit=..., args=[...])`` starts a real daemon running
+    ``shmbuffer-daemon start`` and waits until its runtime file names its pid; with
+    ``via_cli=True`` through the console entry, ``python -m shmbuffer.cli start``."""
     started: list[DaemonHandle] = []
 
     def start(
@@ -171,11 +224,11 @@ def daemon(e2e_env: Env) -> Iterator[Any]:
         capacity: int = 10_000,
         unit: str = "episode",
         args: tuple[str, ...] | list[str] = (),
+        via_cli: bool = False,
     ) -> DaemonHandle:
         name = name or f"e2e-{uuid.uuid4().hex[:8]}"
         log_path = e2e_env.runtime_dir / f"{name}.daemon-{len(started)}.log"
         argv = [
-            *CLI,
             "start",
             "--name",
             name,
@@ -187,10 +240,18 @@ def daemon(e2e_env: Env) -> Iterator[Any]:
             str(e2e_env.storage_dir),
             *args,
         ]
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(
-                argv, env=e2e_env.environ, stdout=log, stderr=subprocess.STDOUT
+        process: subprocess.Popen[bytes] | ForkedProcess
+        if via_cli or DAEMON_VIA == "subprocess":
+            with open(log_path, "wb") as log:
+                process = subprocess.Popen(
+                    [*CLI, *argv], env=e2e_env.environ, stdout=log, stderr=subprocess.STDOUT
+                )
+        else:  # the child takes this process's environment, which holds the test's folders
+            forked = _workers.context().Process(
+                target=_workers.run_cli, args=(argv, str(log_path)), daemon=True
             )
+            forked.start()
+            process = ForkedProcess(forked, [*CLI, *argv])
         handle = DaemonHandle(name, process, "", e2e_env.storage_dir, e2e_env, log_path)
         started.append(handle)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -216,16 +277,17 @@ def daemon(e2e_env: Env) -> Iterator[Any]:
 
 
 class Children:
-    """Spawned worker processes: results come back on a queue; teardown kills stragglers."""
+    """Worker processes (from the preloaded fork server): results come back on a queue;
+    teardown kills stragglers."""
 
     def __init__(self, env: Env) -> None:
         self.env = env
-        self.ctx = mp.get_context("spawn")
+        self.ctx = _workers.context()
         self.results = self.ctx.Queue()
         self.procs: list[Any] = []
 
     def spawn(self, tag: str, fn: str, *args: Any) -> Any:
-        """Run ``tests.e2e._workers.<fn>(*args)`` in a fresh interpreter."""
+        """Run ``tests.e2e._workers.<fn>(*args)`` in a child process."""
         proc = self.ctx.Process(
             target=_workers.entry,
             args=(str(self.env.runtime_dir), self.results, tag, fn, args),

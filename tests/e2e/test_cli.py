@@ -26,7 +26,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def test_start_status_refuse_stop(daemon, e2e_env):
-    d = daemon(capacity=1234, unit="episode")
+    d = daemon(capacity=1234, unit="episode", via_cli=True)  # the console entry itself
     with Writer(d.name) as w:  # a schema, hence a segment folder, to be unlinked by stop
         w.add_episode(make_episode(0, 0, 10, (2,)))
     assert (d.segment_path / "manifest.json").is_file()
@@ -135,7 +135,8 @@ def test_stale_runtime_file_is_replaced(daemon, e2e_env):
     with pytest.raises(DaemonUnavailableError, match="gone"):
         Writer(name, timeout=2)
 
-    d = daemon(name=name, capacity=100)  # waits until the runtime file names the new pid
+    # start as a user does; the fixture waits until the runtime file names the new pid
+    d = daemon(name=name, capacity=100, via_cli=True)
     assert e2e_env.read_runtime(name)["pid"] == d.pid != dead.pid
     assert not (leftover / "junk").exists()  # the dead daemon's segment was cleared
     assert d.stats()["capacity"] == 100

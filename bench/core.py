@@ -157,6 +157,7 @@ def episodes(ctx: Context) -> list[Row]:
 
 CREATE_IMPLS: list[type[Adapter]] = [Shmbuffer, ShmbufferShared, Cpprb]
 CREATE_PAUSE = 3.0  # s before each creation; see the note in ``create``
+QUICK_CREATE_PAUSE = 0.2  # --quick checks that creation works, not its ranking: 4 x 3 s saved
 CREATE_TARGET = (10.0, 2.0)  # a 10 GB buffer ready in <= 2 s
 
 
@@ -210,6 +211,7 @@ def create(ctx: Context) -> list[Row]:
     capacity = max(1, int(gb * 1e9) // row_bytes)
     nbytes = capacity * row_bytes
     order = ctx.rotate(CREATE_IMPLS)  # none always runs first across --repeat
+    pause = QUICK_CREATE_PAUSE if ctx.quick else CREATE_PAUSE
     ctx.note(
         name,
         f"{capacity:,} rows x {row_bytes:,} B = {nbytes / 1e9:.2f} GB; create = the adapter's "
@@ -217,7 +219,7 @@ def create(ctx: Context) -> list[Row]:
         "resident = VmRSS gained, proof the pages are reserved, not lazily mapped; cpu = CPU "
         "seconds of this process during the create, all threads (what the wall time is made "
         "of on a shared machine). The order rotates with each run (--repeat), and "
-        f"each creation starts {CREATE_PAUSE:g} s after the last buffer was freed (on a VM "
+        f"each creation starts {pause:g} s after the last buffer was freed (on a VM "
         "with free-page reporting, memory freed moments before is still backed by the host "
         "and cheaper to get: without the pause, the running order would decide the ranking). "
         "The 10 GB figure: --create-gb 10 --repeat 1, alone on the machine",
@@ -234,7 +236,7 @@ def create(ctx: Context) -> list[Row]:
             ctx.note(name, f"{cls.name} skipped: {reason}")
             continue
         gc.collect()
-        time.sleep(CREATE_PAUSE)
+        time.sleep(pause)
         adapter = None
         try:
             rss0, cpu0 = _resident(), _cpu()
@@ -253,7 +255,7 @@ def create(ctx: Context) -> list[Row]:
             gc.collect()
     floor = None
     if nbytes * 1.1 < _mem_available():
-        time.sleep(CREATE_PAUSE)
+        time.sleep(pause)
         floor = _kernel_floor(nbytes)
     rows = [
         make_row(

@@ -58,9 +58,21 @@ PRELOAD = [
     "bench.rollout",
     "shmbuffer.clients.writer",
     "shmbuffer.clients.reader",
+    "shmbuffer.cli",  # and the daemon's modules: forked daemons (see running_daemon)
+    "shmbuffer.daemon.config",
+    "shmbuffer.daemon.server",
+    "shmbuffer.daemon.service",
     "torchrl.data",
     "cpprb",
 ]
+
+#: How :func:`running_daemon` starts a daemon when its caller does not say: ``False``, a
+#: ``python -m shmbuffer.cli start`` subprocess (what a user runs; the full run's way);
+#: ``True`` (``--quick``, set by the runner), the same ``shmbuffer.cli`` command run in a
+#: process forked from the preloaded forkserver, which skips the ~3 s of CPU each daemon
+#: spends importing torch. The daemon's code and sockets are the same; its pages are shared
+#: with the server, so the memory scenario always asks for a subprocess.
+FORK_DAEMONS = False
 
 
 def preloaded_context() -> Any:
@@ -108,28 +120,89 @@ def bench_dirs(ctx: Context) -> Iterator[str]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _daemon_main(argv: list[str], log_path: str, env: dict[str, str]) -> None:
+    """A forked daemon: ``shmbuffer.cli`` ``argv``, output to ``log_path``, with the
+    ``SHMBUFFER_*`` variables of the parent that started it (the forkserver's own are those of
+    whoever started the server first: an earlier scenario's runtime dir)."""
+    for key in [k for k in os.environ if k.startswith("SHMBUFFER_") and k not in env]:
+        del os.environ[key]
+    os.environ.update(env)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    from shmbuffer.cli import main
+
+    sys.exit(main(argv))
+
+
+class _Forked:
+    """A forked daemon process behind the few ``subprocess.Popen`` calls used here."""
+
+    def __init__(self, argv: list[str], log_path: str, name: str) -> None:
+        env = {k: v for k, v in os.environ.items() if k.startswith("SHMBUFFER_")}
+        self.proc = preloaded_context().Process(
+            target=_daemon_main, args=(argv, log_path, env), name=name, daemon=True
+        )
+        self.proc.start()
+        self.pid: int = self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        code: int | None = self.proc.exitcode
+        return code
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.proc.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def wait(self, timeout: float) -> int:
+        self.proc.join(timeout)
+        code = self.returncode
+        if code is None:
+            raise subprocess.TimeoutExpired(self.proc.name, timeout)
+        return code
+
+
 @contextmanager
 def running_daemon(
-    storage_dir: str, capacity: int, unit: str, spec: Spec | None = None
+    storage_dir: str,
+    capacity: int,
+    unit: str,
+    spec: Spec | None = None,
+    forked: bool | None = None,
 ) -> Iterator[str]:
-    """A daemon subprocess serving a fresh buffer; yields its name once it is ready.
+    """A daemon serving a fresh buffer; yields its name once it is ready. ``forked``: from
+    the preloaded forkserver rather than a subprocess (default :data:`FORK_DAEMONS`).
 
     With ``spec`` the schema is declared up front, so the daemon creates (and prefaults) its
     segment before it listens: nothing of that is left for the first timed write."""
     from shmbuffer import runtime
 
     name = f"bench-{os.getpid()}-{next(_names)}"
-    cmd = [sys.executable, "-m", "shmbuffer.cli", "--log-level", "WARNING", "start"]
-    cmd += ["--name", name, "--capacity", str(capacity), "--unit", unit]
-    cmd += ["--storage-dir", storage_dir]
+    argv = ["--log-level", "WARNING", "start"]
+    argv += ["--name", name, "--capacity", str(capacity), "--unit", unit]
+    argv += ["--storage-dir", storage_dir]
     if spec is not None:
         path = os.path.join(storage_dir, f"{name}.schema.json")
         with open(path, "w") as f:
             json.dump(schema(spec), f)
-        cmd += ["--schema", path]
+        argv += ["--schema", path]
     log_path = os.path.join(storage_dir, f"{name}.log")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    proc: subprocess.Popen[bytes] | _Forked
+    if FORK_DAEMONS if forked is None else forked:
+        open(log_path, "wb").close()  # there to read, even if the child dies before it writes
+        proc = _Forked(argv, log_path, f"bench-daemon-{name}")
+    else:
+        cmd = [sys.executable, "-m", "shmbuffer.cli", *argv]
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + DAEMON_START_TIMEOUT
         # Ready = its runtime file names this very process (a stale file from an earlier

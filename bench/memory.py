@@ -153,7 +153,8 @@ def _measure(root: str, kind: str, unit: str, mb: float, ctx: Context) -> dict[s
     capacity = episodes * LENGTH
     calls = ctx.size(SAMPLE_CALLS, minimum=5)
     points: dict[str, dict[str, Mem]] = {}
-    with running_daemon(root, capacity, unit, spec) as target:
+    # a subprocess, never forked from the preloaded server: its pages are what is measured
+    with running_daemon(root, capacity, unit, spec, forked=False) as target:
         info = runtime.read(target) or {}
         segment_dir = os.path.join(root, target)
         with Children(passes=3) as kids:

@@ -28,6 +28,11 @@ from bench import (  # noqa: F401  (register the scenarios)
 )
 from bench.registry import SCENARIOS, Context
 
+MAX_OP_SECONDS = 5.0
+#: --quick's cap: a peer's slow op (TorchRL's sample of image rows, ~0.1-1 s a call on two
+#: busy cores) would otherwise spend 5 s apiece of a run that only checks it works.
+QUICK_MAX_OP_SECONDS = 1.0
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
@@ -70,7 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         help="torch intra-op threads (default 1: copies are "
         "compared single-threaded, and 2 OpenMP threads collapse on a busy 2-core machine)",
     )
-    parser.add_argument("--max-op-seconds", type=float, default=5.0, help="cap per timed op")
+    parser.add_argument(
+        "--max-op-seconds",
+        type=float,
+        default=None,
+        help=f"cap per timed op (default {MAX_OP_SECONDS:g} s; {QUICK_MAX_OP_SECONDS:g} s with "
+        "--quick, which checks that each op runs and is sane, not how fast)",
+    )
     parser.add_argument(
         "--create-gb",
         type=float,
@@ -81,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.out is None:
         args.out = Path("docs/bench" if args.readme else "bench/results")
+    if args.max_op_seconds is None:
+        args.max_op_seconds = QUICK_MAX_OP_SECONDS if args.quick else MAX_OP_SECONDS
+    if args.max_op_seconds <= 0:
+        parser.error(f"--max-op-seconds must be positive, got {args.max_op_seconds:g}")
     if args.create_gb <= 0:
         parser.error(f"--create-gb must be positive, got {args.create_gb:g}")
 
@@ -98,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     repeat = args.repeat if args.repeat is not None else (1 if args.quick else 3)
     if repeat < 1:
         parser.error(f"--repeat must be >= 1, got {repeat}")
-    from bench import machine
+    from bench import harness, machine
+
+    harness.FORK_DAEMONS = args.quick  # see harness.FORK_DAEMONS
 
     load0 = os.getloadavg()[0]
     if args.readme:

@@ -314,8 +314,9 @@ class EpisodeRegistry:
         evicted); a live id gets back the front rows :meth:`trim_front` took from it.
 
         ValueError, changing nothing, if one was never added, overlaps a live episode or
-        another restored one, or does not extend a live one at its front. O(n) vectorised (one
-        rebuild of the slot arrays, as a compaction) plus O(k log n) for k episodes.
+        another restored one, or does not extend a live one at its front. O(k log n) for k
+        episodes when they are older than every live one (the oldest, evicted from the head:
+        the usual case); otherwise one vectorised O(n) rebuild of the slot arrays besides.
         """
         fronts: list[tuple[int, int, Episode]] = []  # (slot, current start, restored bounds)
         fresh: list[Episode] = []

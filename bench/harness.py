@@ -62,6 +62,7 @@ PRELOAD = [
     "shmbuffer.daemon.config",
     "shmbuffer.daemon.server",
     "shmbuffer.daemon.service",
+    "shmbuffer.samplers._jit",  # numba (the fast extra)
     "torchrl.data",
     "cpprb",
 ]

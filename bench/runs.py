@@ -100,6 +100,7 @@ PRELOAD = (
     "shmbuffer.buffer",
     "shmbuffer.clients.writer",
     "shmbuffer.clients.reader",
+    "shmbuffer.samplers._jit",  # numba (the fast extra)
 )
 
 

@@ -22,6 +22,7 @@ from shmbuffer.samplers import (
     UniformSampler,
     WithoutReplacementSampler,
     make_sampler,
+    sumtree,
 )
 from shmbuffer.samplers.index import SliceMass
 from shmbuffer.samplers.prioritized import last_writes
@@ -198,6 +199,17 @@ def test_uniform_episodes_and_empty() -> None:
 # ---------------------------------------------------------------------- prioritized
 
 
+@pytest.fixture(params=["numpy", "compiled"])
+def tree_loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The prioritized sampler's sum tree with numpy loops, then compiled (the fast extra)."""
+    if request.param == "numpy":
+        monkeypatch.setattr(sumtree, "jit_available", lambda: None)
+    elif sumtree.jit_available() is None:
+        pytest.skip("numba (the fast extra) is not installed")
+    return str(request.param)
+
+
+@pytest.mark.usefixtures("tree_loops")
 def test_prioritized_rows_match_priority_alpha() -> None:
     alpha, beta, eps = 0.7, 0.5, 1e-6
     sampler = PrioritizedSampler(priority_exponent=alpha, importance_exponent=beta)
@@ -216,6 +228,7 @@ def test_prioritized_rows_match_priority_alpha() -> None:
     assert sampler.weights(p).max() <= 1.0
 
 
+@pytest.mark.usefixtures("tree_loops")
 def test_prioritized_episodes_and_new_data_gets_max_priority() -> None:
     sampler = PrioritizedSampler(priority_exponent=1.0, priority_eps=0.0)
     feed = Feed(sampler, 100, "episode")
@@ -232,6 +245,7 @@ def test_prioritized_episodes_and_new_data_gets_max_priority() -> None:
     assert np.allclose(rows.probability, [expected[s] / 11 for s in starts.tolist()])
 
 
+@pytest.mark.usefixtures("tree_loops")
 def test_prioritized_slices_in_transition_unit_follow_start_priority() -> None:
     sampler = PrioritizedSampler(priority_exponent=1.0, priority_eps=0.0)
     feed = Feed(sampler, 64)
@@ -266,6 +280,7 @@ def test_prioritized_slices_in_episode_unit() -> None:
     assert np.all(loose.lengths[short] == 3) and np.allclose(loose.probability[short], 5 / 8)
 
 
+@pytest.mark.usefixtures("tree_loops")
 def test_update_priorities_skips_empty_rows_and_rejects_bad_input() -> None:
     sampler = PrioritizedSampler()
     feed = Feed(sampler, 50)
@@ -617,6 +632,7 @@ CHURN = [
 
 @pytest.mark.parametrize("unit", ["transition", "episode"])
 @pytest.mark.parametrize(("name", "options"), CHURN)
+@pytest.mark.usefixtures("tree_loops")
 def test_random_churn_keeps_the_mirror_exact(name: str, options: dict[str, Any], unit: str) -> None:
     """Commits, evictions, aborts, draws and reloads in random order: the sampler's row mirror
     equals the registry, its slice normalisers equal a recount, no dead row has weight."""

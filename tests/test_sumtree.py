@@ -1,7 +1,8 @@
 """SumTree and MinTree against a plain numpy model: batch updates, prefix sums, searches.
 
 ``top=`` shrinks the top level so that small trees get the 16-ary levels a large buffer has
-(``top=1``: 16-ary all the way up).
+(``top=1``: 16-ary all the way up). Every test runs twice: with the numpy loops and with the
+compiled kernels (``_jit.py``; skipped where numba, the ``fast`` extra, is not installed).
 """
 
 from __future__ import annotations
@@ -12,7 +13,29 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shmbuffer.samplers import sumtree
-from shmbuffer.samplers.sumtree import FANOUT, TOP, MinTree, PositiveMinTree, SumTree, update_pair
+from shmbuffer.samplers.sumtree import (
+    FANOUT,
+    TOP,
+    MinTree,
+    PositiveMinTree,
+    SumTree,
+    assign_pair,
+    update_pair,
+)
+
+COMPILED = sumtree.jit_available()
+
+
+@pytest.fixture(scope="module", autouse=True, params=["numpy", "compiled"])
+def backend(request: pytest.FixtureRequest) -> object:
+    """Which loops ``SumTree(jit=None)`` gets in this module's tests (module scope: one
+    switch per backend, and hypothesis's tests may use it)."""
+    if request.param == "compiled" and COMPILED is None:
+        pytest.skip("numba (the fast extra) is not installed")
+    found = sumtree.jit_available
+    setattr(sumtree, "jit_available", (lambda: None) if request.param == "numpy" else found)  # noqa: B010
+    yield request.param
+    setattr(sumtree, "jit_available", found)  # noqa: B010
 
 
 def model_find(leaves: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -246,11 +269,14 @@ def test_update_pair_equals_two_updates(top: int) -> None:
         update_pair(sums, mins, idx, vals)
         ref_sums.update_unique(idx, vals)
         ref_mins.update_unique(idx, np.where(vals > 0, vals, np.inf))
-        for x, y in ((sums, ref_sums), (mins, ref_mins)):
-            assert all(
-                np.array_equal(p, q) for p, q in zip(x.levels[1:], y.levels[1:], strict=True)
-            )
-        assert sums.total == ref_sums.total and mins.min == ref_mins.min
+        # A compiled tree adds 16 children in order, BLAS in an order of its own: sums agree
+        # to rounding, minima exactly.
+        for p, q in zip(sums.levels[1:], ref_sums.levels[1:], strict=True):
+            assert np.allclose(p, q, rtol=1e-13, atol=0)
+        for p, q in zip(mins.levels[1:], ref_mins.levels[1:], strict=True):
+            assert np.array_equal(p, q)
+        assert sums.total == pytest.approx(ref_sums.total, rel=1e-13)
+        assert mins.min == ref_mins.min
     sums.clear()
     mins.clear()
     assert mins.min == np.inf
@@ -277,3 +303,55 @@ def test_clear_and_nan_queries() -> None:
     assert s.find_prefix_sum([np.nan]).tolist() == [0]  # NaN counts as 0
     s.clear()
     assert s.total == 0.0 and not s.leaves.any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    capacity=st.integers(1, 5000),
+    seed=st.integers(0, 2**32 - 1),
+    rounds=st.integers(1, 6),
+    batch=st.sampled_from([1, 7, 256, 600]),
+)
+def test_assign_pair_equals_writes_in_order(
+    capacity: int, seed: int, rounds: int, batch: int
+) -> None:
+    """``assign_pair``: writes with repeats (the last one wins) and zeros, then the leaves,
+    every level of both trees, the count of positive leaves and the leaf of every boundary
+    query are those of the model. Integer weights keep every sum exact in any order, so the
+    compiled and numpy trees must agree bit for bit."""
+    rng = np.random.default_rng(seed)
+    sums = SumTree(capacity, top=16)
+    mins = PositiveMinTree(sums)
+    model = np.zeros(capacity)
+    positive = 0
+    for _ in range(rounds):
+        idx = rng.integers(0, capacity, size=batch)
+        vals = rng.integers(0, 5, size=batch).astype(np.float64)
+        positive += assign_pair(sums, mins, idx, vals)
+        for i, v in zip(idx.tolist(), vals.tolist(), strict=True):
+            model[i] = v
+        assert positive == np.count_nonzero(model)
+    ref = SumTree(capacity, top=16, jit=False)
+    ref.fill(model)
+    ref_mins = PositiveMinTree(ref)
+    ref_mins.rebuild()
+    assert np.array_equal(sums.leaves, model)
+    for tree, other in ((sums, ref), (mins, ref_mins)):
+        assert all(np.array_equal(p, q) for p, q in zip(tree.levels, other.levels, strict=True))
+    assert sums.total == model.sum() and mins.min == ref_mins.min
+    if model.sum() == 0:
+        return
+    cum = np.cumsum(model)
+    values = np.concatenate([cum, cum - 0.5, [0.0, sums.total * 3, np.nan, -1.0]])
+    got = sums.find_prefix_sum(values)
+    assert np.array_equal(got, brute_find(model, np.fmax(np.nan_to_num(values), 0.0)))
+    keys, weights = sums.draw(300, np.random.default_rng(seed))
+    ref_keys, ref_weights = ref.draw(300, np.random.default_rng(seed))
+    assert np.array_equal(keys, ref_keys) and np.array_equal(weights, ref_weights)
+
+
+def test_jit_asked_for_without_numba(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sumtree, "jit_available", lambda: None)
+    with pytest.raises(RuntimeError, match="numba"):
+        SumTree(4, jit=True)
+    assert SumTree(4).kernels is None and SumTree(4, jit=False).kernels is None

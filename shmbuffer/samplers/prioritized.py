@@ -72,7 +72,7 @@ from shmbuffer.samplers.base import (
     to_bytes,
 )
 from shmbuffer.samplers.index import Graveyard, Removal, SliceMasses, rows_of
-from shmbuffer.samplers.sumtree import PositiveMinTree, SumTree, update_pair
+from shmbuffer.samplers.sumtree import PositiveMinTree, SumTree, assign_pair, update_pair
 
 __all__ = ["PrioritizedSampler"]
 
@@ -432,8 +432,13 @@ class PrioritizedSampler(Sampler):
             keys, given = keys[alive], given[alive]
         if keys.size == 0:
             return 0
-        uniq, last = last_writes(keys, self.capacity)
-        self._set(uniq, self._weight(given[last]))
+        if self._sum.kernels is not None and not self._masses.has_lengths():
+            # Compiled trees apply the writes in order (a repeated row: the last one wins);
+            # only slice masses need the repeats sorted out first, to see each old weight.
+            self._positive += assign_pair(self._sum, self._min, keys, self._weight(given))
+        else:
+            uniq, last = last_writes(keys, self.capacity)
+            self._set(uniq, self._weight(given[last]))
         self._max_priority = max(self._max_priority, float(given.max()))
         return int(keys.size)
 

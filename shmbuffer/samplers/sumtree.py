@@ -46,13 +46,26 @@ Not thread-safe; the owning sampler serialises calls.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import operator
+import os
+from types import ModuleType
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-__all__ = ["FANOUT", "TOP", "MinTree", "PositiveMinTree", "SumTree", "update_pair"]
+__all__ = [
+    "FANOUT",
+    "TOP",
+    "MinTree",
+    "PositiveMinTree",
+    "SumTree",
+    "assign_pair",
+    "jit_available",
+    "update_pair",
+]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -68,6 +81,29 @@ _CHUNK = 1 << 16
 _ONES = np.ones(FANOUT)
 #: Batches above this size are checked for being one dense run of leaves.
 _DENSE_CHECK = 512
+#: A compiled tree's top: 16-ary all the way up, since a compiled step costs little more
+#: than the memory it touches (the numpy top's running sum was ~20 us of every draw).
+JIT_TOP = FANOUT
+
+
+@functools.cache
+def jit_available() -> ModuleType | None:
+    """The compiled kernels (``_jit.py``), or None: numba is not installed (the ``fast``
+    extra), or ``SHMBUFFER_JIT=0`` asks for the numpy loops. Imported on first use."""
+    if os.environ.get("SHMBUFFER_JIT", "1") == "0":
+        return None
+    try:
+        from shmbuffer.samplers import _jit
+    except ImportError:
+        return None
+    return _jit
+
+
+def _flat_levels(sizes: list[int], neutral: float) -> tuple[F64, I64, list[F64]]:
+    """One array holding every level (the kernels walk it), its level offsets, and views."""
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    flat = np.full(int(offsets[-1]), neutral, dtype=np.float64)
+    return flat, offsets, [flat[a:b] for a, b in itertools.pairwise(offsets)]
 
 
 def _top_used(capacity: int, depth: int) -> int:
@@ -94,7 +130,7 @@ class _Tree:
             sizes.append(sizes[-1] // FANOUT)
         #: 16-ary steps between the leaves and the top.
         self.depth: int = len(sizes) - 1
-        self.levels: list[F64] = [np.full(n, self._neutral, dtype=np.float64) for n in sizes]
+        self._flat, self._offsets, self.levels = _flat_levels(sizes, self._neutral)
         #: ``_rows[l][p]``: the 16 entries of level ``l`` under entry ``p`` of level l + 1.
         self._rows = [lv.reshape(-1, FANOUT) for lv in self.levels[:-1]]
         self._top_used = _top_used(capacity, self.depth)
@@ -207,6 +243,9 @@ def update_pair(sums: SumTree, mins: PositiveMinTree, index: I64, values: F64) -
         raise ValueError("update_pair needs the PositiveMinTree of this very SumTree")
     if index.size == 0:
         return
+    if sums.kernels is not None and sums.depth and index.size <= _DENSE_CHECK:
+        _assign_compiled(sums, mins, index, values)
+        return
     if sums.depth == 0:  # leaves only; the min tree keeps its copy
         sums.levels[0][index] = values
         mins.levels[0][index] = (
@@ -229,6 +268,36 @@ def update_pair(sums: SumTree, mins: PositiveMinTree, index: I64, values: F64) -
         if level:
             rows = mins._rows[level].take(parent, axis=0)
         mins.levels[level + 1][parent] = mins._combine(rows, level)
+
+
+def assign_pair(sums: SumTree, mins: PositiveMinTree, index: I64, values: F64) -> int:
+    """Set leaves ``index`` (int64, in range, repeats allowed: the last write wins, as if they
+    were applied in order) to ``values`` (>= 0) in ``sums`` and refresh ``mins`` over it;
+    return the change in the number of positive leaves. A compiled tree applies the writes
+    in order, without sorting out the repeats first."""
+    if index.size == 0:
+        return 0
+    if sums.kernels is not None and sums.depth and index.size <= _DENSE_CHECK:
+        if mins.sums is not sums:
+            raise ValueError("assign_pair needs the PositiveMinTree of this very SumTree")
+        return _assign_compiled(sums, mins, index, values)
+    if index.size > 1:
+        # np.unique on the reversed batch keeps each index's first hit there = last write.
+        uniq, first = np.unique(index[::-1], return_index=True)
+        if uniq.size != index.size:
+            index, values = uniq, values[::-1][first]
+    before = int(np.count_nonzero(sums.levels[0].take(index)))
+    update_pair(sums, mins, index, values)
+    return int(np.count_nonzero(values)) - before
+
+
+def _assign_compiled(sums: SumTree, mins: PositiveMinTree, index: I64, values: F64) -> int:
+    assert sums.kernels is not None
+    sums._top_dirty = mins._top_dirty = True
+    gained: int = sums.kernels.assign(
+        sums._flat, sums._offsets, mins._flat, mins._offsets, sums.depth, index, values
+    )
+    return gained
 
 
 class _Scratch:
@@ -258,8 +327,16 @@ class SumTree(_Tree):
 
     _neutral = 0.0
 
-    def __init__(self, capacity: int, *, top: int = TOP) -> None:
-        super().__init__(capacity, top=top)
+    def __init__(self, capacity: int, *, top: int | None = None, jit: bool | None = None) -> None:
+        """``jit``: walk the tree with the compiled kernels (None: when numba is installed;
+        True requires it). ``top``: the top level's largest size (None: :data:`TOP`, or
+        :data:`JIT_TOP` for a compiled tree)."""
+        kernels = jit_available() if jit is None or jit else None
+        if jit and kernels is None:
+            raise RuntimeError("SumTree(jit=True) needs numba (pip install 'shmbuffer[fast]')")
+        #: The compiled kernels this tree uses, or None for the numpy loops.
+        self.kernels: ModuleType | None = kernels
+        super().__init__(capacity, top=(JIT_TOP if kernels else TOP) if top is None else top)
         used = self._top_used  # the entries past it stay 0: their running sums are the total
         self._top_cum: F64 = np.zeros(used + 1)
         # The top entries' running sums but the last: searchsorted(right) over them is the
@@ -295,6 +372,8 @@ class SumTree(_Tree):
         That is what makes a zero-weight row unreachable.
         """
         v = np.fmax(np.asarray(values, dtype=np.float64).reshape(-1), 0.0)
+        if self.kernels is not None:
+            return self._descend_compiled(v, 1.0)[0]
         return self._find(v)[0]
 
     def sample(self, n: int, rng: np.random.Generator) -> I64:
@@ -304,7 +383,21 @@ class SumTree(_Tree):
     def draw(self, n: int, rng: np.random.Generator) -> tuple[I64, F64]:
         """:meth:`sample`, with the drawn leaves' weights."""
         u = rng.random(n)
+        if self.kernels is not None:
+            return self._descend_compiled(u, self.total)
         return self._find(u * self.total, u)
+
+    def _descend_compiled(self, queries: F64, scale: float) -> tuple[I64, F64]:
+        """Leaves and weights for ``queries * scale`` (>= 0), by the compiled descent."""
+        if self._top_dirty:
+            self._refresh_top()
+        nodes = np.empty(queries.size, dtype=np.int64)
+        weights = np.empty(queries.size, dtype=np.float64)
+        assert self.kernels is not None
+        self.kernels.descend(
+            self._flat, self._offsets, self.depth, self._top_used, queries, scale, nodes, weights
+        )
+        return nodes, weights
 
     def _find(self, v: F64, kept: F64 | None = None) -> tuple[I64, F64]:
         """Leaves and their weights for values ``v`` (float64, >= 0, consumed); ``kept``:
@@ -447,8 +540,12 @@ class PositiveMinTree(MinTree):
         self.sums = sums
         self.capacity, self.size, self.depth = sums.capacity, sums.size, sums.depth
         self._copy = sums.depth == 0
-        self.levels = [np.full(sums.size, np.inf) if self._copy else sums.levels[0]]
-        self.levels += [np.full(len(lv), np.inf) for lv in sums.levels[1:]]
+        # Its own levels in one array (the kernels walk it), offsets as the sum tree's from
+        # level 1 up; ``_offsets[0]`` is unused (level 0 is the sum tree's leaves).
+        sizes = [len(lv) for lv in sums.levels[1:]]
+        self._flat, offsets, upper = _flat_levels(sizes, np.inf)
+        self._offsets = np.concatenate([[0], offsets]).astype(np.int64)
+        self.levels = [np.full(sums.size, np.inf) if self._copy else sums.levels[0], *upper]
         self._rows = [lv.reshape(-1, FANOUT) for lv in self.levels[:-1]]
         self._top_used = sums._top_used
         self._top_dirty = True

@@ -32,6 +32,7 @@ PRELOAD = [
     "shmbuffer.cli_start",
     "shmbuffer.daemon.server",
     "shmbuffer.daemon.service",
+    "shmbuffer.samplers._jit",  # numba, where the fast extra is installed
     "tests.e2e._workers",
 ]
 

@@ -89,7 +89,12 @@ def descend(
     return sink
 
 
-@numba.njit(cache=True, nogil=True)
+#: Sums may be reassociated (added in SIMD lanes); infinities and NaN keep their meaning
+#: (+inf is the min tree's empty value), so numba's full ``fastmath`` is not taken.
+_SIMD = {"reassoc", "nsz", "contract"}
+
+
+@numba.njit(cache=True, nogil=True, fastmath=_SIMD)
 def assign(
     sums: np.ndarray,
     sum_offsets: np.ndarray,
@@ -131,8 +136,7 @@ def assign(
                 for k in range(_FANOUT):
                     w = sums[first + k]
                     total += w
-                    if 0.0 < w < lowest:
-                        lowest = w
+                    lowest = min(lowest, w if w > 0.0 else np.inf)
             else:
                 kids = min_offsets[level] + (parent << _SHIFT)
                 for k in range(_FANOUT):

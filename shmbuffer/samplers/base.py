@@ -73,6 +73,9 @@ class SliceDraw(NamedTuple):
     probability: F64
 
 
+_INF_BITS = int(np.array(np.inf).view(np.uint64))
+
+
 def check_priority(priority: npt.ArrayLike, count: int, what: str = "priority") -> F64:
     """``priority`` as ``count`` float64 values (a scalar is repeated); ValueError unless every
     value is finite and >= 0 and an array has exactly ``count`` entries."""
@@ -81,7 +84,10 @@ def check_priority(priority: npt.ArrayLike, count: int, what: str = "priority") 
         arr = np.full(count, float(arr))
     elif arr.ndim != 1 or arr.size != count:
         raise ValueError(f"{what} needs {count} values (one per item), got shape {arr.shape}")
-    if arr.size and arr.min() >= 0 and arr.max() < math.inf:  # NaN fails both: two reductions
+    # One reduction: the bits of a finite float >= 0 (sign clear, exponent not all ones),
+    # read as unsigned, lie below those of +inf; NaN, inf and negatives (-0.0 too, accepted
+    # below) lie above.
+    if arr.size and int(np.maximum.reduce(arr.view(np.uint64))) < _INF_BITS:
         return arr
     bad = ~np.isfinite(arr) | (arr < 0)
     if bad.any():
@@ -96,7 +102,8 @@ def check_update(rows: npt.ArrayLike, priority: npt.ArrayLike, capacity: int) ->
     if idx.ndim != 1 or (idx.dtype.kind not in "iu" and idx.size):
         raise ValueError(f"index must be a 1-D integer array, got {idx.dtype} {idx.shape}")
     idx = idx.astype(np.int64, copy=False)
-    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= capacity):
+    # One reduction: a negative index read as unsigned is >= 2**63, beyond any capacity.
+    if idx.size and int(np.maximum.reduce(idx.view(np.uint64))) >= capacity:
         bad = int(idx[(idx < 0) | (idx >= capacity)][0])
         raise IndexError(f"index {bad} out of range for a buffer of capacity {capacity}")
     return idx, check_priority(priority, idx.size)

@@ -74,7 +74,8 @@ def section(
         "",
         f"- machine: {mach['cpu']}, {mach['cores']} cores{mem} ({mach['system']})",
         f"- versions: python {ver.get('python')}, torch {ver.get('torch')}, shmbuffer "
-        f"{ver.get('shmbuffer')}; peers: {peers}",
+        f"{ver.get('shmbuffer')} (numba {ver.get('numba', 'not installed: numpy sum tree')}); "
+        f"peers: {peers}",
         f"- {meta['repeat']} run(s) of every scenario, shmbuffer and its peers alternating "
         "within each; a figure is the median run, with the min-max of the runs in brackets",
     ]

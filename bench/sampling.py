@@ -330,6 +330,10 @@ def scaling(ctx: Context) -> list[Row]:
         "slowest; rows = rows handed out (256 per sample, 512 per slice call), bytes = their "
         f"int64 indices ({INDEX_BYTES} B each: no row data moves); pass=steady",
     )
+    from shmbuffer.samplers.sumtree import jit_available
+
+    loops = "compiled (numba)" if jit_available() else "numpy loops (numba not installed)"
+    ctx.note(NAME, f"shmbuffer's prioritized sum tree: {loops}")
     ctx.note(
         NAME,
         "episodes of uniform random length 100-1000 in one float column (TorchRL: plus its "

@@ -232,6 +232,7 @@ class Rollout:
             for w in range(workers)
         ]
         self.started = 0.0
+        self._torn = False  # a read of ``returns`` was interrupted (Ctrl-C) part-way
 
     def start(self) -> None:
         for p in self.procs:
@@ -246,11 +247,16 @@ class Rollout:
         self.shared.budget.value = steps
 
     def returns(self) -> list[tuple[int, float, int]]:
-        """Episodes finished since the last call: (worker, return, length)."""
-        out = []
+        """Episodes finished since the last call: (worker, return, length). After a read that
+        an exception (Ctrl-C) cut short, none: the queue's pipe may hold half a message."""
+        out: list[tuple[int, float, int]] = []
+        if self._torn:
+            return out
+        self._torn = True
         with contextlib.suppress(queue.Empty):
             while True:
                 out.append(self.shared.returns.get_nowait())
+        self._torn = False
         return out
 
     def check(self) -> None:

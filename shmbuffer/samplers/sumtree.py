@@ -36,6 +36,13 @@ sum tree's own, a zero leaf counting as +inf. They share one layout:
   result is checked and those few are redone by a slow descent that never enters a subtree of
   sum zero. That is what makes a zero-weight leaf unreachable.
 
+* Compiled trees (``jit``, the default where numba is installed: the ``fast`` extra) keep this
+  layout, 16-ary up to a top of :data:`JIT_TOP` entries, with every level of a tree inside one
+  flat array; ``draw``, ``find_prefix_sum``, :func:`update_pair` and :func:`assign_pair` of up
+  to 512 leaves then run ``_jit.py``'s loops (its docstring says how they walk), and everything
+  else (dense runs, fills, prefix sums) the numpy code below. Same leaves for the same queries,
+  but within rounding of a boundary; a zero-weight leaf is unreachable in both.
+
 numpy does the 1-D work; torch does the two row-wise reductions numpy is slow at (on views of
 the same memory): for [256, 16] rows numpy's ``cumsum(axis=1)`` costs ~3x torch's and its
 ``min(axis=1)`` ~2x. ``torch.searchsorted`` would batch the search, but it forks threads from
@@ -93,10 +100,10 @@ def jit_available() -> ModuleType | None:
     if os.environ.get("SHMBUFFER_JIT", "1") == "0":
         return None
     try:
-        from shmbuffer.samplers import _jit
+        import shmbuffer.samplers._jit as kernels
     except ImportError:
         return None
-    return _jit
+    return kernels
 
 
 def _flat_levels(sizes: list[int], neutral: float) -> tuple[F64, I64, list[F64]]:

@@ -15,9 +15,9 @@ array calls per level; here it is one call whose cost is the memory it touches.
   positive weight has a child of positive weight, so a descent that starts under a positive
   total ends on a positive leaf: a zero-weight leaf is never drawn.
 * :func:`assign`: the writes applied one after another (with a repeated leaf the last one
-  wins), each followed by the recomputation of its ancestors from their 16 children in both
-  trees: sums, and the smallest positive leaf (a zero leaf counts as +inf). Inner entries are
-  recomputed, never adjusted by deltas, so they never drift.
+  wins), then, level by level, each ancestor of a written leaf recomputed once from its 16
+  children in both trees: sums, and the smallest positive leaf (a zero leaf counts as +inf).
+  Inner entries are recomputed, never adjusted by deltas, so they never drift.
 
 Thread safety: pure functions of their arguments; the tree's owner serialises calls.
 """

@@ -7,6 +7,8 @@ compiled kernels (``_jit.py``; skipped where numba, the ``fast`` extra, is not i
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -27,14 +29,14 @@ COMPILED = sumtree.jit_available()
 
 
 @pytest.fixture(scope="module", autouse=True, params=["numpy", "compiled"])
-def backend(request: pytest.FixtureRequest) -> object:
+def backend(request: pytest.FixtureRequest) -> Iterator[str]:
     """Which loops ``SumTree(jit=None)`` gets in this module's tests (module scope: one
     switch per backend, and hypothesis's tests may use it)."""
     if request.param == "compiled" and COMPILED is None:
         pytest.skip("numba (the fast extra) is not installed")
     found = sumtree.jit_available
     setattr(sumtree, "jit_available", (lambda: None) if request.param == "numpy" else found)  # noqa: B010
-    yield request.param
+    yield str(request.param)
     setattr(sumtree, "jit_available", found)  # noqa: B010
 
 

@@ -46,7 +46,8 @@ def descend(
     its weight. All queries go down one level at a time: each level first touches every
     query's row of 16 (independent loads the CPU overlaps, as numpy's ``take`` does), then
     scans them from cache; one query at a time waited for each of its cache misses in turn
-    (2x slower at 10M leaves). Returns the touched values' sum (kept live, never used)."""
+    (up to 2x slower at 10M leaves, level in some runs). Returns the touched values' sum
+    (kept live, never used)."""
     n = queries.size
     v = queries * scale
     sink = 0.0

@@ -180,12 +180,7 @@ class _Tree:
         """Set leaves ``index`` to ``values``; with repeated indices the last value wins."""
         idx = self._check_index(index)
         vals = np.broadcast_to(np.asarray(values, dtype=np.float64), idx.shape)
-        if idx.size > 1:
-            # np.unique on the reversed batch keeps each index's first hit there = last write.
-            uniq, first = np.unique(idx[::-1], return_index=True)
-            if uniq.size != idx.size:
-                idx, vals = uniq, vals[::-1][first]
-        self.update_unique(idx, vals)
+        self.update_unique(*_last_writes(idx, vals))
 
     def update_unique(self, index: I64, values: F64) -> None:
         """:meth:`update` for int64 indices already known to be in range and distinct (the
@@ -250,7 +245,7 @@ def update_pair(sums: SumTree, mins: PositiveMinTree, index: I64, values: F64) -
         raise ValueError("update_pair needs the PositiveMinTree of this very SumTree")
     if index.size == 0:
         return
-    if sums.kernels is not None and sums.depth and index.size <= _DENSE_CHECK:
+    if _compiled(sums, index):
         _assign_compiled(sums, mins, index, values)
         return
     if sums.depth == 0:  # leaves only; the min tree keeps its copy
@@ -282,20 +277,32 @@ def assign_pair(sums: SumTree, mins: PositiveMinTree, index: I64, values: F64) -
     were applied in order) to ``values`` (>= 0) in ``sums`` and refresh ``mins`` over it;
     return the change in the number of positive leaves. A compiled tree applies the writes
     in order, without sorting out the repeats first."""
+    if mins.sums is not sums:
+        raise ValueError("assign_pair needs the PositiveMinTree of this very SumTree")
     if index.size == 0:
         return 0
-    if sums.kernels is not None and sums.depth and index.size <= _DENSE_CHECK:
-        if mins.sums is not sums:
-            raise ValueError("assign_pair needs the PositiveMinTree of this very SumTree")
+    if _compiled(sums, index):
         return _assign_compiled(sums, mins, index, values)
+    index, values = _last_writes(index, values)
+    before = int(np.count_nonzero(sums.levels[0].take(index)))
+    update_pair(sums, mins, index, values)
+    return int(np.count_nonzero(values)) - before
+
+
+def _last_writes(index: I64, values: F64) -> tuple[I64, F64]:
+    """``index`` without repeats and each one's last value (unchanged if it has none)."""
     if index.size > 1:
         # np.unique on the reversed batch keeps each index's first hit there = last write.
         uniq, first = np.unique(index[::-1], return_index=True)
         if uniq.size != index.size:
-            index, values = uniq, values[::-1][first]
-    before = int(np.count_nonzero(sums.levels[0].take(index)))
-    update_pair(sums, mins, index, values)
-    return int(np.count_nonzero(values)) - before
+            return uniq, values[::-1][first]
+    return index, values
+
+
+def _compiled(sums: SumTree, index: I64) -> bool:
+    """Whether an update of ``index`` goes through the kernels: a compiled tree with 16-ary
+    levels, and a sparse batch (a dense run is cheaper as the numpy slices below)."""
+    return sums.kernels is not None and sums.depth > 0 and index.size <= _DENSE_CHECK
 
 
 def _assign_compiled(sums: SumTree, mins: PositiveMinTree, index: I64, values: F64) -> int:

@@ -1,9 +1,10 @@
 """The control-plane wire protocol: message shapes, version, codec and validation.
 
-A message is a list of ZeroMQ frames: one msgpack map (the header), then zero or more raw
-payload frames (row bytes, used only by remote clients). Clients use DEALER sockets, the daemon
-one ROUTER socket. ``docs/protocol.md`` is the specification; this module is its code, and a
-test checks that the two agree on the version.
+A message is a list of frames: one msgpack map (the header), then zero or more raw payload
+frames (row bytes, used only by remote clients). Clients use DEALER sockets, the daemon one
+ROUTER socket, or the local lane beside it (``protocol_unix.py``: the same messages).
+``docs/protocol.md`` is the specification; this module is its code, and a test checks that the
+two agree on the version.
 
 Every request header carries ``v`` (protocol version), ``op`` and ``seq`` (echoed in the reply
 so a client can match replies to requests). Every reply carries ``v``, ``seq`` and ``ok``; an
@@ -34,7 +35,7 @@ import numpy.typing as npt
 from shmbuffer.errors import ProtocolError, ShmBufferError, VersionMismatchError
 
 #: Versioned separately from the package. Minor bumps add optional fields or ops only.
-PROTOCOL_VERSION = "1.3"
+PROTOCOL_VERSION = "1.4"
 PROTOCOL_MAJOR = int(PROTOCOL_VERSION.split(".", maxsplit=1)[0])
 
 #: Largest request header the daemon accepts, in bytes; payload frames are bounded by its own

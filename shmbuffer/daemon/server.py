@@ -1,4 +1,9 @@
-"""The daemon's event loop: one ROUTER socket, one thread, every message answered.
+"""The daemon's event loop: one ROUTER socket (and the local lane), one thread, every message
+answered.
+
+Local clients of an ipc daemon talk over the lane, a plain unix socket beside the ROUTER's
+(``daemon/lane.py``): the same messages without ZeroMQ's I/O-thread hops. Both are polled here
+and their messages take the same path; a reply goes back the way its request came.
 
 Each request is decoded and validated before it reaches the service; anything wrong becomes an
 error reply with a typed code and a log line, and the loop goes on. A request the service
@@ -25,11 +30,13 @@ import os
 import signal
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from shmbuffer.daemon.lane import Lane
 from shmbuffer.daemon.security import (
     ServerSecurity,
     admin_refusal,
@@ -47,6 +54,7 @@ from shmbuffer.protocol import (
     ok_reply,
     validate_request,
 )
+from shmbuffer.protocol_unix import lane_path
 from shmbuffer.protocol_zmq import send_frames
 
 if TYPE_CHECKING:
@@ -119,6 +127,7 @@ class Server:
         self.socket.setsockopt(zmq.LINGER, 1000)
         self.socket.setsockopt(zmq.MAXMSGSIZE, service.config.max_payload_bytes + MAX_HEADER_BYTES)
         self._bind(endpoint)
+        self.lane = self._open_lane()
         self._inserts: deque[Parked] = deque()
         self._samples: deque[Parked] = deque()
         self._background: deque[Parked] = deque()
@@ -155,6 +164,19 @@ class Server:
             self.endpoint, self.security.curve, config.insecure_tcp_admin
         )
 
+    def _open_lane(self) -> Lane | None:
+        """The local lane beside an ipc socket (never beside CURVE: it would bypass the keys)."""
+        config = self.service.config
+        path = lane_path(self.endpoint)
+        if path is None or config.curve_secret:
+            return None
+        try:
+            limit = config.max_payload_bytes + MAX_HEADER_BYTES
+            return Lane(path, resolve_group(config.group), limit)
+        except OSError as exc:  # a path over the kernel's limit, say: clients keep ZeroMQ
+            log.warning("no local lane at %s (%s); local clients use the ipc socket", path, exc)
+            return None
+
     def stop(self, *_: object) -> None:
         """Ask the loop to finish the messages in hand and return (signal-handler safe)."""
         self._stopping = True
@@ -172,15 +194,17 @@ class Server:
         gc.freeze()
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
+        if self.lane is not None:
+            self.lane.register(poller)
         last_tick = 0.0
         while not self._stopping:
-            if poller.poll(int(TICK_S * 1000)):
-                for _ in range(1000):  # drain a burst, then look at timers
-                    try:
-                        frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._on_message(frames)
+            for sock, events in poller.poll(int(TICK_S * 1000)):
+                if sock is self.socket:
+                    self._drain_router()
+                else:
+                    assert self.lane is not None
+                    for identity, frames in self.lane.on_event(sock, events):
+                        self._on_message(identity, frames[0], frames[1:])
             now = time.monotonic()
             if now - last_tick >= TICK_S:
                 self.service.tick(now)
@@ -193,11 +217,16 @@ class Server:
                 self._retry_background(now)
         self._drain_on_stop()
 
-    def _on_message(self, raw: list[zmq.Frame]) -> None:
-        if len(raw) < 2:
-            return  # a ROUTER always prepends the identity; nothing to answer
-        identity, header_frame = raw[0].bytes, raw[1].buffer
-        payload: Frames = [f.buffer for f in raw[2:]]
+    def _drain_router(self) -> None:
+        for _ in range(1000):  # a burst at most, then the lane and the timers get their turn
+            try:
+                raw = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(raw) >= 2:  # a ROUTER always prepends the identity; else nothing to answer
+                self._on_message(raw[0].bytes, raw[1].buffer, [f.buffer for f in raw[2:]])
+
+    def _on_message(self, identity: bytes, header_frame: Any, payload: Sequence[Any]) -> None:
         header: dict[str, Any] = {}
         try:
             header = decode(header_frame)
@@ -210,13 +239,14 @@ class Server:
             self._reply_error(identity, header.get("seq"), ShmBufferError(f"internal: {exc!r}"))
             return
         now = time.monotonic()
-        wait = self._dispatch(identity, header, fields, payload, now, retry=False)
+        frames: Frames = list(payload)
+        wait = self._dispatch(identity, header, fields, frames, now, retry=False)
         if wait is not None:
             queue = self._inserts if header["op"] in INSERT_OPS else self._samples
             if header["op"] in BACKGROUND_OPS:
                 queue = self._background
             queue.append(
-                Parked(identity, header, fields, payload, wait.deadline, now, str(wait), None)
+                Parked(identity, header, fields, frames, wait.deadline, now, str(wait), None)
             )
             self._note_wait(queue[-1], wait)
             self._count_waiting()
@@ -353,6 +383,9 @@ class Server:
         self._send(identity, error_reply(seq, exc), [])
 
     def _send(self, identity: bytes, header: dict[str, Any], payload: Frames) -> None:
+        if self.lane is not None and self.lane.owns(identity):
+            self.lane.send(identity, [encode(header), *payload])
+            return
         try:
             send_frames(self.socket, [identity, encode(header)], payload)
         except zmq.ZMQError as exc:  # the peer vanished; its state is reaped by TTL
@@ -370,6 +403,8 @@ class Server:
 
     def close(self) -> None:
         self.service.stop_checkpoint()  # before the segment goes (a loop that raised)
+        if self.lane is not None:
+            self.lane.close()
         self.socket.close()
         self.security.close()  # the ZAP authenticator thread, before the context goes
         self._context.term()

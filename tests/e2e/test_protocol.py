@@ -1,5 +1,6 @@
 """Malformed, out-of-range and unauthorised requests on a raw socket: each one is answered
-with a typed error code, and the daemon keeps serving."""
+with a typed error code, and the daemon keeps serving. Every test runs twice: on a raw ZeroMQ
+DEALER and on a raw connection to the local lane (the same messages, framed for a stream)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import zmq
 from shmbuffer.clients.connection import Connection
 from shmbuffer.errors import PermissionDeniedError
 from shmbuffer.protocol import PROTOCOL_VERSION, encode, request
+from shmbuffer.protocol_unix import Unpacker, lane_path, pack
 
 SCHEMA = {"obs": {"dtype": "float32", "shape": [4]}}
 
@@ -44,6 +46,29 @@ class Raw:
         self.ctx.term()
 
 
+class RawLane(Raw):
+    """The same, on a bare unix socket to the daemon's lane."""
+
+    def __init__(self, endpoint: str) -> None:
+        path = lane_path(endpoint)
+        assert path is not None and os.path.exists(path), f"no lane beside {endpoint}"
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # type: ignore[assignment]
+        self.sock.settimeout(5.0)
+        self.sock.connect(path)
+        self.unpacker = Unpacker()
+
+    def ask(self, *frames: bytes) -> dict:
+        self.sock.sendall(b"".join(bytes(b) for b in pack(frames)))
+        while (reply := self.unpacker.next()) is None:
+            data = self.sock.recv(1 << 16)
+            assert data, "the daemon closed the lane connection"
+            self.unpacker.feed(data)
+        return msgpack.unpackb(reply[0], raw=False)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 def _error(reply: dict, code: str, *words: str) -> None:
     assert reply["ok"] is False, reply
     assert reply["error"]["code"] == code, reply
@@ -51,13 +76,14 @@ def _error(reply: dict, code: str, *words: str) -> None:
         assert word in reply["error"]["message"], reply
 
 
-@pytest.fixture
-def raw_daemon(daemon):
+@pytest.fixture(params=["zmq", "lane"])
+def raw_daemon(daemon, request: pytest.FixtureRequest):
     d = daemon(capacity=100, unit="transition")
     raws: list[Raw] = []
+    kind = Raw if request.param == "zmq" else RawLane
 
     def make() -> Raw:
-        raws.append(Raw(d.endpoint))
+        raws.append(kind(d.endpoint))
         return raws[-1]
 
     try:
@@ -163,9 +189,6 @@ def test_unicode_digit_version_does_not_kill_the_daemon(raw_daemon):
     # regression: "²".isdigit() is True but int("²") raised ValueError out of the server loop
     d, make = raw_daemon
     raw = make()
-    raw.sock.send_multipart([msgpack.packb({"v": "\u00b2.0", "op": "ping", "seq": 1})])
-    if raw.sock.poll(2000):
-        reply = msgpack.unpackb(raw.sock.recv_multipart()[0], raw=False)
-        _error(reply, "protocol")
+    _error(raw.ask(msgpack.packb({"v": "\u00b2.0", "op": "ping", "seq": 1})), "protocol")
     assert d.process.poll() is None, f"the daemon exited with {d.process.returncode}"
     _assert_alive(d, raw)

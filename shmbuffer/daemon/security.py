@@ -1,7 +1,9 @@
 """Access control: who may open a buffer's segment, reach its socket, and talk to it over tcp.
 
 - **Local (default)**: segment files and the ipc socket are owner-only (``0600``; folders
-  ``0700``). Only processes of the daemon's user can map the rows or send requests.
+  ``0700``), and so is the local lane beside the socket (``daemon/lane.py``: the same mode
+  and group as the socket, never opened beside CURVE, which it would bypass). Only processes
+  of the daemon's user can map the rows or send requests.
 - **Group** (``--group NAME|GID``): the segment folder becomes ``0750`` and its files ``0660``
   (writers *and* readers map the data file read-write: readers bump nothing, but the mapping is
   shared and writable), the ipc socket ``0660``, all owned by that group. Members find the

@@ -2,7 +2,7 @@
 
 The socket is the daemon's local lane (a unix socket, ``clients/lane.py``) where it answers:
 a local client of an ipc daemon without CURVE; else a ZeroMQ DEALER. Both carry the same
-messages; the lane skips ZeroMQ's I/O threads (a round trip of ~0.03 ms instead of ~0.2 ms).
+messages; the lane skips ZeroMQ's I/O threads (a ping's round trip: 0.13 ms, not 0.21 ms, here).
 
 Requests may be pipelined: :meth:`Connection.send` returns at once and :meth:`Connection.wait`
 collects that request's reply later (the writer sends a commit and goes on copying). Every wait
@@ -99,7 +99,10 @@ def _close_sockets(pid: int, sockets: list[Any]) -> None:
     while sockets:
         sock = sockets.pop()
         with contextlib.suppress(zmq.ZMQError, OSError):
-            sock.close() if isinstance(sock, LaneSocket) else sock.close(linger=0)
+            if isinstance(sock, LaneSocket):
+                sock.close()
+            else:
+                sock.close(linger=0)
 
 
 class Connection:

@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import struct
+import time
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -32,6 +33,7 @@ from shmbuffer.protocol_unix import Unpacker, pack, unsent
 log = logging.getLogger("shmbuffer.daemon")
 
 MAX_QUEUED_BYTES = 256 * 1024 * 1024  # replies a client leaves unread before it is dropped
+ACCEPT_PAUSE_S = 1.0  # after a failed accept (out of descriptors): stop listening this long
 _READ_BYTES = 256 * 1024  # read into one reused buffer: a fresh 1 MB bytes per recv was an mmap
 _FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
 
@@ -71,14 +73,18 @@ class Lane:
         self._by_identity: dict[bytes, _Conn] = {}
         self._next = 0
         self._inbox = bytearray(_READ_BYTES)
+        self._paused_until: float | None = None  # the listener is out of the poller until then
 
     def register(self, poller: zmq.Poller) -> None:
         self._poller = poller
         poller.register(self.listener.fileno(), zmq.POLLIN)
 
-    @property
-    def connections(self) -> int:
-        return len(self._conns)
+    def tick(self, now: float) -> None:
+        """Listen again once a pause after a failed accept is over (the server's timer)."""
+        if self._paused_until is not None and now >= self._paused_until:
+            self._paused_until = None
+            assert self._poller is not None
+            self._poller.register(self.listener.fileno(), zmq.POLLIN)
 
     def owns(self, identity: bytes) -> bool:
         return identity[:5] == b"\x01lane"
@@ -105,8 +111,17 @@ class Lane:
                 sock, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # out of descriptors, say: the listener stays open
-                log.warning("could not accept a lane connection: %s", exc)
+            except OSError as exc:
+                # Out of descriptors, say. The connection stays in the backlog, so the listener
+                # would poll readable at once, forever: it sits out a while instead.
+                log.warning(
+                    "could not accept a lane connection (%s); not listening for %.0f s",
+                    exc,
+                    ACCEPT_PAUSE_S,
+                )
+                assert self._poller is not None
+                self._poller.unregister(self.listener.fileno())
+                self._paused_until = time.monotonic() + ACCEPT_PAUSE_S
                 return
             sock.setblocking(False)
             self._next += 1

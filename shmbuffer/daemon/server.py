@@ -208,6 +208,8 @@ class Server:
             now = time.monotonic()
             if now - last_tick >= TICK_S:
                 self.service.tick(now)
+                if self.lane is not None:
+                    self.lane.tick(now)
                 last_tick = now
             if self.metrics is not None:
                 self.metrics.publish(now, self.service.stats)

@@ -6,11 +6,13 @@ is reported at once. (The protocol's malformed-request suite runs on the lane to
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import stat
 import struct
 import threading
+import time
 
 import pytest
 import torch
@@ -175,3 +177,32 @@ def test_after_a_restart_the_lane_reconnects(daemon):
         assert d2.process.poll() is None
     finally:
         conn.close()
+
+
+def test_out_of_descriptors_the_lane_pauses_instead_of_spinning(daemon):
+    """A daemon that cannot accept (its descriptors used up) stops listening for a while, so
+    the connection waiting in the backlog does not make its loop spin, then takes it."""
+    d = daemon(capacity=100, unit="transition")
+    held = len(os.listdir(f"/proc/{d.pid}/fd"))
+    soft, hard = resource.prlimit(d.pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(d.pid, resource.RLIMIT_NOFILE, (held + 1, hard))
+    socks = []
+    try:
+        socks = [_lane_socket(d.endpoint) for _ in range(3)]  # the kernel queues them all
+        wait_for(lambda: "could not accept" in d.log(), 10, what="the failed accept in the log")
+        before = _cpu_seconds(d.pid)
+        time.sleep(1.0)
+        assert _cpu_seconds(d.pid) - before < 0.5, "the daemon's loop spun on its listener"
+    finally:
+        resource.prlimit(d.pid, resource.RLIMIT_NOFILE, (soft, hard))
+    for sock in socks:  # taken once the pause is over
+        _send(sock, "ping", 3)
+        assert _replies(sock, 1)[0]["seq"] == 3
+        sock.close()
+    assert d.process.poll() is None
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

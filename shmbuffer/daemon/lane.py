@@ -15,6 +15,7 @@ ZeroMQ, a closed connection's state (reservations, leases) is reaped by its TTLs
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import socket
@@ -185,7 +186,7 @@ class Lane:
 
     def _flush(self, conn: _Conn) -> None:
         while conn.queued:
-            batch = list(conn.queued)[:64]
+            batch = list(itertools.islice(conn.queued, 64))  # at most IOV_MAX's share
             try:
                 sent = conn.sock.sendmsg(batch, [], _FLAGS)
             except (BlockingIOError, InterruptedError):

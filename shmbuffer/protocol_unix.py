@@ -66,41 +66,44 @@ class Unpacker:
     def __init__(self, max_bytes: int | None = None) -> None:
         self.max_bytes = max_bytes
         self._buf = bytearray()
-        self._lengths: tuple[int, ...] | None = None  # of the message at the front, once known
-        self._prefix = 0
+        self._at = 0  # where the next message starts in _buf (what is before it was taken)
+        self._lengths: tuple[int, ...] | None = None  # of the message at _at, once known
+        self._end = 0  # where that message ends, once its lengths are known
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
+        if self._at:  # drop what was taken once per read, not once per message
+            del self._buf[: self._at]
+            self._end -= self._at
+            self._at = 0
         self._buf += data
 
     @property
     def buffered(self) -> int:
-        return len(self._buf)
+        return len(self._buf) - self._at
 
     def next(self) -> list[bytes] | None:
         """The next whole message's frames, or None until more has arrived."""
-        buf = self._buf
+        buf, at = self._buf, self._at
         if self._lengths is None:
-            if len(buf) < _COUNT.size:
+            if len(buf) - at < _COUNT.size:
                 return None
-            (n,) = _COUNT.unpack_from(buf)
+            (n,) = _COUNT.unpack_from(buf, at)
             if not 1 <= n <= MAX_FRAMES:
                 raise ProtocolError(f"lane message of {n} frames (1 to {MAX_FRAMES} allowed)")
             prefix = _COUNT.size + 8 * n
-            if len(buf) < prefix:
+            if len(buf) - at < prefix:
                 return None
-            lengths = struct.unpack_from(f"<{n}Q", buf, _COUNT.size)
-            if self.max_bytes is not None and sum(lengths) > self.max_bytes:
-                raise ProtocolError(
-                    f"lane message of {sum(lengths):,} bytes exceeds {self.max_bytes:,}"
-                )
-            self._lengths, self._prefix = lengths, prefix
-        end = self._prefix + sum(self._lengths)
-        if len(buf) < end:
+            lengths = struct.unpack_from(f"<{n}Q", buf, at + _COUNT.size)
+            total = sum(lengths)
+            if self.max_bytes is not None and total > self.max_bytes:
+                raise ProtocolError(f"lane message of {total:,} bytes exceeds {self.max_bytes:,}")
+            self._lengths, self._end = lengths, at + prefix + total
+        if len(buf) < self._end:
             return None
-        frames, offset = [], self._prefix
-        for length in self._lengths:
-            frames.append(bytes(buf[offset : offset + length]))
-            offset += length
-        del buf[:end]
-        self._lengths = None
+        frames, offset = [], self._end - sum(self._lengths)
+        with memoryview(buf) as view:  # one copy per frame (released before feed resizes)
+            for length in self._lengths:
+                frames.append(bytes(view[offset : offset + length]))
+                offset += length
+        self._at, self._lengths = self._end, None
         return frames

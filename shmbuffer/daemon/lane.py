@@ -37,6 +37,7 @@ MAX_QUEUED_BYTES = 256 * 1024 * 1024  # replies a client leaves unread before it
 ACCEPT_PAUSE_S = 1.0  # after a failed accept (out of descriptors): stop listening this long
 _READ_BYTES = 256 * 1024  # read into one reused buffer: a fresh 1 MB bytes per recv was an mmap
 _FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
+_IDENTITY = b"\x01lane"  # + a counter; ZeroMQ's generated identities start with b"\x00"
 
 
 class _Conn:
@@ -88,7 +89,7 @@ class Lane:
             self._poller.register(self.listener.fileno(), zmq.POLLIN)
 
     def owns(self, identity: bytes) -> bool:
-        return identity[:5] == b"\x01lane"
+        return identity.startswith(_IDENTITY)
 
     # -- events -------------------------------------------------------------------------------
 
@@ -126,7 +127,7 @@ class Lane:
                 return
             sock.setblocking(False)
             self._next += 1
-            conn = _Conn(sock, b"\x01lane" + struct.pack("<Q", self._next), self.max_bytes)
+            conn = _Conn(sock, _IDENTITY + struct.pack("<Q", self._next), self.max_bytes)
             self._conns[conn.fd] = conn
             self._by_identity[conn.identity] = conn
             assert self._poller is not None

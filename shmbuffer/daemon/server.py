@@ -30,9 +30,8 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 
@@ -204,7 +203,7 @@ class Server:
                 else:
                     assert self.lane is not None
                     for identity, frames in self.lane.on_event(sock, events):
-                        self._on_message(identity, frames[0], frames[1:])
+                        self._on_message(identity, frames[0], cast("Frames", frames[1:]))
             now = time.monotonic()
             if now - last_tick >= TICK_S:
                 self.service.tick(now)
@@ -228,7 +227,7 @@ class Server:
             if len(raw) >= 2:  # a ROUTER always prepends the identity; else nothing to answer
                 self._on_message(raw[0].bytes, raw[1].buffer, [f.buffer for f in raw[2:]])
 
-    def _on_message(self, identity: bytes, header_frame: Any, payload: Sequence[Any]) -> None:
+    def _on_message(self, identity: bytes, header_frame: Any, payload: Frames) -> None:
         header: dict[str, Any] = {}
         try:
             header = decode(header_frame)
@@ -241,14 +240,13 @@ class Server:
             self._reply_error(identity, header.get("seq"), ShmBufferError(f"internal: {exc!r}"))
             return
         now = time.monotonic()
-        frames: Frames = list(payload)
-        wait = self._dispatch(identity, header, fields, frames, now, retry=False)
+        wait = self._dispatch(identity, header, fields, payload, now, retry=False)
         if wait is not None:
             queue = self._inserts if header["op"] in INSERT_OPS else self._samples
             if header["op"] in BACKGROUND_OPS:
                 queue = self._background
             queue.append(
-                Parked(identity, header, fields, frames, wait.deadline, now, str(wait), None)
+                Parked(identity, header, fields, payload, wait.deadline, now, str(wait), None)
             )
             self._note_wait(queue[-1], wait)
             self._count_waiting()

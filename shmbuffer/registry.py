@@ -28,8 +28,9 @@ Design, for the sampling hot path of the daemon:
 * :meth:`~EpisodeRegistry.sample_rows` maps its draws through the *spans*, the maximal runs of
   adjacent live rows (kept by every add, eviction and trim, O(log S + S) for S spans): one
   span is one addition per draw, a few (a wrapped ring, reservations in flight) one search
-  over them. Only a ring with more than :data:`_MAX_SPANS` holes falls back to the running
-  totals over episodes. Draws are exact uniform integers from raw generator words
+  over them. Only a ring with more than :data:`~shmbuffer.registry_slots._MAX_SPANS` holes
+  falls back to the running totals over episodes. Draws are exact uniform integers from raw
+  generator words
   (:func:`uniform_integers`), cheaper than ``Generator.integers``'s argument handling.
 * Overlap queries (:meth:`~EpisodeRegistry.add`, :meth:`~EpisodeRegistry.evict`,
   :meth:`~EpisodeRegistry.overlapping`) bisect over a sorted Python list of live starts. Live
@@ -44,134 +45,24 @@ Thread safety: not thread-safe; the owner (container or daemon loop) serialises 
 from __future__ import annotations
 
 import bisect
+import itertools
 import operator
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
-from shmbuffer.errors import EmptyBufferError, NotFoundError
-from shmbuffer.spans import LiveSpans, uniform_integers
+from shmbuffer.errors import NotFoundError
+from shmbuffer.registry_slots import _INITIAL_SLOTS, I64, Episode, SlotTable
+from shmbuffer.spans import uniform_integers
 
 __all__ = ["Episode", "EpisodeRegistry", "uniform_integers"]
 
-I64 = npt.NDArray[np.int64]
 
-_INITIAL_SLOTS = 64
-_MAX_SLICE_CACHES = 8
-#: Up to this many spans of adjacent live rows, row draws map positions through the spans;
-#: beyond (a ring full of holes), through the running totals over episodes.
-_MAX_SPANS = 64
-
-
-@dataclass(frozen=True, slots=True)
-class Episode:
-    """One live interval ``[start, end)`` of the ring and the id it was registered under."""
-
-    id: int
-    start: int
-    end: int
-
-    @property
-    def length(self) -> int:
-        return self.end - self.start
-
-
-class EpisodeRegistry:
+class EpisodeRegistry(SlotTable):
     """Live episodes of a ring of ``capacity`` rows; see the module docstring for the design."""
 
-    def __init__(self, capacity: int) -> None:
-        capacity = operator.index(capacity)
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
-        self.capacity: int = capacity
-        self._next_id = 0
-        self._reset_storage(_INITIAL_SLOTS)
-
-    # ------------------------------------------------------------------ storage
-
-    def _reset_arrays(self, slots: int) -> None:
-        self._ids: I64 = np.zeros(slots, dtype=np.int64)
-        self._starts: I64 = np.zeros(slots, dtype=np.int64)
-        self._ends: I64 = np.zeros(slots, dtype=np.int64)
-        self._alive: npt.NDArray[np.bool_] = np.zeros(slots, dtype=np.bool_)
-        # Slot-aligned running totals (see _cum_valid): cum[s] - cum[s-1] == length of slot s.
-        self._cum: I64 = np.zeros(slots, dtype=np.int64)
-
-    def _reset_storage(self, slots: int) -> None:
-        self._reset_arrays(slots)
-        # slice length -> slot-aligned running total of max(length_s - slice_length + 1, 0)
-        self._slice_cum: dict[int, I64] = {}
-        self._head = 0
-        self._tail = 0
-        self._n_live = 0
-        self._num_rows = 0
-        # Sorted live starts, and start -> (end, id), for overlap queries.
-        self._sorted_starts: list[int] = []
-        self._by_start: dict[int, tuple[int, int]] = {}
-        self._spans = LiveSpans()
-
-    @property
-    def _tombstones(self) -> int:
-        return self._tail - self._head - self._n_live
-
-    def _compact(self, slots: int | None = None) -> None:
-        """Move live entries to slots ``0..n_live-1``, optionally into arrays of ``slots``."""
-        h, t, n = self._head, self._tail, self._n_live
-        mask = self._alive[h:t]
-        ids = self._ids[h:t][mask]
-        starts = self._starts[h:t][mask]
-        ends = self._ends[h:t][mask]
-        if slots is not None and slots != len(self._ids):
-            self._reset_arrays(slots)
-        else:
-            self._alive[:t] = False
-        self._ids[:n] = ids
-        self._starts[:n] = starts
-        self._ends[:n] = ends
-        self._finish_rebuild(n)
-
-    def _finish_rebuild(self, n: int) -> None:
-        """Slots ``0..n-1`` hold the live entries in id order: mark them, redo the totals."""
-        self._alive[:n] = True
-        np.cumsum(self._ends[:n] - self._starts[:n], out=self._cum[:n])
-        self._slice_cum = {}  # rebuilt lazily
-        self._head = 0
-        self._tail = n
-
-    def _compact_if_needed(self) -> None:
-        if self._tombstones:
-            self._compact()
-
-    def _ensure_room(self) -> None:
-        size = len(self._ids)
-        if self._tail < size:
-            return
-        if self._n_live * 2 <= size:
-            self._compact()
-        else:
-            self._compact(size * 2)
-
-    def _slot_of(self, episode_id: int) -> int | None:
-        if self._n_live == 0:
-            return None
-        h, t = self._head, self._tail
-        # The oldest (FIFO eviction, trims) and newest entries are what writes touch: an
-        # element compare each (~0.1 us) before the binary search (~1.3 us with its call).
-        ids = self._ids
-        if ids[h] == episode_id:  # the head and the tail slot are always live
-            return h
-        if ids[t - 1] == episode_id:
-            return t - 1
-        slot = h + int(ids[h:t].searchsorted(episode_id))
-        if slot < t and self._ids[slot] == episode_id and self._alive[slot]:
-            return slot
-        return None
-
-    def _episode_at_slot(self, slot: int) -> Episode:
-        return Episode(int(self._ids[slot]), int(self._starts[slot]), int(self._ends[slot]))
+    # ------------------------------------------------------------------ mutation (slots)
 
     def _kill_slot(self, slot: int) -> Episode:
         """Tombstone one live slot; the caller updates the overlap index."""
@@ -256,6 +147,82 @@ class EpisodeRegistry:
         self._next_id = episode_id + 1
         return episode_id
 
+    def add_run(self, bounds: Sequence[tuple[int, int]]) -> int:
+        """Register several episodes at once (a reservation's, in its order) and return the
+        first new id; ``bounds[i]`` gets ``first + i``. Every check of :meth:`add`, and that
+        they do not overlap each other, passes before anything changes (ValueError if not).
+
+        One overlap query per run of adjacent episodes and one vectorised append to the slot
+        arrays, instead of :meth:`add` per episode (measured: a commit of 19 chunks of 200
+        rows into a full ring, ~55 us of per-episode calls)."""
+        if len(bounds) == 1:
+            return self.add(*bounds[0])
+        runs = self._runs(bounds)
+        k = len(bounds)
+        if k == 0:
+            return self._next_id
+        cols = np.array(bounds, dtype=np.int64).reshape(k, 2)
+        starts, ends = cols[:, 0], cols[:, 1]
+        lengths = ends - starts
+        first = self._next_id
+        self._ensure_room(k)
+        t = self._tail
+        self._ids[t : t + k] = np.arange(first, first + k)
+        self._starts[t : t + k] = starts
+        self._ends[t : t + k] = ends
+        self._alive[t : t + k] = True
+        self._cum[t : t + k] = np.cumsum(lengths) + (self._cum[t - 1] if t else 0)
+        for size, cum in self._slice_cum.items():
+            weights = np.maximum(lengths - (size - 1), 0)
+            cum[t : t + k] = np.cumsum(weights) + (cum[t - 1] if t else 0)
+        self._tail = t + k
+        self._n_live += k
+        self._num_rows += int(lengths.sum())
+        self._next_id = first + k
+        starts_list = starts.tolist()
+        self._by_start.update(
+            zip(starts_list, zip(ends.tolist(), range(first, first + k), strict=True), strict=True)
+        )
+        ordered = self._sorted_starts
+        for lo, hi, a, b in runs:  # a run's starts go in together: nothing live lies between
+            i = bisect.bisect_left(ordered, lo)
+            ordered[i:i] = starts_list[a:b]
+            self._spans.add(lo, hi)
+        return first
+
+    def _runs(self, bounds: Sequence[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+        """``bounds`` as maximal runs of adjacent episodes, ``(start, end, first index, end
+        index)``, after :meth:`add`'s checks on each episode and each run."""
+        runs: list[tuple[int, int, int, int]] = []
+        run_start, prev_end, first = -1, -1, 0
+        for i, (given_start, given_end) in enumerate(bounds):
+            start, end = operator.index(given_start), operator.index(given_end)
+            if not 0 <= start < end <= self.capacity:
+                raise ValueError(
+                    f"episode [{start}, {end}) is empty, reversed or outside the ring "
+                    f"[0, {self.capacity})"
+                )
+            if start != prev_end:
+                if i:
+                    runs.append((run_start, prev_end, first, i))
+                run_start, first = start, i
+            prev_end = end
+        if bounds:
+            runs.append((run_start, prev_end, first, len(bounds)))
+        in_order = sorted(runs)
+        for (s, e, _, _), after in itertools.pairwise(in_order):
+            if e > after[0]:
+                raise ValueError(f"episodes [{s}, {e}) and [{after[0]}, {after[1]}) overlap")
+        for s, e, _, _ in runs:
+            lo, hi = self._overlap_range(s, e)
+            if lo < hi:
+                other_start = self._sorted_starts[lo]
+                other_end, other = self._by_start[other_start]
+                raise ValueError(
+                    f"episodes [{s}, {e}) overlap live episode {other} [{other_start}, {other_end})"
+                )
+        return runs
+
     def evict(self, start: int, end: int) -> list[Episode]:
         """Remove every live episode overlapping ``[start, end)``; return them oldest first."""
         start, end = self._check_query(start, end)
@@ -308,6 +275,58 @@ class EpisodeRegistry:
         del self._by_start[ep.start]
         self._after_removals()
         return ep
+
+    def remove_many(self, episode_ids: Sequence[int]) -> None:
+        """Remove several live episodes by id (NotFoundError, nothing removed, if one is not
+        live). The oldest ones in id order, a run from the head (what a ring's eviction
+        removes), go in a few vectorised steps; any others one by one."""
+        k = len(episode_ids)
+        h = self._head
+        ids = self._ids
+        run = k > 1 and h + k <= self._tail and bool(self._alive[h : h + k].all())
+        if run and ids[h : h + k].tolist() == list(episode_ids):
+            self._remove_head_run(k)
+            return
+        missing = [i for i in episode_ids if not self._is_id(i) or self._slot_of(i) is None]
+        if missing or len(set(episode_ids)) < k:
+            raise NotFoundError(f"episode {(missing or episode_ids)[0]!r} is not live")
+        for episode_id in episode_ids:
+            self.remove(episode_id)
+
+    def _remove_head_run(self, k: int) -> None:
+        """Remove the ``k`` live slots from the head."""
+        h = self._head
+        starts = self._starts[h : h + k].tolist()
+        ends = self._ends[h : h + k].tolist()
+        self._alive[h : h + k] = False
+        self._n_live -= k
+        self._num_rows -= sum(ends) - sum(starts)
+        by_start, ordered = self._by_start, self._sorted_starts
+        for start in starts:
+            del by_start[start]
+        pairs = sorted(zip(starts, ends, strict=True))
+        i = bisect.bisect_left(ordered, pairs[0][0])
+        if ordered[i : i + k] == [start for start, _ in pairs]:
+            del ordered[i : i + k]
+        else:  # other live episodes lie between them
+            for start, _ in pairs:
+                del ordered[bisect.bisect_left(ordered, start)]
+        run_start, run_end = pairs[0]
+        for start, end in pairs[1:]:  # each run of adjacent rows lies inside one span
+            if start != run_end:
+                self._spans.remove(run_start, run_end)
+                run_start = start
+            run_end = end
+        self._spans.remove(run_start, run_end)
+        if self._n_live == 0:
+            self._alive[h : self._tail] = False
+            self._head = self._tail = 0
+        else:
+            h += k
+            while not self._alive[h]:
+                h += 1
+            self._head = h
+        self._after_removals()
 
     def restore(self, episodes: Iterable[Episode]) -> None:
         """Publish removed episodes again under their old ids (what an aborted reservation
@@ -456,153 +475,6 @@ class EpisodeRegistry:
     def next_id(self) -> int:
         """The id the next :meth:`add` will return."""
         return self._next_id
-
-    # ------------------------------------------------------------------ positions
-
-    def _row_base(self) -> int:
-        """Compact if needed; return the running total of rows before the head slot.
-
-        Without tombstones, the running totals of slots ``[head, tail)`` differ by exactly the
-        episode lengths, so logical row ``r`` has the absolute total ``r + base``. Adds append
-        to the totals and head removals just move ``head``: neither needs a rebuild.
-        """
-        self._compact_if_needed()
-        h = self._head
-        return int(self._cum[h] - (self._ends[h] - self._starts[h]))
-
-    def at(self, position: int) -> Episode:
-        """The live episode at chronological ``position`` (negative counts from the newest)."""
-        position = operator.index(position)
-        n = self._n_live
-        if not -n <= position < n:
-            raise IndexError(f"episode position {position} out of range for {n} live episodes")
-        self._compact_if_needed()
-        return self._episode_at_slot(self._head + position % n)
-
-    @staticmethod
-    def _positions(positions: npt.ArrayLike, size: int, what: str) -> I64:
-        pos = np.asarray(positions)
-        if pos.dtype.kind not in "iu" and pos.size:
-            raise TypeError(f"{what} positions must be integers, got dtype {pos.dtype}")
-        pos = pos.astype(np.int64, copy=False)
-        pos = np.where(pos < 0, pos + size, pos)
-        bad = (pos < 0) | (pos >= size)
-        if bad.any():
-            first = int(np.asarray(positions).reshape(-1)[int(np.argmax(bad.reshape(-1)))])
-            raise IndexError(f"{what} position {first} out of range for {size} live {what}s")
-        return pos
-
-    def at_many(self, positions: npt.ArrayLike) -> tuple[I64, I64, I64]:
-        """``(ids, starts, ends)`` of the episodes at chronological ``positions``."""
-        pos = self._positions(positions, self._n_live, "episode")
-        self._compact_if_needed()
-        slots = pos + self._head
-        return self._ids[slots], self._starts[slots], self._ends[slots]
-
-    def _rows_from_absolute(self, r: I64) -> I64:
-        """Physical rows of absolute running-total positions ``r`` (no tombstones)."""
-        h, t = self._head, self._tail
-        # Sorting the keys first makes the binary searches cache/branch friendly.
-        order = np.argsort(r)
-        idx = np.empty_like(order)
-        idx[order] = np.searchsorted(self._cum[h:t], r[order], side="right")
-        idx += h
-        out: I64 = self._ends[idx] - (self._cum[idx] - r)
-        return out
-
-    def rows_at(self, positions: npt.ArrayLike) -> I64:
-        """Physical rows of logical row ``positions`` (live episodes concatenated, oldest first)."""
-        pos = self._positions(positions, self._num_rows, "row")
-        if pos.size == 0:
-            return pos
-        return self._rows_from_absolute(pos + self._row_base())
-
-    # ------------------------------------------------------------------ sampling
-
-    @staticmethod
-    def _check_n(n: int) -> int:
-        n = operator.index(n)
-        if n <= 0:
-            raise ValueError(f"sample size must be >= 1, got {n}")
-        return n
-
-    def _empty(self, what: str) -> EmptyBufferError:
-        return EmptyBufferError(
-            f"cannot sample {what}: {self._n_live} live episodes, {self._num_rows} rows"
-        )
-
-    def sample_episodes(self, n: int, rng: np.random.Generator) -> tuple[I64, I64, I64]:
-        """``n`` episodes drawn uniformly with replacement: ``(ids, starts, ends)``."""
-        n = self._check_n(n)
-        if self._n_live == 0:
-            raise self._empty("episodes")
-        slots = rng.integers(self._head, self._tail, size=n)
-        if self._tombstones:
-            dead = np.flatnonzero(~self._alive[slots])
-            while dead.size:
-                slots[dead] = rng.integers(self._head, self._tail, size=dead.size)
-                dead = dead[~self._alive[slots[dead]]]
-        return self._ids[slots], self._starts[slots], self._ends[slots]
-
-    def sample_rows(self, n: int, rng: np.random.Generator) -> I64:
-        """``n`` physical rows drawn uniformly (with replacement) from all live rows.
-
-        A draw is a position among the live rows in ring order, mapped through the spans:
-        one addition while the live rows are one contiguous run, one search over the spans
-        while they are a few (a wrapped ring, rows in flight), the running totals over
-        episodes beyond :data:`_MAX_SPANS`.
-        """
-        n = self._check_n(n)
-        if self._num_rows == 0:
-            raise self._empty("rows")
-        spans = self._spans
-        if spans.count > _MAX_SPANS:
-            base = self._row_base()
-            return self._rows_from_absolute(rng.integers(base, base + self._num_rows, size=n))
-        pos = uniform_integers(rng, self._num_rows, n)
-        if spans.count == 1:
-            pos += spans.first
-            return pos
-        ends, shift = spans.arrays()
-        pos += shift.take(ends.searchsorted(pos, side="right"))
-        return pos
-
-    def sample_slices(self, n: int, length: int, rng: np.random.Generator) -> I64:
-        """Physical start rows of ``n`` slices of ``length`` rows, each inside one episode.
-
-        Uniform over all valid slice starts: an episode of ``L >= length`` rows has weight
-        ``L - length + 1``; shorter episodes are never chosen.
-        """
-        n = self._check_n(n)
-        length = operator.index(length)
-        if length < 1:
-            raise ValueError(f"slice length must be >= 1, got {length}")
-        if self._n_live == 0:
-            raise self._empty(f"slices of {length} rows")
-        self._compact_if_needed()
-        h, t = self._head, self._tail
-        cum = self._slice_cum.get(length)
-        if cum is None:
-            if len(self._slice_cum) >= _MAX_SLICE_CACHES:
-                self._slice_cum.clear()
-            cum = np.zeros(len(self._ids), dtype=np.int64)
-            np.cumsum(
-                np.maximum(self._ends[h:t] - self._starts[h:t] - (length - 1), 0), out=cum[h:t]
-            )
-            self._slice_cum[length] = cum
-        lead = int(max(self._ends[h] - self._starts[h] - (length - 1), 0))
-        base = int(cum[h]) - lead
-        total = int(cum[t - 1]) - base
-        if total <= 0:
-            raise self._empty(f"slices of {length} rows (no episode is long enough)")
-        r = rng.integers(base, base + total, size=n)
-        order = np.argsort(r)
-        idx = np.empty_like(order)
-        idx[order] = np.searchsorted(cum[h:t], r[order], side="right")
-        idx += h
-        weights = np.maximum(self._ends[idx] - self._starts[idx] - (length - 1), 0)
-        out: I64 = self._starts[idx] + (r - (cum[idx] - weights))
-        return out
 
     # ------------------------------------------------------------------ state
 

@@ -161,16 +161,19 @@ class ReservationOps(RingState):
                 if ep.start < start or ep.end > stop:
                     use_counts[ep.start : ep.end] = -1
             return evicted
-        evicted = []
+        evicted, kept = [], []
         for ep in registry.overlapping(start, stop):
             if start <= ep.start and ep.end > stop:
-                registry.trim_front(ep.id, stop)
-                if trimmed is not None:
-                    trimmed.append(ep)
+                kept.append(ep)  # at most one: the chunk holding row ``stop``
             else:
-                evicted.append(registry.remove(ep.id))
+                evicted.append(ep)
                 if ep.start < start:
                     use_counts[ep.start : ep.end] = -1
+        registry.remove_many([ep.id for ep in evicted])
+        for ep in kept:  # after the removals: the oldest left, so its trim is O(1)
+            registry.trim_front(ep.id, stop)
+            if trimmed is not None:
+                trimmed.append(ep)
         return evicted
 
     def conflicts(self, ranges: list[Range]) -> list[Reservation]:
@@ -232,8 +235,8 @@ class ReservationOps(RingState):
         for start, stop in reservation.ranges:
             self.use_counts[start:stop] = 0
             num_rows += stop - start
-        add = self.registry.add
-        episodes = [Episode(add(s, e), s, e) for s, e in reservation.episodes]
+        first = self.registry.add_run(reservation.episodes)
+        episodes = [Episode(first + i, s, e) for i, (s, e) in enumerate(reservation.episodes)]
         self._published(episodes, given, num_rows)
         return [ep.id for ep in episodes]
 
@@ -348,18 +351,21 @@ def _ring(start: int, length: int, capacity: int) -> list[Range]:
 
 def _episode_bounds(ranges: list[Range], lengths: list[int]) -> list[Range]:
     """Physical bounds of episodes of ``lengths`` rows laid over ``ranges`` in order; an
-    episode that straddles the wrap of a transition chunk becomes two entries."""
+    episode that straddles the wrap of a transition chunk becomes two entries. O(E + R)."""
     if len(lengths) == 1:  # one episode (a chunk of transitions): one entry per range
         return list(ranges)
+    if len(ranges) == 1:  # no wrap (the usual case): the running ends, shifted
+        return list(itertools.pairwise(itertools.accumulate(lengths, initial=ranges[0][0])))
     bounds: list[Range] = []
-    ends = list(itertools.accumulate(lengths))  # np.cumsum of a short list costs ~3 us
-    logical = list(zip([0, *ends[:-1]], ends, strict=True))
-    offset = 0
-    for start, stop in ranges:
-        span = (offset, offset + stop - start)
-        for first, last in logical:
-            lo, hi = max(first, span[0]), min(last, span[1])
-            if lo < hi:
-                bounds.append((start + lo - offset, start + hi - offset))
-        offset = span[1]
+    parts = iter(ranges)
+    row, stop = next(parts)
+    for length in lengths:
+        left = length
+        while left:
+            if row == stop:
+                row, stop = next(parts)
+            take = min(left, stop - row)
+            bounds.append((row, row + take))
+            row += take
+            left -= take
     return bounds

@@ -463,6 +463,65 @@ class RegistryMachine(RuleBasedStateMachine):
         self.next_id += 1
         self.model.append((new_id, start, end))
 
+    @rule(
+        start=st.integers(0, CAP - 1), lengths=st.lists(st.integers(1, 6), min_size=2, max_size=5)
+    )
+    def add_run(self, start: int, lengths: list[int]) -> None:
+        """A reservation's commit: adjacent episodes from ``start``, wrapping at the ring's
+        end (an episode that straddles it becomes two), into rows just evicted."""
+        bounds, row = [], start
+        for length in lengths:
+            left = length
+            while left:
+                take = min(left, CAP - row)
+                bounds.append((row, row + take))
+                row, left = (row + take) % CAP, left - take
+        for s, e in bounds:
+            gone = self.reg.evict(s, e)
+            self.model = [x for x in self.model if x not in [(g.id, g.start, g.end) for g in gone]]
+            self.removed += [(g.id, g.start, g.end) for g in gone]
+        used = sorted(bounds)
+        if any(a[1] > b[0] for a, b in itertools.pairwise(used)):  # more than the ring
+            with pytest.raises(ValueError, match="overlap"):
+                self.reg.add_run(bounds)
+            return
+        event(f"add_run of {min(len(bounds), 3)}+ episodes")
+        first = self.reg.add_run(bounds)
+        assert first == self.next_id
+        self.model += [(first + i, s, e) for i, (s, e) in enumerate(bounds)]
+        self.next_id += len(bounds)
+
+    @precondition(lambda self: bool(self.model))
+    @rule(data=st.data())
+    def add_run_overlapping_fails(self, data: st.DataObject) -> None:
+        _, s, e = data.draw(st.sampled_from(self.model))
+        bounds = [(s, e), (e, e + 1)] if e < CAP else [(s - 1, s), (s, e)] if s else [(s, e)] * 2
+        before = (list(self.reg), self.reg.next_id, self.reg._spans._starts[:])
+        with pytest.raises(ValueError, match="overlap"):
+            self.reg.add_run(bounds)
+        assert (list(self.reg), self.reg.next_id, self.reg._spans._starts) == before
+
+    @precondition(lambda self: len(self.model) >= 2)
+    @rule(data=st.data(), oldest=st.booleans())
+    def remove_many(self, data: st.DataObject, oldest: bool) -> None:
+        """An eviction's removals: the oldest run (the vectorised path) or any subset."""
+        if oldest:
+            picked = self.model[: data.draw(st.integers(2, len(self.model)))]
+        else:
+            picked = sorted(data.draw(st.sets(st.sampled_from(self.model), min_size=1)))
+        if self.removed and data.draw(st.booleans()):  # one dead id: refused, nothing changes
+            dead = data.draw(st.sampled_from(self.removed))[0]
+            if all(x[0] != dead for x in self.model):
+                before = list(self.reg)
+                with pytest.raises(NotFoundError):
+                    self.reg.remove_many([x[0] for x in picked] + [dead])
+                assert list(self.reg) == before
+        h = self.reg._head
+        event(f"remove_many from the head: {self.reg._ids[h] == picked[0][0] and oldest}")
+        self.reg.remove_many([x[0] for x in picked])
+        self.model = [x for x in self.model if x not in picked]
+        self.removed += picked
+
     @rule(start=st.integers(0, CAP - 1), length=st.integers(1, 12))
     def add_overlapping_fails(self, start: int, length: int) -> None:
         end = min(CAP, start + length)

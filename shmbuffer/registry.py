@@ -278,27 +278,26 @@ class EpisodeRegistry(SlotTable):
 
     def remove_many(self, episode_ids: Sequence[int]) -> None:
         """Remove several live episodes by id (NotFoundError, nothing removed, if one is not
-        live). The oldest ones in id order, a run from the head (what a ring's eviction
-        removes), go in a few vectorised steps; any others one by one."""
+        live). Ids that sit in consecutive slots (one commit's episodes, in order: what a
+        ring's eviction removes) go in a few vectorised steps; any others one by one."""
         k = len(episode_ids)
-        h = self._head
-        ids = self._ids
-        run = k > 1 and h + k <= self._tail and bool(self._alive[h : h + k].all())
-        if run and ids[h : h + k].tolist() == list(episode_ids):
-            self._remove_head_run(k)
-            return
+        first = self._slot_of(episode_ids[0]) if k > 1 and self._is_id(episode_ids[0]) else None
+        if first is not None and first + k <= self._tail:
+            run = self._ids[first : first + k]
+            if run.tolist() == list(episode_ids) and self._alive[first : first + k].all():
+                self._remove_slot_run(first, k)
+                return
         missing = [i for i in episode_ids if not self._is_id(i) or self._slot_of(i) is None]
         if missing or len(set(episode_ids)) < k:
             raise NotFoundError(f"episode {(missing or episode_ids)[0]!r} is not live")
         for episode_id in episode_ids:
             self.remove(episode_id)
 
-    def _remove_head_run(self, k: int) -> None:
-        """Remove the ``k`` live slots from the head."""
-        h = self._head
-        starts = self._starts[h : h + k].tolist()
-        ends = self._ends[h : h + k].tolist()
-        self._alive[h : h + k] = False
+    def _remove_slot_run(self, first: int, k: int) -> None:
+        """Remove the ``k`` live slots from ``first`` on."""
+        starts = self._starts[first : first + k].tolist()
+        ends = self._ends[first : first + k].tolist()
+        self._alive[first : first + k] = False
         self._n_live -= k
         self._num_rows -= sum(ends) - sum(starts)
         by_start, ordered = self._by_start, self._sorted_starts
@@ -319,13 +318,13 @@ class EpisodeRegistry(SlotTable):
             run_end = end
         self._spans.remove(run_start, run_end)
         if self._n_live == 0:
-            self._alive[h : self._tail] = False
+            self._alive[self._head : self._tail] = False
             self._head = self._tail = 0
         else:
-            h += k
-            while not self._alive[h]:
-                h += 1
-            self._head = h
+            while not self._alive[self._head]:
+                self._head += 1
+            while not self._alive[self._tail - 1]:
+                self._tail -= 1
         self._after_removals()
 
     def restore(self, episodes: Iterable[Episode]) -> None:

@@ -142,9 +142,9 @@ def owned_slice(
     array = as_numpy(value)
     if array is not None and dtype != torch.bfloat16:
         part = array[first : first + n]
-        if dtype is None or part.dtype == _numpy_dtype(dtype):
+        if dtype is None or part.dtype == numpy_dtype(dtype):
             return part.copy()  # a third faster than astype(copy=True) on small rows
-        return part.astype(_numpy_dtype(dtype))
+        return part.astype(numpy_dtype(dtype))
     tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
     return tensor[first : first + n].detach().to("cpu", dtype, copy=True)
 
@@ -408,7 +408,7 @@ def episode_rows(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 _NUMPY_DTYPES: dict[torch.dtype, np.dtype[Any]] = {}
 
 
-def _numpy_dtype(dtype: torch.dtype) -> np.dtype[Any]:
+def numpy_dtype(dtype: torch.dtype) -> np.dtype[Any]:
     # Cached: making a tensor to ask cost a fifth of a small-row writer's time.
     found = _NUMPY_DTYPES.get(dtype)
     if found is None:
@@ -423,7 +423,7 @@ def from_bytes(
     view when ``copy`` is False (a copy source), else an owned torch tensor."""
     if dtype == torch.bfloat16:  # no numpy dtype: go through int16
         return torch.from_numpy(frame.copy()).view(torch.bfloat16).reshape(tuple(shape))
-    array: np.ndarray = frame.view(_numpy_dtype(dtype)).reshape(tuple(shape))
+    array: np.ndarray = frame.view(numpy_dtype(dtype)).reshape(tuple(shape))
     return torch.from_numpy(array.copy()) if copy else array
 
 

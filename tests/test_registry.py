@@ -502,13 +502,16 @@ class RegistryMachine(RuleBasedStateMachine):
         assert (list(self.reg), self.reg.next_id, self.reg._spans._starts) == before
 
     @precondition(lambda self: len(self.model) >= 2)
-    @rule(data=st.data(), oldest=st.booleans())
-    def remove_many(self, data: st.DataObject, oldest: bool) -> None:
-        """An eviction's removals: the oldest run (the vectorised path) or any subset."""
-        if oldest:
-            picked = self.model[: data.draw(st.integers(2, len(self.model)))]
-        else:
+    @rule(data=st.data(), how=st.sampled_from(["oldest", "run", "any"]))
+    def remove_many(self, data: st.DataObject, how: str) -> None:
+        """An eviction's removals: a run of consecutive ids (the vectorised path; the oldest
+        or from the middle) or any subset."""
+        if how == "any":
             picked = sorted(data.draw(st.sets(st.sampled_from(self.model), min_size=1)))
+        else:
+            i = 0 if how == "oldest" else data.draw(st.integers(0, len(self.model) - 2))
+            picked = self.model[i : data.draw(st.integers(i + 2, len(self.model)))]
+        event(f"remove_many: {how}")
         if self.removed and data.draw(st.booleans()):  # one dead id: refused, nothing changes
             dead = data.draw(st.sampled_from(self.removed))[0]
             if all(x[0] != dead for x in self.model):
@@ -516,8 +519,6 @@ class RegistryMachine(RuleBasedStateMachine):
                 with pytest.raises(NotFoundError):
                     self.reg.remove_many([x[0] for x in picked] + [dead])
                 assert list(self.reg) == before
-        h = self.reg._head
-        event(f"remove_many from the head: {self.reg._ids[h] == picked[0][0] and oldest}")
         self.reg.remove_many([x[0] for x in picked])
         self.model = [x for x in self.model if x not in picked]
         self.removed += picked

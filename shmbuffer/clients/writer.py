@@ -47,6 +47,7 @@ import torch
 
 from shmbuffer import rows
 from shmbuffer.clients.connection import Connection
+from shmbuffer.clients.staging import Staging
 from shmbuffer.clients.ticker import Ticker
 from shmbuffer.cuda_rows import DeviceWriter
 from shmbuffer.cuda_segment import attach_segment
@@ -143,9 +144,8 @@ class Writer:
         self._ticker_error: Exception | None = None
         # Small writes (transitions of small rows) wait here to share one round trip.
         self.batch_bytes = batch_bytes
-        self._staged: list[tuple[dict[Any, Any], int, int]] = []
+        self._staged: Staging | None = None  # made with the schema, on the first small write
         self._staged_lengths: list[int] = []
-        self._staged_rows = 0
         self._staged_since = 0.0
         #: Per staged piece: its priority (Items) and how many items it holds.
         self._staged_priority: list[tuple[Items, int]] = []
@@ -297,30 +297,28 @@ class Writer:
                 items is not None and staged + count > MAX_PRIORITIES
             ):
                 self._write_staged()
+        area = self._staged
+        if area is None:  # room for the most a batch gathers: under 1.5 batch_bytes
+            most = self.batch_bytes * 3 // (2 * max(1, self.schema.row_nbytes)) + 1
+            area = self._staged = Staging(self.schema, min(most, self.capacity // 8 + 1))
+        if not area:
+            self._staged_since = time.monotonic()
         # Converted to the columns' dtypes now (validated: the values fit), so storing the
         # batch later is a memcpy that cannot fail and take its neighbours down with it.
-        copy = {
-            k: rows.owned_slice(v, first_row, num_rows, self.schema[k].dtype)
-            for k, v in leaves.items()
-        }
-        if not self._staged:
-            self._staged_since = time.monotonic()
-        self._staged.append((copy, 0, num_rows))
+        area.add(leaves, first_row, num_rows)
         self._staged_priority.append((items, count))
         self._staged_lengths.extend(lengths)
-        self._staged_rows += num_rows
-        full = self._staged_rows * self.schema.row_nbytes >= self.batch_bytes
-        if full or self._staged_rows * 8 >= self.capacity:
+        full = area.rows * self.schema.row_nbytes >= self.batch_bytes
+        if full or area.rows * 8 >= self.capacity:
             self._write_staged()
         else:
             self._start_ticker()
 
     def _write_staged(self) -> None:
         if self._staged:
-            pieces, lengths = self._staged, self._staged_lengths
+            pieces, lengths = self._staged.take(), self._staged_lengths
             priorities = self._staged_priority
-            self._staged, self._staged_lengths, self._staged_rows = [], [], 0
-            self._staged_priority = []
+            self._staged_lengths, self._staged_priority = [], []
             items: Items = None
             if priorities[0][0] is not None:  # all of them have one (see _stage)
                 items = np.concatenate(

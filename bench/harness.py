@@ -132,6 +132,7 @@ def _daemon_main(argv: list[str], log_path: str, env: dict[str, str]) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    os.setsid()  # its own session, as running_daemon's subprocess (see there)
     from shmbuffer.cli import main
 
     sys.exit(main(argv))
@@ -183,7 +184,13 @@ def running_daemon(
     the preloaded forkserver rather than a subprocess (default :data:`FORK_DAEMONS`).
 
     With ``spec`` the schema is declared up front, so the daemon creates (and prefaults) its
-    segment before it listens: nothing of that is left for the first timed write."""
+    segment before it listens: nothing of that is left for the first timed write.
+
+    The daemon runs in a session of its own, as ``shmbuffer-daemon start --detach`` (or a
+    daemon started from its own terminal) does: with the kernel's autogroup scheduling (on by
+    default) it then gets a CPU share of its own instead of one share among the writer
+    processes of the same session. Measured with two small-row writers on two cores: ~8.1 M
+    rows/s in the writers' session, ~8.9 M in its own."""
     from shmbuffer import runtime
 
     name = f"bench-{os.getpid()}-{next(_names)}"
@@ -203,7 +210,9 @@ def running_daemon(
     else:
         cmd = [sys.executable, "-m", "shmbuffer.cli", *argv]
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
+            )
     try:
         deadline = time.monotonic() + DAEMON_START_TIMEOUT
         # Ready = its runtime file names this very process (a stale file from an earlier

@@ -291,10 +291,10 @@ class Writer:
         assert self.schema is not None
         count = num_rows if self.unit == "transition" else len(lengths)
         if self._staged_priority:
-            staged = sum(n for _, n in self._staged_priority)
             with_priority = self._staged_priority[0][0] is not None
             if with_priority != (items is not None) or (
-                items is not None and staged + count > MAX_PRIORITIES
+                items is not None
+                and sum(n for _, n in self._staged_priority) + count > MAX_PRIORITIES
             ):
                 self._write_staged()
         area = self._staged

@@ -67,6 +67,12 @@ AHEAD_SHARE = 16
 #: limiter, a large registry): what held it back rarely ends within a write or two.
 AHEAD_BACKOFF = 32
 
+#: The largest write the Writer gathers with others (see ``batch_bytes``): a larger one is
+#: stored at once, since copying it twice would cost more than its round trip. Batches are
+#: larger (``batch_bytes``, 8 MiB): with one or two small-row writers, each doubling of the
+#: batch from 1 MiB measured 7-15% more rows/s, the daemon's work per reservation amortised.
+STAGE_MAX_BYTES = 512 << 10
+
 #: A reservation's shape, as a reserve ahead must match the write that uses it: rows, and the
 #: number of equal episodes or the lengths of unequal ones.
 _Shape = tuple[int, int | None, list[int] | None]
@@ -88,8 +94,9 @@ class Writer:
         reserve_timeout: seconds a reservation may wait for readers' leases to end.
         commit_delay: seconds a copied episode may wait for the next write to carry its commit,
             and a small write may wait to share a round trip with the next ones.
-        batch_bytes: writes smaller than half this are gathered (copied) until this many bytes
-            are waiting, then stored with one reservation. 0 stores each write at once.
+        batch_bytes: small writes (at most :data:`STAGE_MAX_BYTES`, and at most half this)
+            are gathered (copied) until this many bytes are waiting, then stored with one
+            reservation. 0 stores each write at once.
         curve_server_key, curve_client_cert: CURVE keys for a daemon started with
             ``--curve-secret`` (see :class:`~shmbuffer.clients.connection.Connection`).
         The rest are the episode-assembly options of :class:`~shmbuffer.Buffer`.
@@ -109,7 +116,7 @@ class Writer:
         curve_server_key: str | bytes | os.PathLike[str] | None = None,
         curve_client_cert: str | os.PathLike[str] | None = None,
         commit_delay: float = 0.01,
-        batch_bytes: int = 1 << 20,
+        batch_bytes: int = 8 << 20,
     ) -> None:
         self.conn = Connection(
             target,
@@ -253,7 +260,9 @@ class Writer:
         lengths = [num_rows // kept] * kept
         if self.remote:
             self._write_remote(leaves, first_row, num_rows, kept, compact)
-        elif num_rows * self.schema.row_nbytes * 2 <= self.batch_bytes:
+        elif (nbytes := num_rows * self.schema.row_nbytes) <= STAGE_MAX_BYTES and (
+            nbytes * 2 <= self.batch_bytes
+        ):
             self._stage(leaves, first_row, num_rows, lengths, items)
         else:
             self._write_staged()  # what came first is stored first

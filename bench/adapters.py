@@ -186,6 +186,7 @@ class DaemonBuffer(Adapter):
     ``Reader`` in this process (shared memory both ways)."""
 
     name = "shmbuffer-daemon"
+    prefetch = False
 
     @classmethod
     def missing(cls) -> str | None:
@@ -199,7 +200,7 @@ class DaemonBuffer(Adapter):
         with ExitStack() as stack:
             self.target = stack.enter_context(running_daemon(tmpdir, capacity, unit, spec))
             self.writer = stack.enter_context(Writer(self.target))
-            self.reader = stack.enter_context(Reader(self.target))
+            self.reader = stack.enter_context(Reader(self.target, prefetch=self.prefetch))
             self._stack = stack.pop_all()
 
     def write(self, native: Batch) -> None:
@@ -226,6 +227,18 @@ class DaemonBuffer(Adapter):
 
     def close(self) -> None:
         self._stack.close()
+
+
+class DaemonPrefetch(DaemonBuffer):
+    """The same daemon and Reader with ``prefetch=True`` (the README's advice for a learner
+    that samples in a loop): the indices of the next ``sample``/``sample_slices`` are asked for
+    while this one gathers, so the round trip overlaps the copy."""
+
+    name = "shmbuffer-daemon-prefetch"
+    prefetch = True
+
+    def sample_episodes(self, n: int, length: int) -> Any:
+        raise Unsupported("prefetch covers sample and sample_slices, not leased episodes")
 
 
 def run_each(

@@ -20,7 +20,14 @@ from collections.abc import Callable
 from typing import Any
 
 from bench import data, workers
-from bench.adapters import Adapter, DaemonBuffer, Unsupported, missing_module, run_each
+from bench.adapters import (
+    Adapter,
+    DaemonBuffer,
+    DaemonPrefetch,
+    Unsupported,
+    missing_module,
+    run_each,
+)
 from bench.copylimit import CopyLimit
 from bench.harness import PASSES, bench_dirs
 from bench.peers import Cpprb, TorchRLMemmap
@@ -152,7 +159,8 @@ def _sample_ops(
 @scenario("daemon.sample")
 def sample(ctx: Context) -> list[Row]:
     """A learner samples a daemon holding 50,000 image rows (250 episodes of 200): sample(256),
-    sample_episodes(32) (zero-copy views under a lease), sample_slices(32, 16); vs TorchRL
+    sample_episodes(32) (zero-copy views under a lease), sample_slices(32, 16), and the first
+    and last with ``Reader(prefetch=True)`` (shmbuffer-daemon-prefetch); vs TorchRL
     LazyMemmapStorage (RandomSampler, SliceSampler), cpprb ReplayBuffer and np.take. Then
     sample_episodes(32) and (8) on episodes of 50, 200 and 400 steps (same rows): cost per call."""
     name = "daemon.sample"
@@ -216,7 +224,7 @@ def sample(ctx: Context) -> list[Row]:
 
     out: list[Row] = []
     main_ops = ("sample", "sample-episodes", "sample-slices", "sample-episodes8")
-    impls: list[type[Adapter]] = [DaemonBuffer, TorchRLMemmap, Cpprb, CopyLimit]
+    impls: list[type[Adapter]] = [DaemonBuffer, DaemonPrefetch, TorchRLMemmap, Cpprb, CopyLimit]
     kw: dict[str, Any] = {"capacity": capacity, "spec": data.ATARI_SPEC, "unit": "episode"}
     with bench_dirs(ctx) as root:
         sub = dataclasses.replace(ctx, tmpdir=root)  # same notes list; scratch under /dev/shm

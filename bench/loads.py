@@ -269,7 +269,10 @@ def learner_role(
         if impl == SHM:
             from shmbuffer import Reader
 
-            sample: Callable[[int], Any] = stack.enter_context(Reader(handle)).sample
+            # prefetch: a sampling loop's next indices are asked for while this batch is
+            # gathered (the README's advice for a learner; uniform sampler, nothing consumed)
+            reader = stack.enter_context(Reader(handle, prefetch=True))
+            sample: Callable[[int], Any] = reader.sample
         elif impl == QUEUE:
             ring = _Ring(handle, capacity, data.SPECS[kind])
             sample = ring.sample

@@ -30,8 +30,12 @@ Design, for the sampling hot path of the daemon:
   span is one addition per draw, a few (a wrapped ring, reservations in flight) one search
   over them. Only a ring with more than :data:`~shmbuffer.registry_slots._MAX_SPANS` holes
   falls back to the running totals over episodes. Draws are exact uniform integers from raw
-  generator words
-  (:func:`uniform_integers`), cheaper than ``Generator.integers``'s argument handling.
+  generator words (:func:`uniform_integers`), cheaper than ``Generator.integers``'s argument
+  handling.
+* A commit's episodes go in as one run (:meth:`~EpisodeRegistry.add_run`: one overlap query
+  per run of adjacent episodes, one vectorised append) and an eviction's come out as one
+  (:meth:`~EpisodeRegistry.remove_many`: consecutive slots cleared together), where one call
+  per episode was half the daemon's work with small-row writers.
 * Overlap queries (:meth:`~EpisodeRegistry.add`, :meth:`~EpisodeRegistry.evict`,
   :meth:`~EpisodeRegistry.overlapping`) bisect over a sorted Python list of live starts. Live
   intervals are disjoint, so their ends are sorted too and the overlapping ones are one

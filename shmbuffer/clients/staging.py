@@ -8,8 +8,8 @@ fit), so storing the gathered rows is one copy per column that cannot fail, not 
 A write numpy cannot view (bfloat16, a CUDA tensor, one that requires grad) or one that would
 not fit is kept as a private copy of its own instead (:func:`~shmbuffer.rows.owned_slice`).
 
-Measured with one small-row writer (f32[64] + three scalars, chunks of 200 rows): a fresh
-copy per leaf and one store per chunk cost ~3x the copying itself.
+Measured with one small-row writer into a daemon (f32[64] + three scalars, chunks of 200
+rows): 6.0 M rows/s with a fresh copy per leaf and one store per chunk, 6.8 M with this.
 
 Not thread-safe; the Writer holds its lock around every call.
 """

@@ -70,7 +70,7 @@ AHEAD_BACKOFF = 32
 #: The largest write the Writer gathers with others (see ``batch_bytes``): a larger one is
 #: stored at once, since copying it twice would cost more than its round trip. Batches are
 #: larger (``batch_bytes``, 8 MiB): with one or two small-row writers, each doubling of the
-#: batch from 1 MiB measured 7-15% more rows/s, the daemon's work per reservation amortised.
+#: batch from 1 MiB measured 7-22% more rows/s, the daemon's work per reservation amortised.
 STAGE_MAX_BYTES = 512 << 10
 
 #: A reservation's shape, as a reserve ahead must match the write that uses it: rows, and the

@@ -285,7 +285,11 @@ class EpisodeRegistry(SlotTable):
         live). Ids that sit in consecutive slots (one commit's episodes, in order: what a
         ring's eviction removes) go in a few vectorised steps; any others one by one."""
         k = len(episode_ids)
-        first = self._slot_of(episode_ids[0]) if k > 1 and self._is_id(episode_ids[0]) else None
+        if k <= 1:
+            if k:
+                self.remove(episode_ids[0])
+            return
+        first = self._slot_of(episode_ids[0]) if self._is_id(episode_ids[0]) else None
         if first is not None and first + k <= self._tail:
             run = self._ids[first : first + k]
             if run.tolist() == list(episode_ids) and self._alive[first : first + k].all():

@@ -75,6 +75,11 @@ class EpisodeRegistry(SlotTable):
         self._n_live -= 1
         self._num_rows -= ep.length
         self._spans.remove(ep.start, ep.end)
+        self._settle_ends()
+        return ep
+
+    def _settle_ends(self) -> None:
+        """After slots were tombstoned: head and tail on live slots again (none left: reset)."""
         if self._n_live == 0:
             self._alive[self._head : self._tail] = False
             self._head = self._tail = 0
@@ -83,7 +88,6 @@ class EpisodeRegistry(SlotTable):
                 self._head += 1
             while not self._alive[self._tail - 1]:
                 self._tail -= 1
-        return ep
 
     def _after_removals(self) -> None:
         if self._tombstones * 4 > self._n_live:
@@ -159,12 +163,10 @@ class EpisodeRegistry(SlotTable):
         One overlap query per run of adjacent episodes and one vectorised append to the slot
         arrays, instead of :meth:`add` per episode (measured: a commit of 19 chunks of 200
         rows into a full ring, ~55 us of per-episode calls)."""
-        if len(bounds) == 1:
-            return self.add(*bounds[0])
-        runs = self._runs(bounds)
         k = len(bounds)
-        if k == 0:
-            return self._next_id
+        if k <= 1:
+            return self.add(*bounds[0]) if k else self._next_id
+        runs = self._runs(bounds)
         cols = np.array(bounds, dtype=np.int64).reshape(k, 2)
         starts, ends = cols[:, 0], cols[:, 1]
         lengths = ends - starts
@@ -325,14 +327,7 @@ class EpisodeRegistry(SlotTable):
                 run_start = start
             run_end = end
         self._spans.remove(run_start, run_end)
-        if self._n_live == 0:
-            self._alive[self._head : self._tail] = False
-            self._head = self._tail = 0
-        else:
-            while not self._alive[self._head]:
-                self._head += 1
-            while not self._alive[self._tail - 1]:
-                self._tail -= 1
+        self._settle_ends()
         self._after_removals()
 
     def restore(self, episodes: Iterable[Episode]) -> None:

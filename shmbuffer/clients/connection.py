@@ -155,6 +155,9 @@ class Connection:
                 self._monitor = self.socket.get_monitor_socket(_HANDSHAKE_EVENTS)
                 self._monitor.setsockopt(zmq.LINGER, 0)
                 self._sockets.insert(0, self._monitor)  # closed before the socket it watches
+            # Bounded until the hello is answered: a socket whose handshake failed can be left
+            # with no pipe, and a send on it would block for ever (seen once in CI).
+            self.socket.setsockopt(zmq.SNDTIMEO, max(1, int(min(timeout, 86400.0) * 1000)))
             self.socket.connect(self.endpoint)
         self._seq = 0
         self._early: dict[int, Reply] = {}  # replies that arrived before anyone waited
@@ -170,6 +173,8 @@ class Connection:
             self._finalizer()
             raise
         self._stop_monitor()
+        if self._lane is None:
+            self.socket.setsockopt(zmq.SNDTIMEO, -1)
         self.client_id: int = hello["client"]
         self.buffer: dict[str, Any] = hello["buffer"]
         self.daemon_pid: int = hello["daemon_pid"]
@@ -222,7 +227,13 @@ class Connection:
         if self._lane is not None:
             self._lane.send([header, *frames])
         else:
-            send_frames(self.socket, [header], frames)
+            try:
+                send_frames(self.socket, [header], frames)
+            except zmq.Again:  # only while connecting: the send timeout is set until the hello
+                raise DaemonUnavailableError(
+                    f"could not send to the daemon at {self.endpoint} within "
+                    f"{self.timeout:.1f}s ({self._why_no_reply()})"
+                ) from None
         return self._seq
 
     def wait(self, seq: int, timeout: float | None = None) -> Reply:

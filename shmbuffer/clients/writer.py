@@ -6,31 +6,10 @@ episode), or is sent on its own once it has waited ``commit_delay`` seconds (che
 ``add_transition``), and at the latest by :meth:`Writer.flush` / :meth:`Writer.close`, which
 wait for every acknowledgement. The daemon never touches the bytes.
 
-A writer that streams (its writes come back to back, less than ``commit_delay / 2`` apart)
-also hides the reserve's round trip: before it copies a write it sends the reserve of the next
-one ``ahead`` (same rows, same split; protocol 1.3), carrying the previous write's commit, so
-the daemon answers while the copy runs and the next write finds its rows waiting. That
-reservation is an ordinary one (evictions, journal, TTL, reaping, rate limiter and FIFO
-back-pressure all as for any other), except that the daemon never parks it: one that would
-have to wait comes back as reservation 0 and the write reserves as before. One that is not
-used is aborted with ``written=0`` (what it evicted is published again): when the next write
-differs in rows or split or carries a priority, once the writer has been idle for
-``commit_delay`` (the ticker), and on flush and close; a flushed writer leaves the ring exactly
-as a writer without it would.
-
-Its cost: rows reserved ahead are evicted one write early, so while a writer streams, readers
-(and a checkpoint's cut) see the ring less its copy in progress *and* the rows reserved ahead.
-A writer therefore reserves ahead only writes of at most 1/16 of the ring
-(:data:`AHEAD_SHARE`): its write in progress and the one ahead then hide at most the 1/8 of the
-ring that one full staged batch hides without reserving ahead. Larger writes (a staged batch of
-small rows fills up to 1/8) reserve as before. And it reserves ahead only in a run of equal
-writes (this one of the last one's rows and split): one that goes unused is aborted, which in
-a full ring costs the daemon O(live episodes) to publish its evictions again (the daemon, for
-the same reason, grants none that would evict from a registry of many episodes: see
-``daemon/writes.py``); after one such refusal its next :data:`AHEAD_BACKOFF` writes reserve
-as before instead of paying a wasted message each. A remote writer (``remote=True``, or a daemon
-on another host) sends the rows as raw frames instead and the daemon copies them in. Both
-have the same API as the in-process :class:`~shmbuffer.Buffer`.
+A writer that streams also hides the reserve's round trip: it reserves its next write ahead
+while it copies this one (:mod:`shmbuffer.clients.ahead`). A remote writer (``remote=True``, or
+a daemon on another host) sends the rows as raw frames instead and the daemon copies them in.
+Both have the same API as the in-process :class:`~shmbuffer.Buffer`.
 """
 
 from __future__ import annotations
@@ -46,6 +25,7 @@ import numpy as np
 import torch
 
 from shmbuffer import rows
+from shmbuffer.clients.ahead import ReserveAhead, Shape
 from shmbuffer.clients.connection import Connection
 from shmbuffer.clients.staging import Staging
 from shmbuffer.clients.ticker import Ticker
@@ -59,23 +39,11 @@ from shmbuffer.schema import Schema
 from shmbuffer.segment import Segment
 from shmbuffer.writeplan import env_major, plan_write
 
-#: A write reserves its successor ahead only if it is at most 1/AHEAD_SHARE of the ring: the
-#: rows evicted early by a reservation ahead are missing from what readers and checkpoints see
-#: while the writer streams (two writes of 1/8 each would hide a quarter of a small ring).
-AHEAD_SHARE = 16
-#: Writes that reserve as before after the daemon refused one ahead (a full FIFO ring, the rate
-#: limiter, a large registry): what held it back rarely ends within a write or two.
-AHEAD_BACKOFF = 32
-
 #: The largest write the Writer gathers with others (see ``batch_bytes``): a larger one is
 #: stored at once, since copying it twice would cost more than its round trip. Batches are
 #: larger (``batch_bytes``, 8 MiB): with one or two small-row writers, each doubling of the
 #: batch from 1 MiB measured 7-22% more rows/s, the daemon's work per reservation amortised.
 STAGE_MAX_BYTES = 512 << 10
-
-#: A reservation's shape, as a reserve ahead must match the write that uses it: rows, and the
-#: number of equal episodes or the lengths of unequal ones.
-_Shape = tuple[int, int | None, list[int] | None]
 
 #: A write's priority once checked: None (the daemon's default, the largest seen so far), one
 #: number for every item, or one float64 per item (row in transition unit, episode in episode
@@ -156,15 +124,11 @@ class Writer:
         self._staged_since = 0.0
         #: Per staged piece: its priority (Items) and how many items it holds.
         self._staged_priority: list[tuple[Items, int]] = []
-        #: The next write's reserve, sent ahead: (seq, the shape it reserved, the rows of the
-        #: commit it carries), until a write (or the ticker, or flush) takes its reply.
-        self._ahead: tuple[int, _Shape, int] | None = None
-        self._ahead_supported: bool | None = None  # the daemon speaks 1.3 (asked once)
+        #: The next write's reserve, sent ahead while this one copies.
+        self._ahead = ReserveAhead(
+            self.conn, self.capacity, self.mode, commit_delay, self._in_flight
+        )
         self._last_write = 0.0  # when the last local write finished; 0 after a flush
-        self._last_shape: _Shape | None = None  # the last local write's (see _streaming)
-        #: Streaming writes left that do not reserve ahead: a refusal (reservation 0) makes the
-        #: next AHEAD_BACKOFF reserve as before, not pay a wasted message each.
-        self._ahead_skip = 0
         self._lock = threading.RLock()  # the ticker thread shares the socket
         #: The copy into reserved rows: rows.write, or a DeviceWriter's for a CUDA segment
         #: (pinned staging, host -> device; device -> device for GPU rows).
@@ -353,7 +317,7 @@ class Writer:
             fields["episodes"] = len(lengths)
         else:
             fields["lengths"] = lengths
-        shape: _Shape = (num_rows, fields.get("episodes"), fields.get("lengths"))
+        shape: Shape = (num_rows, fields.get("episodes"), fields.get("lengths"))
         # A write with a priority never takes (or sends) a reservation made ahead: its
         # reserve carries the priority its commit publishes.
         reply = self._take_ahead(shape if priority is None else None)
@@ -367,11 +331,10 @@ class Writer:
             if previous is not None:
                 self.episodes_committed += len(reply["committed"])
                 self.rows_committed += previous[1]
-        # Reserved ahead only in a run of equal writes: a guess that misses costs an abort,
-        # which in a full ring stalls the daemon while it publishes the evictions again.
-        same, self._last_shape = shape == self._last_shape, shape
-        if priority is None and same and self._streaming(num_rows):
-            self._send_ahead(shape)  # carries the previous write's commit, if still pending
+        if self._ahead.wanted(shape, self._last_write, with_priority=priority is not None):
+            # it carries the previous write's commit, if still pending
+            previous, self._uncommitted = self._uncommitted, None
+            self._ahead.send(shape, None if previous is None else previous[:2])
         else:  # this write's rows came ahead: the previous write's commit has not gone yet
             self._commit_if_due(now=True)
         self._collect_acks(block=False)
@@ -398,81 +361,18 @@ class Writer:
         else:
             self._start_ticker()
 
-    # -- reserving ahead ----------------------------------------------------------------------
+    # -- reserving ahead (shmbuffer/clients/ahead.py) ------------------------------------------
 
-    def _streaming(self, num_rows: int) -> bool:
-        """Whether to reserve the next write of ``num_rows`` ahead: it is likely to come soon
-        enough to use a reservation made now (this one followed the last within
-        ``commit_delay / 2``, and no flush came between), and the rows it would evict early are
-        at most 1/:data:`AHEAD_SHARE` of the ring. A circular buffer only: a fixed one would
-        be refused rows it may never be asked for."""
-        if self.commit_delay <= 0 or self.mode == "fixed" or self._ahead is not None:
-            return False
-        if num_rows * AHEAD_SHARE > self.capacity:
-            return False
-        if not self._last_write or time.monotonic() - self._last_write >= self.commit_delay / 2:
-            return False
-        if self._ahead_skip:
-            self._ahead_skip -= 1
-            return False
-        if self._ahead_supported is None:  # one ping per writer, on its first stream
-            version = str(self.conn.call("ping").get("protocol", "0.0"))
-            major, _, minor = version.partition(".")
-            self._ahead_supported = (int(major), int(minor or 0)) >= (1, 3)
-        return self._ahead_supported
-
-    def _send_ahead(self, shape: _Shape) -> None:
-        """Send the reserve of the next write (same rows and split as this one), with the
-        previous write's commit, without waiting: the reply arrives while this one copies."""
-        num_rows, episodes, lengths = shape
-        fields: dict[str, Any] = {"rows": num_rows, "ahead": True}
-        if lengths is not None:
-            fields["lengths"] = lengths
-        else:
-            fields["episodes"] = episodes
-        previous, self._uncommitted = self._uncommitted, None
-        if previous is not None:
-            fields["commit"] = previous[0]
-        seq = self.conn.send("reserve", **fields)
-        self._ahead = (seq, shape, 0 if previous is None else previous[1])
-
-    def _take_ahead(self, shape: _Shape | None) -> dict[str, Any] | None:
-        """The reply of the reserve sent ahead, if it reserved ``shape``; None (and the
-        reservation aborted, if one was granted) otherwise. An error in the reply (its
-        piggybacked commit refused, say) is raised here, to the write that needed it."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return None
-        seq, reserved, commit_rows = ahead
-        header, _ = self.conn.wait(seq)  # never parked by the daemon: answered at once
-        if commit_rows:
-            self.episodes_committed += len(header.get("committed", ()))
-            self.rows_committed += commit_rows
-        if header["reservation"] == 0:  # the daemon would have had it wait: reserve anew
-            self._ahead_skip = AHEAD_BACKOFF
-            return None
-        if reserved != shape:
-            self._abort_unused(header["reservation"])
-            return None
-        return header
-
-    def _abort_unused(self, reservation: int) -> None:
-        # written=0: what it evicted is published again and, if nothing was reserved after
-        # it, the ring pointer goes back, as if it had never been asked for.
-        seq = self.conn.send("abort", reservation=reservation, written=0)
-        self._in_flight.append((seq, None))
+    def _take_ahead(self, shape: Shape | None) -> dict[str, Any] | None:
+        """The reply of the reserve sent ahead if it reserved ``shape``, else None."""
+        reply, episodes, committed_rows = self._ahead.take(shape)
+        self.episodes_committed += episodes
+        self.rows_committed += committed_rows
+        return reply
 
     def _return_ahead(self, idle_only: bool) -> None:
-        """Give back the reservation made ahead: at once (flush, close), or (the ticker) once
-        the writer has been idle for ``commit_delay`` and its reply has arrived."""
-        if self._ahead is None:
-            return
-        if idle_only and (
-            time.monotonic() - self._last_write < self.commit_delay
-            or not self.conn.ready(self._ahead[0])
-        ):
-            return
-        self._take_ahead(None)  # None matches no shape: a granted reservation is aborted
+        if self._ahead.due_back(idle_only, self._last_write):
+            self._take_ahead(None)  # None matches no shape: a granted reservation is aborted
 
     def _start_ticker(self) -> None:
         if self._ticker is None and self.commit_delay > 0:
@@ -515,7 +415,7 @@ class Writer:
         pending = self._uncommitted
         if pending is not None and now - pending[2] >= delay:
             return True
-        return self._ahead is not None and now - self._last_write >= delay
+        return self._ahead.pending is not None and now - self._last_write >= delay
 
     def _check_ticker(self) -> None:
         error, self._ticker_error = self._ticker_error, None

@@ -89,9 +89,9 @@ def test_writes_of_changing_sizes_are_not_reserved_ahead(daemon):
     with Writer(d.name, commit_delay=30.0, batch_bytes=0) as w:
         for e in range(10):
             _stream(w, e, 1, length=LENGTH if e % 2 else LENGTH // 2)
-            assert w._ahead is None  # nothing sent ahead
+            assert w._ahead.pending is None  # nothing sent ahead
         _stream(w, 10, 2)  # two equal writes in a row: the next one is reserved ahead
-        assert w._ahead is not None
+        assert w._ahead.pending is not None
         w.flush()
         stats = d.stats()
         assert stats["episodes"] == 12 and stats["reservations"] == 0
@@ -222,7 +222,7 @@ def test_fifo_back_pressure_holds_the_reservation_ahead_like_any_other(daemon):
         with Reader(d.name) as reader, reader.sample_episodes(2) as eps:
             assert len(eps) == 2  # consumed: room for two more
         _stream(w, RING, 2)
-        assert w._ahead is None  # refused once: the next writes do not ask ahead (backoff)
+        assert w._ahead.pending is None  # refused once: the next writes do not ask ahead (backoff)
         w.flush()
         assert d.stats()["episodes_committed"] == RING + 2
 

@@ -61,7 +61,9 @@ class Writer:
         timeout: seconds any single wait on the daemon may take.
         reserve_timeout: seconds a reservation may wait for readers' leases to end.
         commit_delay: seconds a copied episode may wait for the next write to carry its commit,
-            and a small write may wait to share a round trip with the next ones.
+            and a small write may wait to share a round trip with the next ones. 50 ms: with
+            two env workers, a learner and the daemon on two cores, 10 ms (one blocking
+            reserve per worker every 10 ms) measured 7% fewer env steps per second.
         batch_bytes: small writes (at most :data:`STAGE_MAX_BYTES`, and at most half this)
             are gathered (copied) until this many bytes are waiting, then stored with one
             reservation. 0 stores each write at once.
@@ -83,7 +85,7 @@ class Writer:
         postprocess_fn: Callable[[dict[str, list[Any]]], Mapping[str, Any]] | None = None,
         curve_server_key: str | bytes | os.PathLike[str] | None = None,
         curve_client_cert: str | os.PathLike[str] | None = None,
-        commit_delay: float = 0.01,
+        commit_delay: float = 0.05,
         batch_bytes: int = 8 << 20,
     ) -> None:
         self.conn = Connection(

@@ -186,7 +186,7 @@ class DaemonBuffer(Adapter):
     ``Reader`` in this process (shared memory both ways)."""
 
     name = "shmbuffer-daemon"
-    prefetch = False
+    prefetch: bool | int = False
 
     @classmethod
     def missing(cls) -> str | None:
@@ -230,12 +230,12 @@ class DaemonBuffer(Adapter):
 
 
 class DaemonPrefetch(DaemonBuffer):
-    """The same daemon and Reader with ``prefetch=True`` (the README's advice for a learner
-    that samples in a loop): the indices of the next ``sample``/``sample_slices`` are asked for
-    while this one gathers, so the round trip overlaps the copy."""
+    """The same daemon and Reader with ``prefetch=4`` (the README's advice for a learner
+    that samples in a loop): the indices of the next four ``sample``/``sample_slices`` are
+    asked for in one request while these gather, so the round trip overlaps the copies."""
 
     name = "shmbuffer-daemon-prefetch"
-    prefetch = True
+    prefetch = 4
 
     def sample_episodes(self, n: int, length: int) -> Any:
         raise Unsupported("prefetch covers sample and sample_slices, not leased episodes")

@@ -3,7 +3,7 @@ and the insert and sample rates each side keeps up while the other works.
 
 For each implementation in turn (the order rotates with the repetition), a fresh buffer of
 image rows is made in this process and shared with child processes (:mod:`bench.loads`):
-shmbuffer through a daemon (``Writer.add_episode`` / ``Reader(prefetch=True).sample``), cpprb's
+shmbuffer through a daemon (``Writer.add_episode`` / ``Reader(prefetch=4).sample``), cpprb's
 ``MPReplayBuffer`` (``add`` / ``sample`` from the children) and TorchRL's ``ReplayBuffer`` over
 a shared ``LazyMemmapStorage`` (``extend`` / ``sample``). Pass 0 fills the buffer (untimed);
 then, for each writer count, the writers insert pre-generated episodes and both learners
@@ -71,7 +71,7 @@ def contention(ctx: Context) -> list[Row]:
     ctx.note(
         NAME,
         "shmbuffer-daemon: Writer.add_episode + flush at the pass's end, "
-        "Reader(prefetch=True).sample (copies out of shared memory); cpprb-MPReplayBuffer: "
+        "Reader(prefetch=4).sample (copies out of shared memory); cpprb-MPReplayBuffer: "
         "made here, add(**episode) and "
         "sample(256) in the children; torchrl-shared-LazyMemmapStorage: "
         "ReplayBuffer(LazyMemmapStorage, shared=True) in /dev/shm, extend(TensorDict) "

@@ -164,7 +164,7 @@ def _sample_ops(
 def sample(ctx: Context) -> list[Row]:
     """A learner samples a daemon holding 50,000 image rows (250 episodes of 200): sample(256),
     sample_episodes(32) (zero-copy views under a lease), sample_slices(32, 16), and the first
-    and last with ``Reader(prefetch=True)`` (shmbuffer-daemon-prefetch); vs TorchRL
+    and last with ``Reader(prefetch=4)`` (shmbuffer-daemon-prefetch); vs TorchRL
     LazyMemmapStorage (RandomSampler, SliceSampler), cpprb ReplayBuffer and np.take. Then
     sample_episodes(32) and (8) on episodes of 50, 200 and 400 steps (same rows): cost per call."""
     name = "daemon.sample"

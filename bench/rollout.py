@@ -4,7 +4,7 @@ pause standing for its (GPU) update. Env steps per second and learner rows sampl
 
 The same loop is built on each implementation (:mod:`bench.loads`), one after another (the
 order rotates with the repetition): shmbuffer through a daemon (``Writer.extend`` of the
-episode, ``Reader(prefetch=True).sample``); a ``multiprocessing.Queue`` of episodes (pickled)
+episode, ``Reader(prefetch=4).sample``); a ``multiprocessing.Queue`` of episodes (pickled)
 drained by the learner into its own ring, sampled with ``np.take``; cpprb's
 ``MPReplayBuffer``; TorchRL's ``ReplayBuffer`` over a shared ``LazyMemmapStorage`` (each
 episode converted to a TensorDict, inside the loop: it is part of that buffer's write path).
@@ -111,7 +111,7 @@ def rollout(ctx: Context) -> list[Row]:
         "feeder thread; a full queue blocks the worker); the learner takes everything queued "
         "before each batch, copies it into its own ring and samples it with np.take. "
         "shmbuffer-daemon: Writer.extend(episode), flushed at the pass's end; "
-        "Reader(prefetch=True).sample. "
+        "Reader(prefetch=4).sample. "
         "torchrl-shared-LazyMemmapStorage: TensorDict per episode, rb.extend, rb.sample. "
         "Children are forked from one forkserver that imported torch, shmbuffer and the "
         "peers once, with the parent's torch thread count (--threads)",

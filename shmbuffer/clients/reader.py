@@ -89,6 +89,11 @@ class Reader(EpisodeReads):
         prefetch: request the indices of the next ``sample``/``sample_slices`` (same size)
             while the caller works on this one; never for a sampler whose samples consume
             what they hand out (``fifo``, ``without-replacement``, ``--max-times-sampled``).
+            An int ``k``: one request draws the next ``k`` batches, handed out one per call
+            (the daemon wakes once per ``k``: a learner of small batches spends half the CPU
+            at ``k=4``); they were drawn up to ``2k - 1`` calls earlier, so priority updates
+            reach the draws that late, and a rate limiter counts the ``k`` at once. ``True``
+            is ``1``; a remote reader fetches one batch ahead.
         sample_timeout: seconds a sample may wait in the daemon for data to consume (a FIFO
             or consume-once sampler) or for the rate limiter, then WaitTimeoutError (None:
             ``timeout``).

@@ -44,6 +44,44 @@ from shmbuffer.segment import Segment
 CONSUMING_SAMPLERS = ("fifo", "without-replacement")
 
 
+#: The per-item arrays of a sample's reply, which :func:`split_reply` cuts into batches.
+_ITEM_ARRAYS = ("rows", "starts", "lengths", "gens", "index", "generation", "probability", "weight")
+_MAX_SAMPLE = 1 << 20  # the protocol's bound on a sample's n
+
+
+def prefetch_depth(value: Any) -> int:
+    """A Reader's ``prefetch`` as the number of batches one request fetches: False 0 (none),
+    True 1, an int ``k >= 0`` itself."""
+    if isinstance(value, bool):
+        return int(value)
+    try:
+        depth = operator.index(value)
+    except TypeError:
+        raise TypeError(f"prefetch must be a bool or an int >= 0, got {value!r}") from None
+    if depth < 0:
+        raise ValueError(f"prefetch must be a bool or an int >= 0, got {depth}")
+    return depth
+
+
+def split_reply(reply: tuple[dict[str, Any], Any], parts: int) -> list[Any]:
+    """The reply of one sample of ``parts`` equal batches as one reply per batch: each
+    per-item array cut in ``parts`` equal pieces (zero-copy views; ``gens`` of slices holds
+    one stamp per row, ``length`` per slice, so it is cut the same way)."""
+    header, frames = reply
+    if parts == 1:
+        return [reply]
+    out = []
+    for i in range(parts):
+        part = dict(header)
+        for name in _ITEM_ARRAYS:
+            if name in header:
+                data = memoryview(header[name])
+                size = len(data) // parts
+                part[name] = data[i * size : (i + 1) * size]
+        out.append((part, frames))
+    return out
+
+
 def as_count(value: Any, name: str, lo: int = 1) -> int:
     """``value`` as a Python int (msgpack cannot send ``np.int64``); Buffer takes the same."""
     if isinstance(value, bool):
@@ -103,11 +141,15 @@ class ReaderState:
         auto_renew: bool = True,
         max_lease_hold: float | None = 600.0,
     ) -> None:
+        depth = prefetch_depth(prefetch)  # before connecting: a bad value opens nothing
         self.auto_renew = auto_renew
         self.max_lease_hold = max_lease_hold
         self._leases: dict[int, ClientLease] = {}  # of the sample_episodes blocks now open
         self._renewer: Ticker | None = None
         self._ahead: tuple[Any, int] | None = None  # (request, seq) of a sample sent ahead
+        #: Batches of the last prefetched reply not handed out yet, and the request they fit.
+        self._parts: list[tuple[dict[str, Any], Any]] = []
+        self._parts_key: Any = None
         self.conn = Connection(
             target,
             "reader",
@@ -125,7 +167,9 @@ class ReaderState:
             self.sampler in CONSUMING_SAMPLERS
             or self.conn.buffer.get("max_times_sampled") is not None
         )
-        self.prefetch = prefetch and not self.consumes
+        #: Batches one sample request fetches ahead (0: none); a remote reader's come as
+        #: frames, one batch at a time.
+        self.prefetch = 0 if self.consumes else min(depth, 1) if self.remote else depth
         #: Seconds a sample may wait in the daemon (may be changed between calls).
         self.sample_timeout = timeout if sample_timeout is None else float(sample_timeout)
         if not math.isfinite(self.sample_timeout) or self.sample_timeout < 0:
@@ -180,24 +224,36 @@ class ReaderState:
         return self._wait_sample(self._send_sample(fields))
 
     def _sample_ahead(self, **fields: Any) -> tuple[dict[str, Any], Any]:
-        """Like :meth:`_sample`, but the reply was requested at the previous call (when it
-        asked the same) and the next one is requested now: the round trip overlaps the
-        learner's own work. Indices that went stale meanwhile are caught by the stamps."""
+        """Like :meth:`_sample`, but requested ahead: with ``prefetch=k`` one request draws
+        ``k`` batches like this one, handed out one per call, and the next ``k`` are asked for
+        when the first of these is: the round trip overlaps the learner's own work, and the
+        daemon wakes once per ``k`` batches. A call that asks something else drops what was
+        fetched. Indices that went stale meanwhile are caught by the stamps."""
         if not self.prefetch:
             return self._sample(**fields)
         key = tuple(sorted(fields.items()))
-        ahead, self._ahead = self._ahead, None
-        reply = None
-        if ahead is not None:
-            try:
-                got = self._wait_sample(ahead[1])
-                reply = got if ahead[0] == key else None
-            except EmptyBufferError:  # stale: the buffer may have filled since
-                pass
+        if self._parts and self._parts_key == key:
+            return self._parts.pop(0)
+        depth = self.prefetch if fields["n"] * self.prefetch <= _MAX_SAMPLE else 1
+        group = {**fields, "n": fields["n"] * depth}
+        reply = self._take_ahead((key, depth))
         if reply is None:
-            reply = self._sample(**fields)
-        self._ahead = (key, self._send_sample(fields))
-        return reply
+            reply = self._sample(**group)
+        self._parts = split_reply(reply, depth)
+        self._parts_key = key
+        self._ahead = ((key, depth), self._send_sample(group))
+        return self._parts.pop(0)
+
+    def _take_ahead(self, key: Any) -> tuple[dict[str, Any], Any] | None:
+        """The reply of the sample sent ahead if it asked ``key``; None otherwise."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        try:
+            reply = self._wait_sample(ahead[1])
+        except EmptyBufferError:  # stale: the buffer may have filled since
+            return None
+        return reply if ahead[0] == key else None
 
     def _release_soon(self, leases: list[int]) -> None:
         """Release the leases of a copy that is done without waiting for the replies (they

@@ -92,8 +92,10 @@ class Reader(EpisodeReads):
             An int ``k``: one request draws the next ``k`` batches, handed out one per call
             (the daemon wakes once per ``k``: a learner of small batches spends half the CPU
             at ``k=4``); they were drawn up to ``2k - 1`` calls earlier, so priority updates
-            reach the draws that late, and a rate limiter counts the ``k`` at once. ``True``
-            is ``1``; a remote reader fetches one batch ahead.
+            reach the draws that late, and a rate limiter counts the ``k`` at once. A batch
+            found overwritten before its copy (writers lapping the ring within a few
+            batches) drops the rest and fetches one batch at a time for a while. ``True`` is
+            ``1``; a remote reader fetches one batch ahead.
         sample_timeout: seconds a sample may wait in the daemon for data to consume (a FIFO
             or consume-once sampler) or for the rate limiter, then WaitTimeoutError (None:
             ``timeout``).
@@ -240,6 +242,7 @@ class Reader(EpisodeReads):
         data = rows.gather(self.segment.columns, physical, self.segment.arrays)
         if not (stamps[physical] != gens).any():  # the usual case, in one comparison
             return data
+        self._went_stale()
         todo = np.arange(len(physical) // group)
         for _ in range(MAX_RESAMPLES):
             where = rows.slice_rows(todo * group, group)

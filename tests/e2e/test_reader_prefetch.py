@@ -83,3 +83,24 @@ def test_prefetch_values(daemon: Any) -> None:
         Reader(d.name, prefetch=-1)
     with pytest.raises(TypeError, match="prefetch"):
         Reader(d.name, prefetch="4")
+
+
+def test_a_fetched_batch_overwritten_meanwhile_is_redrawn_and_prefetch_backs_off(
+    daemon: Any,
+) -> None:
+    d = daemon(capacity=64, unit="transition")
+    with Writer(d.name) as writer, Reader(d.name, prefetch=4) as reader:
+        writer.extend({"id": torch.arange(64)})
+        writer.flush()
+        assert (reader.sample(16)["id"] < 64).all()  # 3 more batches of these rows wait
+        writer.extend({"id": torch.arange(100, 164)})  # the whole ring, overwritten
+        writer.flush()
+        batch = reader.sample(16)
+        assert (batch["id"] >= 100).all(), "a batch fetched before the overwrite was torn"
+        assert reader.resamples > 0
+        before = _requests(reader)
+        for _ in range(4):
+            assert (reader.sample(16)["id"] >= 100).all()
+        # after a stale batch, one batch per request: the 4 fetched ahead of it are dropped
+        # (older still), then each call takes one and asks for the next
+        assert _requests(reader) - before == 5

@@ -233,6 +233,7 @@ class Rollout:
         ]
         self.started = 0.0
         self._torn = False  # a read of ``returns`` was interrupted (Ctrl-C) part-way
+        self._reported: set[int] = set()  # workers whose exit check() has printed
 
     def start(self) -> None:
         for p in self.procs:
@@ -260,14 +261,27 @@ class Rollout:
         return out
 
     def check(self) -> None:
-        """Raise if a worker failed (with its traceback) or died."""
+        """Raise if a worker failed (with its traceback) or every worker is gone. A worker
+        killed from outside (``kill -9``) is reported once and the others go on: what it
+        committed stays in the buffer, and its steps still count towards the budget."""
         with contextlib.suppress(queue.Empty):
             index, text = self.shared.errors.get_nowait()
             raise RuntimeError(f"env worker {index} failed:\n{text}")
+        if self.shared.stop.is_set():
+            return
         dead = [i for i, p in enumerate(self.procs) if p.exitcode is not None]
-        if dead and not self.shared.stop.is_set():
-            codes = [self.procs[i].exitcode for i in dead]
-            raise RuntimeError(f"env workers {dead} exited (exit codes {codes})")
+        for i in dead:
+            if i not in self._reported:
+                self._reported.add(i)
+                left = len(self.procs) - len(dead)
+                print(
+                    f"env worker {i} exited (exit code {self.procs[i].exitcode}); "
+                    f"going on with {left}",
+                    flush=True,
+                )
+        if len(dead) == len(self.procs):
+            codes = [p.exitcode for p in self.procs]
+            raise RuntimeError(f"every env worker exited (exit codes {codes})")
 
     def stop(self) -> None:
         self.shared.stop.set()

@@ -10,6 +10,7 @@ daemon's runtime file and segment, and its weights channel, are gone when it exi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -137,13 +138,53 @@ SHORT_TARGET = "60"
 SHORT_MINUTES = 2.0
 
 
+def env_workers(pid: int) -> list[int]:
+    """The spawned multiprocessing children of ``pid`` (its env workers; not its daemon or
+    multiprocessing's resource tracker)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    found = []
+    for child in map(int, children):
+        with contextlib.suppress(OSError):
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(child)
+    return found
+
+
 @pytest.mark.timeout(SHORT_MINUTES * 60 + SHUTDOWN_S + 30)
-def test_dqn_learns_above_random_play(folders: tuple[Path, Path], tmp_path: Path) -> None:
+def test_dqn_learns_above_random_play_through_a_worker_killed(
+    folders: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Three workers, one SIGKILLed once the learner trains: the run goes on with the other
+    two, says so, and still learns."""
     curve = tmp_path / "dqn.csv"
-    run = run_example(
-        "dqn_cartpole.py", folders, "--workers", "2", "--target", SHORT_TARGET,
-        "--curve", str(curve), minutes=SHORT_MINUTES,
+    argv = [
+        sys.executable, str(EXAMPLES / "dqn_cartpole.py"), "--minutes", str(SHORT_MINUTES),
+        "--workers", "3", "--target", SHORT_TARGET, "--curve", str(curve),
+    ]  # fmt: skip
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        argv, env=environ(folders), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
     )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:  # the first progress line: workers act, the learner trains
+            lines.append(line)
+            if line.startswith("["):
+                break
+        workers = env_workers(proc.pid)
+        assert len(workers) == 3, (workers, "".join(lines))
+        os.kill(workers[0], signal.SIGKILL)
+        out, err = proc.communicate(timeout=SHORT_MINUTES * 60 + SHUTDOWN_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    run = Run(proc.returncode, "".join(lines) + out, err, time.monotonic() - start)
+    assert run.returncode == 0, run.describe()
+    assert "exit code -9); going on with 2" in run.stdout, run.describe()
+    assert_nothing_left(folders)
     check_figures(run)
     assert run.final_return > CLEARLY_ABOVE_RANDOM, run.describe()
     check_curve_plot(curve, tmp_path / "curves.png")

@@ -229,13 +229,18 @@ class DaemonBuffer(Adapter):
         self._stack.close()
 
 
+#: Batches a shmbuffer learner's Reader fetches per request (``Reader(prefetch=4)``): with
+#: small batches it halves the learner's and the daemon's CPU per batch, measured.
+PREFETCH = 4
+
+
 class DaemonPrefetch(DaemonBuffer):
     """The same daemon and Reader with ``prefetch=4`` (the README's advice for a learner
     that samples in a loop): the indices of the next four ``sample``/``sample_slices`` are
     asked for in one request while these gather, so the round trip overlaps the copies."""
 
     name = "shmbuffer-daemon-prefetch"
-    prefetch = 4
+    prefetch = PREFETCH
 
     def sample_episodes(self, n: int, length: int) -> Any:
         raise Unsupported("prefetch covers sample and sample_slices, not leased episodes")

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from bench import data
-from bench.adapters import missing_module
+from bench.adapters import PREFETCH, missing_module
 from bench.data import Batch, Spec
 from bench.harness import (
     PASS_TIMEOUT,
@@ -55,9 +55,6 @@ MODULES: dict[str, str | None] = {
     TORCHRL: "torchrl.data",
     QUEUE: None,
 }
-#: Batches a shmbuffer learner's Reader fetches per request (``Reader(prefetch=4)``): with
-#: small batches it halves the learner's and the daemon's CPU per batch, measured.
-PREFETCH = 4
 QUEUE_EPISODES = 256  # bound of the Queue peer's queue: a full queue blocks its producers
 
 Step = tuple[str, float]

@@ -69,6 +69,8 @@ _PRIORITY = Spec((bytes, float, int), required=False)
 #: ``MAX_HEADER_BYTES`` (``update_priorities`` sends three arrays: 3 x 8 x 2048 = 48 KiB).
 MAX_PRIORITIES = 4096
 MAX_UPDATES = 2048
+#: Most items one sample request may ask for (``n``).
+MAX_SAMPLE = 1 << 20
 
 #: Every request op and its fields (besides ``v``, ``op`` and ``seq``).
 REQUESTS: dict[str, dict[str, Spec]] = {
@@ -110,7 +112,7 @@ REQUESTS: dict[str, dict[str, Spec]] = {
     },
     "sample": {
         "kind": Spec((str,), choices=("rows", "episodes", "slices")),
-        "n": _int(1, 1 << 20),
+        "n": _int(1, MAX_SAMPLE),
         "length": _int(1, required=False),
         "lease": Spec((bool,), required=False),
         "payload": Spec((bool,), required=False),

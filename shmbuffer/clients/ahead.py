@@ -78,13 +78,13 @@ class ReserveAhead:
         self._skip = 0
 
     def wanted(self, shape: Shape, last_write: float, with_priority: bool = False) -> bool:
-        """Whether to reserve ahead the write after this one of ``shape``: none for a write
-        ``with_priority`` (its reserve carries the priority its commit publishes), else if
-        this one repeats
-        the last one's shape (a guess that misses costs an abort), it followed the last
-        within ``commit_delay / 2`` (``last_write``: when that one finished, 0 after a flush),
-        and the rows it would evict early are at most 1/:data:`AHEAD_SHARE` of the ring. A
-        circular buffer only: a fixed one would be refused rows it may never be asked for."""
+        """Whether to reserve ahead the write after this one of ``shape``: never for a write
+        ``with_priority`` (its reserve carries the priority its commit publishes); else when
+        this one repeats the last one's shape (a guess that misses costs an abort), it
+        followed the last within ``commit_delay / 2`` (``last_write``: when that one
+        finished, 0 after a flush), and the rows it would evict early are at most
+        1/:data:`AHEAD_SHARE` of the ring. A circular buffer only: a fixed one would be
+        refused rows it may never be asked for."""
         same, self._last_shape = shape == self._last_shape, shape
         if with_priority or not same or self.commit_delay <= 0 or self.mode == "fixed":
             return False

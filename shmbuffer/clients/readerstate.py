@@ -33,7 +33,7 @@ from shmbuffer.errors import (
     SchemaError,
     UnknownClientError,
 )
-from shmbuffer.protocol import encode_i64
+from shmbuffer.protocol import MAX_SAMPLE, encode_i64
 from shmbuffer.rows import from_bytes, gather, nest
 from shmbuffer.samplers.base import check_beta
 from shmbuffer.schema import Schema
@@ -46,7 +46,6 @@ CONSUMING_SAMPLERS = ("fifo", "without-replacement")
 
 #: The per-item arrays of a sample's reply, which :func:`split_reply` cuts into batches.
 _ITEM_ARRAYS = ("rows", "starts", "lengths", "gens", "index", "generation", "probability", "weight")
-_MAX_SAMPLE = 1 << 20  # the protocol's bound on a sample's n
 #: Calls that fetch one batch at a time after a prefetched batch had rows overwritten before
 #: its copy (a ring that writers lap within a few batches): those would be redrawn, one round
 #: trip each. Measured with a writer lapping a 40k-row image ring 8 times a second: learners
@@ -241,7 +240,7 @@ class ReaderState:
         key = tuple(sorted(fields.items()))
         if self._parts and self._parts_key == key:
             return self._parts.pop(0)
-        depth = self.prefetch if fields["n"] * self.prefetch <= _MAX_SAMPLE else 1
+        depth = self.prefetch if fields["n"] * self.prefetch <= MAX_SAMPLE else 1
         if self._fresh_only:
             self._fresh_only -= 1
             depth = 1

@@ -459,8 +459,19 @@ def sample_paths(readers: dict[str, Any], b: int, gpu: str) -> dict[str, Any]:
             target[key].copy_(stage[key], non_blocking=True)
         sync()
 
+    def gather_alone() -> None:  # the GPU's part of from_cuda: no daemon, no stamps
+        from shmbuffer import cuda_rows
+
+        reader = _reader(readers, "cuda")
+        cuda_rows.gather_columns(reader.segment.columns, np.random.randint(0, 1000, b))
+
+    def round_trip() -> None:  # the daemon's part: a ping over the same connection
+        _reader(readers, "cuda").conn.call("ping")
+
     return {
         "CUDA buffer: sample() (GPU gather)": (from_cuda, b),
+        "  of which the GPU gather alone": (gather_alone, b),
+        "  of which a daemon round trip (ping)": (round_trip, 0),
         "CPU buffer: sample().to(cuda)": (pageable, b),
         "CPU buffer: sample() -> pinned staging -> cuda": (staged, b),
     }

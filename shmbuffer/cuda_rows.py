@@ -226,7 +226,8 @@ class DeviceWriter:
     def _finish(self, side: Any) -> None:
         """Wait until every copy of this write is complete (the staging slots are then free)."""
         if side is not None:
-            self._record(side)
-            self._done[self._slot].synchronize()
+            # The whole side stream, not a slot's event: a write of GPU rows alone never made
+            # a slot (nor a list of events to record one in).
+            side.synchronize()
             self._done = [None] * len(self._done)
         self._used = 0

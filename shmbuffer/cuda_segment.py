@@ -242,8 +242,12 @@ def device_views(
 
 def _no_expandable_segments() -> None:
     """Expandable segments share by file descriptor, with open bugs: allocate without them."""
+    # torch 2.11 moved the setter (the old name warns); older torch has only the old one
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        setter = torch.cuda.memory._set_allocator_settings
     try:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        setter("expandable_segments:False")
     except (AttributeError, RuntimeError) as exc:  # older or newer torch: keep its default
         log.debug("could not turn expandable segments off: %s", exc)
 

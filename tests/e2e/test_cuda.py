@@ -178,12 +178,13 @@ def test_a_buffer_larger_than_the_gpu_is_refused_at_start(e2e_env: Any) -> None:
 def test_gpu_buffers_refuse_checkpoints_and_resume(
     daemon: Any, e2e_env: Any, tmp_path: Path
 ) -> None:
-    from shmbuffer.errors import CheckpointError
+    from shmbuffer.errors import SegmentError
 
     d = daemon(capacity=500, args=["--device", "cuda", "--schema", schema_file(e2e_env)])
     conn = d.admin()
     try:
-        with pytest.raises(CheckpointError, match="live on cuda:0"):
+        # a CheckpointError in the daemon; on the wire its code is `segment` (docs/protocol.md)
+        with pytest.raises(SegmentError, match="live on cuda:0"):
             conn.call("checkpoint", to=str(tmp_path))
     finally:
         conn.close()

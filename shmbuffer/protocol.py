@@ -35,7 +35,7 @@ import numpy.typing as npt
 from shmbuffer.errors import ProtocolError, ShmBufferError, VersionMismatchError
 
 #: Versioned separately from the package. Minor bumps add optional fields or ops only.
-PROTOCOL_VERSION = "1.4"
+PROTOCOL_VERSION = "1.5"
 PROTOCOL_MAJOR = int(PROTOCOL_VERSION.split(".", maxsplit=1)[0])
 
 #: Largest request header the daemon accepts, in bytes; payload frames are bounded by its own
@@ -71,6 +71,8 @@ MAX_PRIORITIES = 4096
 MAX_UPDATES = 2048
 #: Most items one sample request may ask for (``n``).
 MAX_SAMPLE = 1 << 20
+#: Most reservations one ``reserve`` asks for ahead (``count``), and most it commits first.
+MAX_AHEAD = 16
 
 #: Every request op and its fields (besides ``v``, ``op`` and ``seq``).
 REQUESTS: dict[str, dict[str, Spec]] = {
@@ -98,6 +100,12 @@ REQUESTS: dict[str, dict[str, Spec]] = {
         # that would have to wait, or evict episodes while many are live, is answered at
         # once with reservation 0 (since 1.3).
         "ahead": Spec((bool,), required=False),
+        # With ``ahead``: up to this many reservations of the same shape, one after another
+        # (since 1.5); the reply's ``more`` holds those after the first.
+        "count": _int(1, MAX_AHEAD, required=False),
+        # Open reservations of this client to commit first, in order (since 1.5; with
+        # ``commit``, that one first).
+        "commits": Spec((list,), required=False),
     },
     "commit": {"reservation": _ID, "priority": _PRIORITY},
     # written: rows the writer's copy may have touched; what the reservation evicted from the
@@ -215,6 +223,25 @@ def _check_priority(op: str, fields: Mapping[str, Any]) -> None:
         raise ProtocolError(f"op {op!r}: field 'priority' holds no values")
 
 
+def _check_reserve(op: str, fields: Mapping[str, Any]) -> None:
+    _check_priority(op, fields)
+    if "count" in fields and not fields.get("ahead"):
+        raise ProtocolError(f"op {op!r}: field 'count' is only for a reserve 'ahead'")
+    commits = fields.get("commits")
+    if commits is None:
+        return
+    ids = [*commits, *([fields["commit"]] if "commit" in fields else [])]
+    if (
+        len(commits) > MAX_AHEAD
+        or not all(type(r) is int and 1 <= r <= MAX_INT for r in commits)
+        or len(set(ids)) != len(ids)
+    ):
+        raise ProtocolError(
+            f"op {op!r}: field 'commits' must list at most {MAX_AHEAD} distinct reservation "
+            f"ids (ints 1..{MAX_INT}, 'commit' not among them), got {commits!r:.200}"
+        )
+
+
 def _check_update(op: str, fields: Mapping[str, Any]) -> None:
     count = _array_size(op, "index", fields["index"], MAX_UPDATES)
     for name in ("priority", "generation"):
@@ -247,7 +274,7 @@ def _check_configure(op: str, fields: Mapping[str, Any]) -> None:
 #: Checks across an op's fields (or inside a list) that a per-field :class:`Spec` cannot
 #: express; run by :func:`validate_request` once every field passed its own.
 VALIDATORS: dict[str, Callable[[str, Mapping[str, Any]], None]] = {
-    "reserve": _check_priority,
+    "reserve": _check_reserve,
     "write": _check_priority,
     "commit": _check_priority,
     "sample": _check_sample,
@@ -378,7 +405,9 @@ REPLIES: dict[str, dict[str, Spec]] = {
     "reserve": {
         "reservation": Spec((int,)),  # 0: an ``ahead`` reserve that was not granted
         "ranges": Spec((list,)),
-        "committed": Spec((list,), required=False),  # with the request's 'commit'
+        "committed": Spec((list,), required=False),  # with the request's 'commit(s)'
+        # with 'count' (since 1.5): [reservation, ranges] of each granted after the first
+        "more": Spec((list,), required=False),
     },
     "commit": {"episodes": Spec((list,))},
     "abort": {},

@@ -124,6 +124,14 @@ def test_real_replies_match_the_reply_table(h: Harness, tmp_path: Path) -> None:
     call(W, "commit", reservation=second["reservation"], priority=2.0)
     third = call(W, "reserve", rows=1)
     call(W, "abort", reservation=third["reservation"], written=0)
+    batch = call(W, "reserve", rows=1, ahead=True, count=3)  # a batch ahead (1.5)
+    granted = [(batch["reservation"], batch["ranges"]), *batch["more"]]
+    assert len(granted) == 3
+    for _, ranges in granted:
+        h.fill(ranges, 4.0)
+    fourth = call(W, "reserve", rows=1, commits=[r for r, _ in granted])
+    assert len(fourth["committed"]) == 3
+    call(W, "abort", reservation=fourth["reservation"], written=0)
     call(W, "write", frames=payload(3, 3.0), rows=3, episodes=3, priority=0.5)
 
     call(R, "sample", kind="rows", n=4)
@@ -146,7 +154,7 @@ def test_real_replies_match_the_reply_table(h: Harness, tmp_path: Path) -> None:
     call(R, "release", lease=again["lease"])
     h.service.tick(1.0)  # rates and a client sweep behind the counters
     stats = call(R, "stats")["stats"]
-    assert stats["rows"] == 9 and stats["segment"] is not None
+    assert stats["rows"] == 12 and stats["segment"] is not None
 
     call(ADMIN, "configure", min_size=2)
     call(ADMIN, "checkpoint", to=str(tmp_path))

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from shmbuffer import rows
-from shmbuffer.clients.ahead import ReserveAhead, Shape
+from shmbuffer.clients.ahead import ReserveAhead, Shape, commit_fields
 from shmbuffer.clients.connection import Connection
 from shmbuffer.clients.staging import Staging
 from shmbuffer.clients.ticker import Ticker
@@ -113,10 +113,11 @@ class Writer:
         self.segment: Segment | None = None
         #: (seq, rows) of unacknowledged commits; rows None: an abort of an unused reservation.
         self._in_flight: list[tuple[int, int | None]] = []
-        # A copied episode whose commit rides on this writer's next reserve (one message per
-        # episode instead of two), or goes alone once it has waited ``commit_delay`` seconds.
+        # Copied writes whose commits ride on this writer's next reserve (one message per
+        # write, or per batch reserved ahead, instead of two), or go alone once they have
+        # waited ``commit_delay`` seconds: (reservation, rows, since), oldest first.
         self.commit_delay = commit_delay
-        self._uncommitted: tuple[int, int, float] | None = None  # (reservation, rows, since)
+        self._uncommitted: list[tuple[int, int, float]] = []
         self._ticker: Ticker | None = None
         self._ticker_error: Exception | None = None
         # Small writes (transitions of small rows) wait here to share one round trip.
@@ -324,21 +325,21 @@ class Writer:
         # reserve carries the priority its commit publishes.
         reply = self._take_ahead(shape if priority is None else None)
         if reply is None:
-            previous, self._uncommitted = self._uncommitted, None
-            if previous is not None:
-                fields["commit"] = previous[0]
+            previous, self._uncommitted = self._uncommitted, []
+            fields.update(commit_fields([r for r, _, _ in previous]))
             reply = self.conn.call(
                 "reserve", timeout=self.reserve_timeout + self.conn.timeout, **fields
             )
-            if previous is not None:
+            if previous:
                 self.episodes_committed += len(reply["committed"])
-                self.rows_committed += previous[1]
+                self.rows_committed += sum(n for _, n, _ in previous)
         if self._ahead.wanted(shape, self._last_write, with_priority=priority is not None):
-            # it carries the previous write's commit, if still pending
-            previous, self._uncommitted = self._uncommitted, None
-            self._ahead.send(shape, None if previous is None else previous[:2])
-        else:  # this write's rows came ahead: the previous write's commit has not gone yet
+            # it carries the pending commits of the writes before this one
+            previous, self._uncommitted = self._uncommitted, []
+            self._ahead.send(shape, [(r, n) for r, n, _ in previous])
+        elif not self._ahead.holding:  # this write's rows came ahead: send the commits now
             self._commit_if_due(now=True)
+        # else the batch reserved ahead is in use: its last write's reserve carries them
         self._collect_acks(block=False)
         reservation = reply["reservation"]
         ranges = [(int(s), int(e)) for s, e in reply["ranges"]]
@@ -356,8 +357,8 @@ class Writer:
                 )
                 offset += n
                 progress.rows = 0
-        self._uncommitted = (reservation, num_rows, time.monotonic())
-        self._last_write = self._uncommitted[2]
+        self._last_write = time.monotonic()
+        self._uncommitted.append((reservation, num_rows, self._last_write))
         if self.commit_delay <= 0:
             self._commit_if_due(now=True)
         else:
@@ -383,13 +384,12 @@ class Writer:
             self._ticker = Ticker(self.commit_delay / 2, tick, "shmbuffer-commit")
 
     def _commit_if_due(self, now: bool = False) -> None:
-        """Send the pending commit on its own (without waiting for the reply) once it has
-        waited ``commit_delay`` seconds, or at once when ``now``."""
-        pending = self._uncommitted
-        if pending is None or not (now or time.monotonic() - pending[2] >= self.commit_delay):
-            return
-        self._uncommitted = None
-        self._in_flight.append((self.conn.send("commit", reservation=pending[0]), pending[1]))
+        """Send the pending commits on their own (without waiting for the replies), each
+        once it has waited ``commit_delay`` seconds, or all at once when ``now``."""
+        due = time.monotonic() - self.commit_delay
+        while self._uncommitted and (now or self._uncommitted[0][2] <= due):
+            reservation, num_rows, _ = self._uncommitted.pop(0)
+            self._in_flight.append((self.conn.send("commit", reservation=reservation), num_rows))
 
     def _commit_from_ticker(self) -> None:
         # An idle writer's last episode must not wait for a next write that may never come
@@ -415,9 +415,9 @@ class Writer:
         if self._staged and now - self._staged_since >= delay:
             return True
         pending = self._uncommitted
-        if pending is not None and now - pending[2] >= delay:
+        if pending and now - pending[0][2] >= delay:
             return True
-        return self._ahead.pending is not None and now - self._last_write >= delay
+        return self._ahead.holding and now - self._last_write >= delay
 
     def _check_ticker(self) -> None:
         error, self._ticker_error = self._ticker_error, None

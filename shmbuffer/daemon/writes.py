@@ -66,13 +66,15 @@ class WriteOps(DaemonState):
     def op_reserve(
         self, client: Client, fields: dict[str, Any], frames: Frames, now: float
     ) -> Reply:
-        if "commit" in fields:  # commit the previous episode in the same round trip; kept
-            # out of ``fields`` so a deferred retry does not commit twice
-            self._checked_priority(fields)  # a bad one refuses the request whole, commit too
-            reservation = self._owned(client, fields["commit"])
-            # Room for both records first, so a full disk refuses the pair, not half of it.
-            self._journal_room(_commit_bytes(reservation) + _RESERVE_BYTES)
-            fields["_committed"] = self._commit(client, fields.pop("commit"))
+        commits = [fields.pop("commit")] if "commit" in fields else []
+        commits += fields.pop("commits", [])
+        if commits:  # commit earlier writes in the same round trip; kept out of ``fields``
+            # so a deferred retry does not commit twice
+            self._checked_priority(fields)  # a bad one refuses the request whole, commits too
+            owned = [self._owned(client, r) for r in commits]
+            # Room for every record first, so a full disk refuses them all, not some.
+            self._journal_room(sum(_commit_bytes(r) for r in owned) + _RESERVE_BYTES)
+            fields["_committed"] = [ep for r in commits for ep in self._commit(client, r)]
         # Reservation 0 says "not now": the writer reserves again, waiting, when its write comes.
         reply: dict[str, Any] = {"reservation": 0, "ranges": []}
         ahead = bool(fields.get("ahead"))
@@ -83,6 +85,8 @@ class WriteOps(DaemonState):
                     "reservation": reservation.id,
                     "ranges": [list(r) for r in reservation.ranges],
                 }
+                if fields.get("count", 1) > 1:
+                    reply["more"] = self._more_ahead(client, fields, now)
         except Deferred:
             if not ahead:
                 raise
@@ -91,6 +95,21 @@ class WriteOps(DaemonState):
         if "_committed" in fields:
             reply["committed"] = fields["_committed"]
         return reply, []
+
+    def _more_ahead(self, client: Client, fields: dict[str, Any], now: float) -> list[Any]:
+        """``[id, ranges]`` of up to ``count - 1`` more reservations of the same shape, each
+        an ordinary one, granted while nothing would hold them back: one writer's next writes
+        reserved with one message (protocol 1.5). The first that cannot be had ends them."""
+        more: list[Any] = []
+        for _ in range(fields["count"] - 1):
+            try:
+                if not self._ahead_cheap_to_return(fields):
+                    break
+                reservation = self._reserve(client, fields, now)
+            except (Deferred, LimitExceededError, OutOfSpaceError):
+                break
+            more.append([reservation.id, [list(r) for r in reservation.ranges]])
+        return more
 
     def _ahead_cheap_to_return(self, fields: dict[str, Any]) -> bool:
         """Whether a reserve ``ahead`` may be granted: not if it would evict episodes of a

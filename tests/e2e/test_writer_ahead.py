@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from shmbuffer import Reader, Writer
+from shmbuffer.clients.ahead import AHEAD_BATCH
 from shmbuffer.clients.connection import Connection
 from shmbuffer.daemon.writes import AHEAD_MAX_LIVE
 from shmbuffer.demo import check_episode, make_episode
@@ -63,8 +64,9 @@ def test_the_write_after_a_flush_does_not_reserve_ahead(daemon):
             assert d.stats()["reservations"] == 0
         _stream(w, 5, 1)
         assert d.stats()["reservations"] == 1  # its own rows only
-        _stream(w, 6, 1)  # now a stream: the next one's rows too
-        wait_for(lambda: d.stats()["reservations"] == 2, 10, what="a reservation ahead")
+        _stream(w, 6, 1)  # now a stream: the next writes' rows too, a batch of them (1.5)
+        assert w._ahead.batch(LENGTH) == 3  # as many as fit in 1/16 of the ring (1000 rows)
+        wait_for(lambda: d.stats()["reservations"] == 4, 10, what="reservations ahead")
 
 
 def test_a_write_of_more_than_a_sixteenth_of_the_ring_is_not_reserved_ahead(daemon):
@@ -91,7 +93,7 @@ def test_writes_of_changing_sizes_are_not_reserved_ahead(daemon):
             _stream(w, e, 1, length=LENGTH if e % 2 else LENGTH // 2)
             assert w._ahead.pending is None  # nothing sent ahead
         _stream(w, 10, 2)  # two equal writes in a row: the next one is reserved ahead
-        assert w._ahead.pending is not None
+        assert w._ahead.holding
         w.flush()
         stats = d.stats()
         assert stats["episodes"] == 12 and stats["reservations"] == 0
@@ -176,6 +178,67 @@ def test_a_write_of_another_shape_aborts_the_reservation_ahead(daemon):
     with Reader(d.name) as reader, reader.sample_episodes(30) as eps:
         for ep in eps:
             check_episode(ep)
+
+
+def _count_ops(writer: Writer) -> dict[str, int]:
+    """Count the requests ``writer`` sends, by op (its real connection, wrapped)."""
+    sent: dict[str, int] = {}
+    send = writer.conn.send
+
+    def counting(op: str, *args: Any, **fields: Any) -> int:
+        sent[op] = sent.get(op, 0) + 1
+        return send(op, *args, **fields)
+
+    writer.conn.send = counting  # type: ignore[method-assign]
+    return sent
+
+
+def test_a_stream_reserves_ahead_in_batches_and_commits_on_the_next_batch(daemon):
+    """Protocol 1.5: one reserve ahead asks for AHEAD_BATCH writes and carries the commits of
+    the writes before it, so a stream of equal writes sends one message per batch."""
+    d = daemon(capacity=64 * LENGTH, unit="episode")  # 4 writes fit in 1/16 of it
+    with Writer(d.name, commit_delay=30.0, batch_bytes=0) as w:
+        sent = _count_ops(w)
+        _stream(w, 0, 34)
+        assert w._ahead.batch(LENGTH) == AHEAD_BATCH == 4
+        # the first two reserve as before, the second also sending the first batch ahead;
+        # then one reserve per batch of 4 (writes 2-5, 6-9, ..., 34-37), each sent as the
+        # batch before it starts its last write and carrying that batch's first 3 commits
+        assert (sent["reserve"], sent.get("commit", 0)) == (2 + 9, 0)
+        # open: the last write's own (its commit waiting) and the batch ahead
+        stats = wait_for(lambda: (s := d.stats())["reservations"] == 1 + 4 and s, 10)
+        assert stats["episodes_committed"] == 33
+        w.flush()
+        stats = d.stats()
+        assert stats["reservations"] == 0 and stats["episodes_committed"] == 34
+        # the unused batch given back, the newest first: the pointer went back over all of it
+        assert stats["pointer"] == 34 * LENGTH == stats["rows"]
+        assert w.episodes_committed == 34 and w.rows_committed == 34 * LENGTH
+    with Reader(d.name) as reader, reader.sample_episodes(100) as eps:
+        for ep in eps:
+            check_episode(ep)
+
+
+def test_a_daemon_before_1_5_gets_one_reservation_ahead_at_a_time(daemon):
+    d = daemon(capacity=64 * LENGTH, unit="episode")
+    with Writer(d.name, commit_delay=30.0, batch_bytes=0) as w:
+        w._ahead._version = (1, 4)  # as if its ping had answered 1.4: no count, no commits
+        sent = _count_ops(w)
+        _stream(w, 0, 10)
+        # one per write (and the first write's own), each carrying one commit
+        assert (sent["reserve"], sent.get("commit", 0)) == (10 + 1, 0)
+        w.flush()
+        assert d.stats()["episodes_committed"] == 10 and d.stats()["reservations"] == 0
+
+
+def test_an_idle_writer_gives_back_the_rest_of_its_batch(daemon):
+    d = daemon(capacity=64 * LENGTH, unit="episode")
+    with Writer(d.name, commit_delay=0.1, batch_bytes=0) as w:
+        _stream(w, 0, 4)  # the third and fourth writes took rows of a batch of 4: 2 left
+        wait_for(lambda: d.stats()["reservations"] == 0, 10, what="the batch back")
+        stats = d.stats()
+        assert stats["episodes_committed"] == 4 and stats["pointer"] == 4 * LENGTH
+        assert not w._ahead.holding
 
 
 def test_ahead_reserve_is_never_parked(daemon):

@@ -13,11 +13,13 @@ and on flush and close; a flushed writer leaves the ring exactly as a writer wit
 
 Since protocol 1.5 one such reserve asks for the next :data:`AHEAD_BATCH` writes at once
 (``count``): the daemon grants them one after another, as separate ordinary reservations, and
-the writer fills them one per write, sending nothing until the last one is in use; that send
-carries the commits of the writes before it (``commits``). A stream of equal writes then costs
-one message and one reply per batch instead of per write (a writer of 5.6 MB image episodes
-spent ~47 us of its ~440 us per episode sending and taking them here). Commits wait at most
-until the batch's last write, or ``commit_delay`` (the writer's ticker).
+the writer fills them one per write, sending the next batch's reserve when one of them is left
+(its reply then has two copies' time to come back, not one); that send carries the commits of
+the writes before it (``commits``). A stream of equal writes then costs one message and one
+reply per batch instead of per write (a writer of 5.6 MB image episodes spent ~47 us of its
+~440 us per episode sending and taking them on one machine; ~250 us of its ~1.5 ms on another,
+whose round trip alone was ~250 us). Commits wait at most a batch and a write, or
+``commit_delay`` (the writer's ticker).
 
 Its cost: rows reserved ahead are evicted before their writes come, so while a writer streams,
 readers (and a checkpoint's cut) see the ring less its copy in progress *and* the rows reserved
@@ -62,11 +64,11 @@ Shape = tuple[int, int | None, list[int] | None]
 
 
 class ReserveAhead:
-    """The one reserve a writer may have sent ahead of its next write, and when to send it.
+    """The reserve a writer may have sent ahead of its next writes, and when to send it.
 
     ``in_flight``: the writer's list of ``(seq, rows)`` requests whose replies it collects; an
     abort of an unused reservation joins it as ``(seq, None)``, so a flush waits for it too.
-    ``granted``: the rest of a batch, in order, until writes take them (see :meth:`take`).
+    ``granted``: reservations of batches, in ring order, until writes take them.
     """
 
     def __init__(
@@ -85,7 +87,7 @@ class ReserveAhead:
         #: The reserve sent ahead: (seq, the shape it reserved, the rows of the commit it
         #: carries), until a write (or the ticker, or flush) takes its reply.
         self.pending: tuple[int, Shape, int] | None = None
-        #: Reservations of the last batch that no write has taken yet, and their shape.
+        #: Reservations granted ahead that no write has taken yet, and their shape.
         self.granted: deque[dict[str, Any]] = deque()
         self._granted_shape: Shape | None = None
         self._version: tuple[int, int] | None = None  # the daemon's protocol (asked once)
@@ -104,7 +106,7 @@ class ReserveAhead:
         same, self._last_shape = shape == self._last_shape, shape
         if with_priority or not same or self.commit_delay <= 0 or self.mode == "fixed":
             return False
-        if self.holding:
+        if self.pending is not None or len(self.granted) > self._lead(shape[0]):
             return False
         if shape[0] * AHEAD_SHARE > self.capacity:
             return False
@@ -124,12 +126,22 @@ class ReserveAhead:
         """Whether a reserve ahead is in flight or reservations of its batch are in hand."""
         return self.pending is not None or bool(self.granted)
 
-    def batch(self, rows: int) -> int:
-        """Writes of ``rows`` one reserve ahead asks for: :data:`AHEAD_BATCH`, fewer where
-        they would pass 1/:data:`AHEAD_SHARE` of the ring, one from a daemon before 1.5."""
+    def _fit(self, rows: int) -> int:
+        """Writes of ``rows`` that 1/:data:`AHEAD_SHARE` of the ring holds; 1 from a daemon
+        before 1.5 (it grants one at a time)."""
         if self._version is None or self._version < (1, 5):
             return 1
-        return max(1, min(AHEAD_BATCH, self.capacity // (AHEAD_SHARE * rows)))
+        return self.capacity // (AHEAD_SHARE * rows)
+
+    def _lead(self, rows: int) -> int:
+        """Reservations still in hand when the next batch is asked for: 1 where two writes
+        fit in the share (its reply then has two copies' time to come, not one), else 0."""
+        return 1 if self._fit(rows) >= 2 else 0
+
+    def batch(self, rows: int) -> int:
+        """Writes of ``rows`` one reserve ahead asks for: :data:`AHEAD_BATCH`, fewer where
+        they and the one still in hand would pass 1/:data:`AHEAD_SHARE` of the ring."""
+        return max(1, min(AHEAD_BATCH, self._fit(rows) - self._lead(rows)))
 
     def send(self, shape: Shape, commits: list[tuple[int, int]]) -> None:
         """Send the reserve of the next writes (``shape``, a batch of them), carrying
@@ -150,32 +162,31 @@ class ReserveAhead:
 
     def take(self, shape: Shape | None) -> tuple[dict[str, Any] | None, int, int]:
         """``(reply, episodes, rows)``: a reservation of ``shape`` reserved ahead, the next of
-        the batch in hand or else the reply of the reserve in flight (else None, and what
-        was granted aborted), and what the commits that reserve carried published. An error
-        in the reply (a commit refused, say) is raised here, to the write that needed it."""
-        if self.granted and self.pending is None:
-            if shape == self._granted_shape:
-                return self.granted.popleft(), 0, 0
-            self._give_back_granted()
-            return None, 0, 0
-        pending, self.pending = self.pending, None
-        if pending is None:
-            return None, 0, 0
-        seq, reserved, commit_rows = pending
-        header, _ = self.conn.wait(seq)  # never parked by the daemon: answered at once
-        episodes = len(header.get("committed", ())) if commit_rows else 0
-        if header["reservation"] == 0:  # the daemon would have had it wait: reserve anew
-            self._skip = AHEAD_BACKOFF
-            return None, episodes, commit_rows
-        self.granted.extend(
-            {"reservation": r, "ranges": ranges} for r, ranges in header.get("more", ())
-        )
-        self._granted_shape = reserved
-        if reserved != shape:
-            self.granted.appendleft(header)
-            self._give_back_granted()
-            return None, episodes, commit_rows
-        return header, episodes, commit_rows
+        the batch in hand or else the first of the reserve in flight (else None, and all
+        that was granted aborted), and what the commits that reserve carried published. An
+        error in the reply (a commit refused, say) is raised here, to the write that needed
+        it."""
+        if self.granted and shape == self._granted_shape:
+            return self.granted.popleft(), 0, 0
+        episodes = commit_rows = 0
+        if self.pending is not None:  # its batch comes after those in hand, in ring order
+            (seq, reserved, commit_rows), self.pending = self.pending, None
+            header, _ = self.conn.wait(seq)
+            episodes = len(header.get("committed", ()))
+            if header["reservation"] == 0:  # the daemon would have had it wait: reserve anew
+                self._skip = AHEAD_BACKOFF
+            else:
+                self.granted.append(
+                    {"reservation": header["reservation"], "ranges": header["ranges"]}
+                )
+                self.granted.extend(
+                    {"reservation": r, "ranges": ranges} for r, ranges in header.get("more", ())
+                )
+                self._granted_shape = reserved
+        if self.granted and shape == self._granted_shape:
+            return self.granted.popleft(), episodes, commit_rows
+        self._give_back_granted()
+        return None, episodes, commit_rows
 
     def _give_back_granted(self) -> None:
         # written=0: what each evicted is published again and, if nothing was reserved after

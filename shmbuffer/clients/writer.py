@@ -339,7 +339,7 @@ class Writer:
             self._ahead.send(shape, [(r, n) for r, n, _ in previous])
         elif not self._ahead.holding:  # this write's rows came ahead: send the commits now
             self._commit_if_due(now=True)
-        # else the batch reserved ahead is in use: its last write's reserve carries them
+        # else reservations ahead are in hand: the next batch's reserve carries the commits
         self._collect_acks(block=False)
         reservation = reply["reservation"]
         ranges = [(int(s), int(e)) for s, e in reply["ranges"]]

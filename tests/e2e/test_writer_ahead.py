@@ -65,8 +65,10 @@ def test_the_write_after_a_flush_does_not_reserve_ahead(daemon):
         _stream(w, 5, 1)
         assert d.stats()["reservations"] == 1  # its own rows only
         _stream(w, 6, 1)  # now a stream: the next writes' rows too, a batch of them (1.5)
-        assert w._ahead.batch(LENGTH) == 3  # as many as fit in 1/16 of the ring (1000 rows)
-        wait_for(lambda: d.stats()["reservations"] == 4, 10, what="reservations ahead")
+        # 1/16 of the ring (1000 rows) holds 3 writes: a batch of 2 and the 1 left in hand
+        # when the next batch is asked for
+        assert w._ahead.batch(LENGTH) == 2
+        wait_for(lambda: d.stats()["reservations"] == 1 + 2, 10, what="reservations ahead")
 
 
 def test_a_write_of_more_than_a_sixteenth_of_the_ring_is_not_reserved_ahead(daemon):
@@ -196,18 +198,18 @@ def _count_ops(writer: Writer) -> dict[str, int]:
 def test_a_stream_reserves_ahead_in_batches_and_commits_on_the_next_batch(daemon):
     """Protocol 1.5: one reserve ahead asks for AHEAD_BATCH writes and carries the commits of
     the writes before it, so a stream of equal writes sends one message per batch."""
-    d = daemon(capacity=64 * LENGTH, unit="episode")  # 4 writes fit in 1/16 of it
+    d = daemon(capacity=80 * LENGTH, unit="episode")  # 1/16 of it: a batch of 4 and 1 in hand
     with Writer(d.name, commit_delay=30.0, batch_bytes=0) as w:
         sent = _count_ops(w)
         _stream(w, 0, 34)
         assert w._ahead.batch(LENGTH) == AHEAD_BATCH == 4
-        # the first two reserve as before, the second also sending the first batch ahead;
-        # then one reserve per batch of 4 (writes 2-5, 6-9, ..., 34-37), each sent as the
-        # batch before it starts its last write and carrying that batch's first 3 commits
+        # the first two reserve as before, the second also sending the first batch ahead
+        # (writes 2-5); then one reserve per batch of 4 (6-9, ..., 34-37), each sent as the
+        # batch before it has one left (writes 4, 8, ..., 32), carrying the commits before
         assert (sent["reserve"], sent.get("commit", 0)) == (2 + 9, 0)
-        # open: the last write's own (its commit waiting) and the batch ahead
-        stats = wait_for(lambda: (s := d.stats())["reservations"] == 1 + 4 and s, 10)
-        assert stats["episodes_committed"] == 33
+        # open: the last two writes' own (their commits waiting) and the batch ahead
+        stats = wait_for(lambda: (s := d.stats())["reservations"] == 2 + 4 and s, 10)
+        assert stats["episodes_committed"] == 32
         w.flush()
         stats = d.stats()
         assert stats["reservations"] == 0 and stats["episodes_committed"] == 34
@@ -234,7 +236,7 @@ def test_a_daemon_before_1_5_gets_one_reservation_ahead_at_a_time(daemon):
 def test_an_idle_writer_gives_back_the_rest_of_its_batch(daemon):
     d = daemon(capacity=64 * LENGTH, unit="episode")
     with Writer(d.name, commit_delay=0.1, batch_bytes=0) as w:
-        _stream(w, 0, 4)  # the third and fourth writes took rows of a batch of 4: 2 left
+        _stream(w, 0, 4)  # writes 3 and 4 took rows of a batch of 3; a second one asked for
         wait_for(lambda: d.stats()["reservations"] == 0, 10, what="the batch back")
         stats = d.stats()
         assert stats["episodes_committed"] == 4 and stats["pointer"] == 4 * LENGTH

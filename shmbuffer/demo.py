@@ -12,6 +12,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -118,6 +119,9 @@ def learner_loop(target: str, seconds: float, batch: int = 8) -> dict[str, int]:
 
 # -- the CLI command ------------------------------------------------------------------------
 
+#: Seconds the demo allows its spawned children to start (each imports torch) besides its run.
+STARTUP_S = 120.0
+
 
 def _writer_proc(target: str, wid: int, length: int, shape: tuple[int, ...], secs: float) -> None:
     writer_loop(target, wid, 10**9, length, shape, seconds=secs)
@@ -158,18 +162,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
         for w in range(args.writers):
             procs.append(
                 ctx.Process(
-                    target=_writer_proc, args=(name, w, args.episode_len, shape, args.seconds)
+                    target=_writer_proc,
+                    args=(name, w, args.episode_len, shape, args.seconds),
+                    name=f"writer-{w}",
                 )
             )
-        for _ in range(args.learners):
-            procs.append(ctx.Process(target=_learner_proc, args=(name, args.seconds, results)))
+        for i in range(args.learners):
+            learner = ctx.Process(
+                target=_learner_proc, args=(name, args.seconds, results), name=f"learner-{i}"
+            )
+            procs.append(learner)
         for p in procs:
             p.start()
         from shmbuffer.clients.connection import Connection
 
         admin = Connection(name, "admin")
         row_bytes = int(np.prod(shape)) + 8 * 3 + 4 + 1
-        end = time.monotonic() + args.seconds + 5
+        # The children's clocks start once they are up, and spawning them imports torch in
+        # each at once: ~9 s apiece on a slow 2-core machine, so the wait allows for that.
+        end = time.monotonic() + args.seconds + STARTUP_S
         while any(p.is_alive() for p in procs) and time.monotonic() < end:
             time.sleep(1.0)
             s = admin.call("stats")["stats"]
@@ -180,7 +191,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 flush=True,
             )
         admin.close()
-        checked = [results.get(timeout=10) for _ in range(args.learners)]
+        late = [p.name for p in procs if p.is_alive()]
+        if late:
+            print(
+                f"{', '.join(late)} still running after {args.seconds + STARTUP_S:.0f}s",
+                file=sys.stderr,
+            )
+            return 1
+        try:
+            checked = [results.get(timeout=10) for _ in range(args.learners)]
+        except queue.Empty:
+            print("a learner ended without its counts: its traceback is above", file=sys.stderr)
+            return 1
         total = sum(c["episodes_checked"] for c in checked)
         print(
             f"learners verified {total:,} sampled episodes and "

@@ -181,13 +181,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
         # The children's clocks start once they are up, and spawning them imports torch in
         # each at once: ~9 s apiece on a slow 2-core machine, so the wait allows for that.
         end = time.monotonic() + args.seconds + STARTUP_S
+        peak = [0.0, 0.0]  # GB/s in and out: the last screen comes after the children ended
+        started = False  # has any child connected yet
         while any(p.is_alive() for p in procs) and time.monotonic() < end:
             time.sleep(1.0)
             s = admin.call("stats")["stats"]
+            rates = [s[k] * row_bytes / 1e9 for k in ("insert_rows_per_s", "sample_rows_per_s")]
+            peak = [max(a, b) for a, b in zip(peak, rates, strict=True)]
+            started = started or s["writers"] + s["readers"] > 0
             print(
                 f"\x1b[H\x1b[2J{format_status(s)}\n"
-                f"throughput  {s['insert_rows_per_s'] * row_bytes / 1e9:.2f} GB/s in, "
-                f"{s['sample_rows_per_s'] * row_bytes / 1e9:.2f} GB/s out",
+                f"throughput  {rates[0]:.2f} GB/s in, {rates[1]:.2f} GB/s out"
+                + ("" if started else f"\n(starting {len(procs)} processes: each imports torch)"),
                 flush=True,
             )
         admin.close()
@@ -204,6 +209,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print("a learner ended without its counts: its traceback is above", file=sys.stderr)
             return 1
         total = sum(c["episodes_checked"] for c in checked)
+        print(f"peak throughput {peak[0]:.2f} GB/s in, {peak[1]:.2f} GB/s out")
         print(
             f"learners verified {total:,} sampled episodes and "
             f"{sum(c['rows_checked'] for c in checked):,} rows: none torn"

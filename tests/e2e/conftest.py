@@ -46,6 +46,32 @@ if DAEMON_VIA not in ("forkserver", "subprocess"):
     )
 
 
+def run_in_session(argv: list[str], env: dict[str, str], timeout: float) -> tuple[int, str, str]:
+    """Run ``argv`` in a session of its own; ``(returncode, stdout, stderr)``. One still
+    running after ``timeout`` (a hang) is killed with everything it started and fails the
+    test; nothing it started outlives the call either way."""
+    proc = subprocess.Popen(
+        argv,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{argv[:4]} hung for {timeout}s:\n{out}\n{err}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, out, err
+
+
 def wait_for(predicate: Any, timeout: float, interval: float = 0.02, what: str = "") -> Any:
     """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``."""
     deadline = time.monotonic() + timeout

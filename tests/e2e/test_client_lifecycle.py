@@ -8,11 +8,7 @@ the test instead of hanging the suite.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
 import textwrap
 from typing import Any
@@ -22,6 +18,7 @@ import pytest
 from shmbuffer import Buffer, Reader, Writer
 from shmbuffer.demo import check_episode, make_episode
 from shmbuffer.errors import ClosedError, ForkedClientError
+from tests.e2e.conftest import run_in_session
 
 LENGTH = 10
 OBS = (2, 3)
@@ -32,26 +29,9 @@ def run_script(code: str, env: dict[str, str], timeout: float = SUBPROCESS_TIMEO
     """Run ``code`` in a fresh interpreter (its own process group); return the JSON it prints
     last. A script still running after ``timeout`` (a hang) is killed with everything it
     forked, and fails the test."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # a forked child spinning too
-        out, err = proc.communicate()
-        pytest.fail(f"the script hung for {timeout}s:\n{out}\n{err}")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # nothing it started outlives the test
-    assert proc.returncode == 0, f"script failed:\n{out}\n{err}"
+    argv = [sys.executable, "-c", textwrap.dedent(code)]
+    returncode, out, err = run_in_session(argv, env, timeout)
+    assert returncode == 0, f"script failed:\n{out}\n{err}"
     return json.loads(out.strip().splitlines()[-1])
 
 

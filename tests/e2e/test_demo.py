@@ -5,31 +5,17 @@ for them, and it ended in a bare ``queue.Empty`` traceback."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
+
+from tests.e2e.conftest import run_in_session
 
 
 def test_demo_runs_and_its_learner_finds_nothing_torn(e2e_env):
     argv = [sys.executable, "-m", "shmbuffer.cli", "demo", "--writers", "1", "--seconds", "2"]
     argv += ["--capacity", "2000", "--episode-len", "20", "--obs-shape", "4,8,8"]
-    # its own session: a demo that hangs is killed with its daemon and children
-    proc = subprocess.Popen(
-        argv,
-        env=e2e_env.environ,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=100)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-    assert proc.returncode == 0, err[-2000:]
+    # in a session of its own: a demo that hangs is killed with its daemon and children
+    returncode, out, err = run_in_session(argv, e2e_env.environ, timeout=100)
+    assert returncode == 0, err[-2000:]
     verdict = out.strip().splitlines()[-1]
     assert verdict.startswith("learners verified") and verdict.endswith("none torn"), verdict
     # something was stored and sampled, not a run where nothing happened

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from shmbuffer import rows
+from shmbuffer import rows, streamcopy
 from shmbuffer.container import Container, as_invalid_argument
 from shmbuffer.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
 from shmbuffer.errors import ClosedError, InvalidArgumentError
@@ -276,6 +276,7 @@ class Buffer:
             return check_priority(priority, first_row + num_rows)[first_row:]
 
     def _allocate(self, schema: Schema) -> None:
+        streamcopy.warm(schema.row_nbytes)  # large rows: writes stream (streamcopy.py)
         if self.name is None:
             self.segment = LocalSegment(schema, self.capacity)
         else:

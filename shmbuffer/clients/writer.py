@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shmbuffer import rows
+from shmbuffer import rows, streamcopy
 from shmbuffer.clients.ahead import ReserveAhead, Shape, commit_fields
 from shmbuffer.clients.connection import Connection
 from shmbuffer.clients.staging import Staging
@@ -150,6 +150,8 @@ class Writer:
             self.segment = attach_segment(seg["name"], seg["storage_dir"])
             if self.segment.device != "cpu":
                 self._write_rows = DeviceWriter(self.segment.device).write
+            else:  # here, not at the first write: its ~0.9 s must not stall a stream
+                streamcopy.warm(self.schema.row_nbytes)
 
     # -- the Buffer API -----------------------------------------------------------------------
 

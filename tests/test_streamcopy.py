@@ -1,0 +1,133 @@
+"""The streaming copy into the ring (shmbuffer/streamcopy.py): byte for byte numpy's copy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shmbuffer import streamcopy
+
+numba = pytest.importorskip("numba")
+
+BLOCK = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def loaded() -> None:
+    assert streamcopy.warm(), "numba is installed: the loop must load"
+
+
+def _pair(size: int, dst_shift: int, src_shift: int) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 arrays of ``size`` bytes whose starts lie ``*_shift`` bytes past a page."""
+    dst_base = np.zeros(size + 2 * 4096, np.uint8)
+    src_base = np.random.default_rng(size).integers(0, 256, size + 2 * 4096, dtype=np.uint8)
+    d0 = -dst_base.ctypes.data % 4096 + dst_shift
+    s0 = -src_base.ctypes.data % 4096 + src_shift
+    return dst_base[d0 : d0 + size], src_base[s0 : s0 + size]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    size=st.integers(streamcopy.STREAM_MIN_BYTES, streamcopy.STREAM_MIN_BYTES + 3 * BLOCK + 7),
+    dst_shift=st.integers(0, 4095),
+    src_shift=st.integers(0, 4095),
+)
+def test_equals_numpy_at_every_alignment_and_direction(
+    size: int, dst_shift: int, src_shift: int
+) -> None:
+    # the shifts cover both directions (dst - src just above a page multiple runs backward)
+    dst, src = _pair(size, dst_shift, src_shift)
+    base = dst.base
+    assert isinstance(base, np.ndarray)
+    before = base.copy()
+    streamcopy.copy_into(dst, src)
+    assert np.array_equal(dst, src)
+    # nothing outside the destination changed
+    start = dst.ctypes.data - base.ctypes.data
+    assert np.array_equal(base[:start], before[:start])
+    assert np.array_equal(base[start + size :], before[start + size :])
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [
+        ((40, 4, 84, 84), np.uint8),
+        ((3000, 64), np.float32),
+        ((70_000,), np.int64),
+        ((300_000,), np.bool_),
+    ],
+)
+def test_rows_of_any_dtype(shape: tuple[int, ...], dtype: type) -> None:
+    rng = np.random.default_rng(0)
+    src: np.ndarray = (rng.random(shape) * 200).astype(dtype)
+    ring: np.ndarray = np.zeros((shape[0] * 3, *shape[1:]), dtype)
+    streamcopy.copy_into(ring[shape[0] + 1 : 2 * shape[0] + 1], src)
+    assert np.array_equal(ring[shape[0] + 1 : 2 * shape[0] + 1], src)
+    assert not ring[: shape[0] + 1].any() and not ring[2 * shape[0] + 1 :].any()
+
+
+def test_what_cannot_stream_is_numpys_copy() -> None:
+    n = streamcopy.STREAM_MIN_BYTES
+    ring = np.zeros(2 * n, np.int64)
+    # a cast (validated by the caller), a strided source, a small copy, a list
+    wide = np.arange(n, dtype=np.int32)
+    streamcopy.copy_into(ring[:n], wide)
+    assert np.array_equal(ring[:n], wide)
+    strided = np.arange(2 * n, dtype=np.int64)[::2]
+    streamcopy.copy_into(ring[n:], strided)
+    assert np.array_equal(ring[n:], strided)
+    streamcopy.copy_into(ring[:3], [7, 8, 9])
+    assert ring[:3].tolist() == [7, 8, 9]
+    # overlapping source and destination: memmove's result, as numpy gives it
+    data = np.arange(n, dtype=np.int64)
+    expected = data.copy()
+    expected[8:] = data[:-8].copy()
+    streamcopy.copy_into(data[8:], data[:-8])
+    assert np.array_equal(data, expected)
+
+
+def test_small_rows_do_not_load_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(streamcopy._Loop, "compiled", None)
+    assert not streamcopy.warm(row_nbytes=streamcopy.STREAM_ROW_BYTES - 1)
+    assert streamcopy._Loop.compiled is None
+    assert streamcopy.warm(row_nbytes=streamcopy.STREAM_ROW_BYTES)
+
+
+def test_jit_off_keeps_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(streamcopy._Loop, "compiled", None)
+    monkeypatch.setenv("SHMBUFFER_JIT", "0")
+    streamcopy.kernels.cache_clear()
+    try:
+        assert not streamcopy.warm()
+        src = np.arange(streamcopy.STREAM_MIN_BYTES, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        streamcopy.copy_into(dst, src)
+        assert np.array_equal(dst, src)
+    finally:
+        streamcopy.kernels.cache_clear()
+
+
+def test_a_large_contiguous_copy_takes_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled = streamcopy.kernels()
+    assert compiled is not None
+    calls: list[bool] = []
+
+    def counted(dst: np.ndarray, src: np.ndarray, backward: bool) -> None:
+        calls.append(backward)
+        compiled.stream(dst, src, backward)
+
+    monkeypatch.setattr(
+        streamcopy._Loop,
+        "compiled",
+        type("Loop", (), {"BLOCK": BLOCK, "stream": staticmethod(counted)}),
+    )
+    n = streamcopy.STREAM_MIN_BYTES
+    dst, src = _pair(n, 0, 16)  # dst - src = -16 (mod 4096): forward
+    streamcopy.copy_into(dst, src)
+    dst2, src2 = _pair(n, 16, 0)  # dst - src = +16: each forward load would alias, backward
+    streamcopy.copy_into(dst2, src2)
+    streamcopy.copy_into(dst[: n // 2], src[: n // 2])  # below the cut-off: numpy
+    assert calls == [False, True]
+    assert np.array_equal(dst, src) and np.array_equal(dst2, src2)

@@ -85,7 +85,8 @@ def _insert(ctx: Context, name: str, kind: str, unit: str, episodes: int) -> lis
     )
     ctx.note(
         name,
-        f"copy-limit: one thread, np.copyto of the same episodes into a preallocated "
+        f"copy-limit: one thread, the same episodes copied (rows of 4 KiB or more with "
+        f"streaming stores, as a Writer copies them; else np.copyto) into a preallocated "
         f"{total * LENGTH}-row ring (first: fresh np.empty pages); measured once and repeated "
         "for each writer count",
     )

@@ -11,7 +11,7 @@ from shmbuffer import streamcopy
 
 numba = pytest.importorskip("numba")
 
-BLOCK = 32
+BLOCK = 64  # _copy_jit.BLOCK
 
 
 @pytest.fixture(scope="module", autouse=True)

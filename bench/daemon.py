@@ -4,7 +4,7 @@ sampling it, and the control-message rate one daemon sustains.
 Peers: a pickled ``multiprocessing.Queue`` to one consumer process, cpprb's ``MPReplayBuffer``
 written from child processes (both in :mod:`bench.workers`), cpprb ``ReplayBuffer`` and TorchRL
 ``ReplayBuffer`` + ``LazyMemmapStorage`` sampled in-process (:mod:`bench.peers`), and the
-single-thread numpy copy limit.
+single-thread copy limit (bench.copylimit).
 
 This module only says what is measured and turns the timings into rows. Daemons and children
 come from :mod:`bench.harness`: each daemon is a real ``shmbuffer.cli start`` subprocess whose

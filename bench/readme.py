@@ -105,8 +105,9 @@ def section(
     if limit:
         lines += [
             "",
-            "The single-thread numpy copy of the same bytes (copy-limit) is in results.md "
-            "beside every op that has one.",
+            "The fastest single-thread copy of the same bytes (copy-limit: streaming stores "
+            "for rows of 4 KiB or more, as shmbuffer's writers copy them, else numpy) is in "
+            "results.md beside every op that has one.",
         ]
     if plots:
         lines += ["", "Plots: " + " · ".join(f"[{p.stem}]({link(p)})" for p in plots)]

@@ -1,7 +1,9 @@
 """The README's first command, ``shmbuffer-daemon demo``, run as a newcomer runs it (small): a
 daemon, spawned writer and learner processes, and a verdict on what the learners checked.
 Regression: on a slow machine the children took longer to import torch than the demo waited
-for them, and it ended in a bare ``queue.Empty`` traceback."""
+for them, and it ended in a bare ``queue.Empty`` traceback. Its rows are 4 KiB and its episodes
+64 of them, so the writers copy with streaming stores (``shmbuffer/streamcopy.py``) while the
+learners check every sampled row's first and last byte."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from tests.e2e.conftest import run_in_session
 
 def test_demo_runs_and_its_learner_finds_nothing_torn(e2e_env):
     argv = [sys.executable, "-m", "shmbuffer.cli", "demo", "--writers", "1", "--seconds", "2"]
-    argv += ["--capacity", "2000", "--episode-len", "20", "--obs-shape", "4,8,8"]
+    argv += ["--capacity", "2000", "--episode-len", "64", "--obs-shape", "4,32,32"]
     # in a session of its own: a demo that hangs is killed with its daemon and children
     returncode, out, err = run_in_session(argv, e2e_env.environ, timeout=100)
     assert returncode == 0, err[-2000:]

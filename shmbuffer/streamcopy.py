@@ -3,10 +3,11 @@
 :func:`copy_into` is ``np.copyto(dst, src, casting="unsafe")``, except that a large copy of
 one dtype between contiguous arrays goes through streaming (non-temporal) stores when the
 ``fast`` extra (numba) is installed: see ``_copy_jit.py``. Measured here (2 cores, 4 KB
-tmpfs pages, issue 10): a 5.6 MB image episode into a ring 0.8-0.9 ms instead of np.copyto's
-1.1-1.3 ms, 6-7 GB/s against 5 GB/s. glibc's ``memcpy`` streams only above a cut-off
-derived from the cache sizes (above this episode here), and cannot know that rows written
-into a ring are read laps later, if at all, from another process.
+tmpfs pages, issue 10): a 5.6 MB image episode into a ring in 0.6-0.85 ms instead of
+np.copyto's 1.0-1.2 ms, and the writer's next small steps on warm caches. glibc's ``memcpy``
+streams only above a cut-off derived from the cache sizes (above this episode here), and
+cannot know that rows written into a ring are read laps later, if at all, from another
+process.
 
 Below :data:`STREAM_MIN_BYTES` plain stores win (the destination's lines may still be in the
 cache, and the call costs a few microseconds), as they do for a destination that is read right
@@ -25,7 +26,7 @@ import numpy as np
 
 __all__ = ["STREAM_MIN_BYTES", "STREAM_ROW_BYTES", "copy_into", "kernels", "warm"]
 
-#: Smallest copy that streams (10 image rows).
+#: Smallest copy that streams (about 9 image rows of 28 KB).
 STREAM_MIN_BYTES = 256 * 1024
 #: Rows of at least this size are worth loading the loop for (:func:`warm`): any episode of
 #: them is a large copy. Small rows were no faster streamed, within this machine's noise
@@ -35,9 +36,11 @@ _PAGE = 4096
 
 
 class _Loop:
-    """The loaded loop, once :func:`warm` ran it: copies stream only from then on."""
+    """The loaded loop, once :func:`warm` ran it: copies stream only from then on; or why it
+    could not be compiled here (copies then keep numpy)."""
 
     compiled: ModuleType | None = None
+    failed: str | None = None
 
 
 @functools.cache
@@ -59,12 +62,21 @@ def warm(row_nbytes: int | None = None) -> bool:
     more. Writers call it where they attach (~0.9 s the first time in a process, its machine
     code cached on disk after the first compile), not on their first write. Returns whether
     copies stream."""
-    if _Loop.compiled is None and (row_nbytes is None or row_nbytes >= STREAM_ROW_BYTES):
+    if _Loop.compiled is None and _Loop.failed is None:
+        if row_nbytes is not None and row_nbytes < STREAM_ROW_BYTES:
+            return False
         compiled = kernels()
         if compiled is not None:  # the first call compiles, or loads the cached code
             source = np.ones(3 * compiled.BLOCK, np.uint8)
             target = np.zeros(3 * compiled.BLOCK, np.uint8)
-            _stream(compiled, target[1:], source[1:])
+            try:
+                _stream(compiled, target[1:], source[1:])
+            except Exception as exc:  # a numba or LLVM that cannot build it
+                _Loop.failed = f"{type(exc).__name__}: {exc}"
+                return False
+            if not np.array_equal(target[1:], source[1:]):
+                _Loop.failed = "the compiled loop copied wrong bytes"
+                return False
             _Loop.compiled = compiled
     return _Loop.compiled is not None
 

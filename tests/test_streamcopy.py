@@ -131,3 +131,19 @@ def test_a_large_contiguous_copy_takes_the_loop(monkeypatch: pytest.MonkeyPatch)
     streamcopy.copy_into(dst[: n // 2], src[: n // 2])  # below the cut-off: numpy
     assert calls == [False, True]
     assert np.array_equal(dst, src) and np.array_equal(dst2, src2)
+
+
+def test_a_loop_that_cannot_be_built_leaves_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(dst: np.ndarray, src: np.ndarray, backward: bool) -> None:
+        raise RuntimeError("Intrinsic called with incompatible signature")
+
+    monkeypatch.setattr(streamcopy._Loop, "compiled", None)
+    monkeypatch.setattr(streamcopy._Loop, "failed", None)
+    fake = type("Loop", (), {"BLOCK": BLOCK, "stream": staticmethod(broken)})
+    monkeypatch.setattr(streamcopy, "kernels", lambda: fake)
+    assert not streamcopy.warm()
+    assert streamcopy._Loop.failed is not None and "incompatible" in streamcopy._Loop.failed
+    src = np.arange(streamcopy.STREAM_MIN_BYTES, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    streamcopy.copy_into(dst, src)  # numpy's copy, not the broken loop
+    assert np.array_equal(dst, src)

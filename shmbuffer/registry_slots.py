@@ -36,6 +36,11 @@ _MAX_SLICE_CACHES = 8
 #: Up to this many spans of adjacent live rows, row draws map positions through the spans;
 #: beyond (a ring full of holes), through the running totals over episodes.
 _MAX_SPANS = 64
+#: Above this many live episodes, positions are sorted before their binary searches over the
+#: running totals (cache and branch friendly there); at or below, the totals sit in the cache
+#: and the sort costs more than it saves (1,000 positions: 46 us direct against 93 us sorted
+#: over 200 episodes, 119 against 130 over 65,536, 274 against 228 over 1M).
+_SORT_ABOVE = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,14 +194,22 @@ class SlotTable:
         slots = pos + self._head
         return self._ids[slots], self._starts[slots], self._ends[slots]
 
+    @staticmethod
+    def _search(cum: I64, r: I64) -> I64:
+        """``np.searchsorted(cum, r, side="right")``, the keys sorted first for a long ``cum``
+        (:data:`_SORT_ABOVE`)."""
+        if len(cum) <= _SORT_ABOVE:
+            found: I64 = cum.searchsorted(r, side="right")
+            return found
+        order = np.argsort(r)
+        idx = np.empty_like(order)
+        idx[order] = cum.searchsorted(r[order], side="right")
+        return idx
+
     def _rows_from_absolute(self, r: I64) -> I64:
         """Physical rows of absolute running-total positions ``r`` (no tombstones)."""
         h, t = self._head, self._tail
-        # Sorting the keys first makes the binary searches cache/branch friendly.
-        order = np.argsort(r)
-        idx = np.empty_like(order)
-        idx[order] = np.searchsorted(self._cum[h:t], r[order], side="right")
-        idx += h
+        idx = self._search(self._cum[h:t], r) + h
         out: I64 = self._ends[idx] - (self._cum[idx] - r)
         return out
 
@@ -286,10 +299,7 @@ class SlotTable:
         if total <= 0:
             raise self._empty(f"slices of {length} rows (no episode is long enough)")
         r = rng.integers(base, base + total, size=n)
-        order = np.argsort(r)
-        idx = np.empty_like(order)
-        idx[order] = np.searchsorted(cum[h:t], r[order], side="right")
-        idx += h
+        idx = self._search(cum[h:t], r) + h
         weights = np.maximum(self._ends[idx] - self._starts[idx] - (length - 1), 0)
         out: I64 = self._starts[idx] + (r - (cum[idx] - weights))
         return out

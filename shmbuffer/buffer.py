@@ -301,7 +301,7 @@ class Buffer:
                 self.container.use_counts[first : last + 1] += 1
                 columns, arrays = self.segment.columns, self.segment.arrays
                 return rows.copy_range(columns, int(first), int(last) + 1, arrays)
-        physical = self.container.registry.rows_at(positions)
+        physical = self.container.registry.rows_at(positions, checked=True)  # normalized
         data = self._read(physical)
         return data[0] if scalar else data
 

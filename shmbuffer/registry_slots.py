@@ -213,9 +213,12 @@ class SlotTable:
         out: I64 = self._ends[idx] - (self._cum[idx] - r)
         return out
 
-    def rows_at(self, positions: npt.ArrayLike) -> I64:
-        """Physical rows of logical row ``positions`` (live episodes concatenated, oldest first)."""
-        pos = self._positions(positions, self._num_rows, "row")
+    def rows_at(self, positions: npt.ArrayLike, checked: bool = False) -> I64:
+        """Physical rows of logical row ``positions`` (live episodes concatenated, oldest first).
+        ``checked``: the caller already made them int64 in ``[0, num_rows)`` (a Buffer's
+        ``normalize_index``), so they are not checked twice."""
+        pos = positions if checked else self._positions(positions, self._num_rows, "row")
+        assert isinstance(pos, np.ndarray)
         if pos.size == 0:
             return pos
         return self._rows_from_absolute(pos + self._row_base())

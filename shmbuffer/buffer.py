@@ -289,18 +289,22 @@ class Buffer:
     def __getitem__(self, index: Index) -> TensorDict | list[TensorDict]:
         """Logical (chronological) indexing: 0 is the oldest, -1 the newest row or episode."""
         self._check_open()
+        if isinstance(index, slice) and self.unit == "transition" and self.segment is not None:
+            start, stop, step = index.indices(len(self))
+            if step == 1 and stop - start > 1:
+                # Fast path: one writer commits in ring order, so a logical range whose ends
+                # are n-1 rows apart is one physical range (a gap or a wrap would break the
+                # distance). Its ends are in range by construction.
+                ends = np.array([start, stop - 1], dtype=np.int64)
+                first, last = self.container.registry.rows_at(ends, checked=True)
+                if last - first == stop - start - 1:
+                    self.container.use_counts[first : last + 1] += 1
+                    columns, arrays = self.segment.columns, self.segment.arrays
+                    return rows.copy_range(columns, int(first), int(last) + 1, arrays)
         positions, scalar = normalize_index(index, len(self))
         if self.unit == "episode":
             _, starts, ends = self.container.registry.at_many(positions)
             return self._episodes(starts, ends, scalar)
-        if isinstance(index, slice) and len(positions) > 1 and self.segment is not None:
-            # Fast path: one writer commits in ring order, so a logical range whose ends are
-            # n-1 rows apart is one physical range (a gap or a wrap would break the distance).
-            first, last = self.container.registry.rows_at(positions[[0, -1]])
-            if last - first == len(positions) - 1 and np.all(np.diff(positions) == 1):
-                self.container.use_counts[first : last + 1] += 1
-                columns, arrays = self.segment.columns, self.segment.arrays
-                return rows.copy_range(columns, int(first), int(last) + 1, arrays)
         physical = self.container.registry.rows_at(positions, checked=True)  # normalized
         data = self._read(physical)
         return data[0] if scalar else data

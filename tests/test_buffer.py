@@ -7,6 +7,8 @@ import uuid
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shmbuffer import Buffer
 from shmbuffer.errors import CapacityError, SchemaError
@@ -211,3 +213,27 @@ def test_a_copy_that_fails_after_reserve_loses_no_stored_rows(unit: str) -> None
         buf.add_episode({"x": lost})
     assert (list(buf.container.registry), buf.container.pointer, buf[:]["x"].tolist()) == before
     assert buf.add_episode({"x": torch.full((2,), 9.0)}) == [3]  # and it goes on
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    chunks=st.lists(st.integers(1, 9), min_size=1, max_size=12),
+    start=st.integers(-30, 30),
+    stop=st.integers(-30, 30),
+    step=st.sampled_from([None, 1, 2, -1]),
+)
+def test_a_slice_reads_what_its_positions_read(
+    chunks: list[int], start: int, stop: int, step: int | None
+) -> None:
+    # buf[a:b] takes the one-physical-range fast path where it can; buf[positions] never does
+    buf = Buffer(16, unit="transition")
+    value = 0
+    for n in chunks:  # wraps the ring, chunks of every size
+        buf.extend({"x": torch.arange(value, value + n)})
+        value += n
+    index = slice(start, stop, step)
+    positions = np.arange(len(buf))[index]
+    got = buf[index]
+    assert got["x"].tolist() == (buf[positions]["x"].tolist() if len(positions) else [])
+    # and the rows are the newest ones, oldest first, as the writes made them
+    assert buf[:]["x"].tolist() == list(range(value - len(buf), value))

@@ -82,8 +82,10 @@ def writer_loop(
     """Write ``episodes`` episodes (or until ``seconds`` pass); return how many were written."""
     from shmbuffer import Writer
 
-    deadline = time.monotonic() + seconds if seconds else None
     with Writer(target) as writer:
+        # from here: attaching (and compiling the streaming copy, seconds the first time
+        # after an install without its cache) is not the writer's run
+        deadline = time.monotonic() + seconds if seconds else None
         written = 0
         for episode in range(episodes):
             if deadline is not None and time.monotonic() > deadline:
@@ -94,17 +96,25 @@ def writer_loop(
     return written
 
 
-def learner_loop(target: str, seconds: float, batch: int = 8) -> dict[str, int]:
-    """Sample episodes and rows for ``seconds``; verify every one. Returns counts."""
+def learner_loop(
+    target: str, seconds: float, batch: int = 8, wait: float | None = None
+) -> dict[str, int]:
+    """Sample episodes and rows for ``seconds`` from the first data (waiting for it up to
+    ``wait`` seconds, :data:`STARTUP_S` by default); verify every one. Returns counts."""
     from shmbuffer import Reader
     from shmbuffer.errors import EmptyBufferError
 
     checked = rows = 0
-    deadline = time.monotonic() + seconds
+    # The clock starts at the first data: writers that are still starting (importing torch,
+    # compiling the streaming copy) must not use up the learner's run.
+    deadline = time.monotonic() + (STARTUP_S if wait is None else wait)
+    waiting = True
     with Reader(target) as reader:
         while time.monotonic() < deadline:
             try:
                 with reader.sample_episodes(batch) as episodes:
+                    if waiting:
+                        deadline, waiting = time.monotonic() + seconds, False
                     for ep in episodes:
                         check_episode(ep)
                         checked += 1

@@ -121,7 +121,10 @@ class ReservationOps(RingState):
         return self._insert_blocker(num_rows, evict)
 
     def _insert_blocker(self, num_rows: int, evict: list[Range]) -> str | None:
-        if not self.rate_limiter.can_insert(num_rows):
+        # Rows reserved and not yet committed count as inserted already: the limiter counts
+        # inserts at commit, and a writer may hold several reservations (a batch reserved
+        # ahead), each admitted against a count that did not include the others.
+        if not self.rate_limiter.can_insert(num_rows + self.reserved_rows):
             return self.rate_limiter.blocked_reason()
         for start, stop in evict:
             if self.sampler.blocks_overwrite(start, stop):

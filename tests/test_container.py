@@ -422,3 +422,23 @@ def test_a_bad_commit_priority_leaves_the_reservation_open() -> None:
         c.commit(r.id, priority=[1.0, 2.0])
     assert r.id in c.reservations and len(c.registry) == 0
     assert c.commit(r.id, priority=[1.0, 2.0, 3.0, 4.0]) == [0]
+
+
+def test_rows_reserved_and_not_committed_count_against_the_insert_window() -> None:
+    # A writer holding a batch reserved ahead: each reservation was admitted against a count
+    # without the others, and the limiter counts inserts at commit (the window overshot).
+    from shmbuffer.samplers import make_rate_limiter
+
+    limiter = make_rate_limiter(
+        "sample-to-insert", samples_per_insert=2.0, min_size=4, error_buffer=4.0
+    )  # inserts while inserted * 2 - sampled <= 12: 6 rows
+    c = Container(100, unit="transition", rate_limiter=limiter)
+    for _ in range(4):
+        c.commit(c.reserve(1).id)  # past min_size: the window applies
+    held = [c.reserve(1), c.reserve(1)]  # 4 + 2 reserved = 6 rows: the edge
+    reason = c.insert_blocker(1)
+    assert reason is not None and "diff=8" in reason
+    for reservation in held:
+        c.commit(reservation.id)
+    assert limiter.diff == 12
+    assert c.insert_blocker(1) is not None  # 7 rows would pass 12

@@ -123,9 +123,12 @@ class ReservationOps(RingState):
     def _insert_blocker(self, num_rows: int, evict: list[Range]) -> str | None:
         # Rows reserved and not yet committed count as inserted already: the limiter counts
         # inserts at commit, and a writer may hold several reservations (a batch reserved
-        # ahead), each admitted against a count that did not include the others.
-        if not self.rate_limiter.can_insert(num_rows + self.reserved_rows):
-            return self.rate_limiter.blocked_reason()
+        # ahead), each admitted against a count that did not include the others. Summed only
+        # for a limiter that bounds inserts: the default one never looks.
+        limiter = self.rate_limiter
+        pending = self.reserved_rows if limiter.bounds_inserts else 0
+        if not limiter.can_insert(num_rows + pending):
+            return limiter.blocked_reason()
         for start, stop in evict:
             if self.sampler.blocks_overwrite(start, stop):
                 return (

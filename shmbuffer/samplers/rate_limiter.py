@@ -68,6 +68,9 @@ class RateLimiter(ABC):
     #: Whether its decisions depend on the sampled count (then the daemon journals every
     #: sample, so a resume keeps the count exactly; otherwise it is a figure for ``status``).
     counts_samples: ClassVar[bool] = False
+    #: Whether ``can_insert`` depends on the rows asked for (then the owner adds the rows
+    #: reserved and not committed yet: inserts are counted at commit).
+    bounds_inserts: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.inserted = 0
@@ -209,6 +212,7 @@ class SampleToInsertRatio(RateLimiter):
     name = "sample-to-insert"
     options = ("samples_per_insert", "min_size", "error_buffer")
     counts_samples = True
+    bounds_inserts = True
 
     def __init__(self, samples_per_insert: float, min_size: int, error_buffer: float) -> None:
         super().__init__()

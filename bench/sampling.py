@@ -94,6 +94,9 @@ class Layout:
 def _container(layout: Layout, sampler_name: str) -> Any:
     from shmbuffer.container import Container
     from shmbuffer.samplers import make_sampler
+    from shmbuffer.spans import load_compiled_draws
+
+    load_compiled_draws()  # as a daemon has after its first LOAD_AFTER draws (spans.py)
 
     container = Container(layout.size, unit="transition", sampler=make_sampler(sampler_name))
     lengths = layout.lengths.tolist()
@@ -331,9 +334,13 @@ def scaling(ctx: Context) -> list[Row]:
         f"int64 indices ({INDEX_BYTES} B each: no row data moves); pass=steady",
     )
     from shmbuffer.samplers.sumtree import jit_available
+    from shmbuffer.spans import load_compiled_draws
 
     loops = "compiled (numba)" if jit_available() else "numpy loops (numba not installed)"
-    ctx.note(NAME, f"shmbuffer's prioritized sum tree: {loops}")
+    draws = "compiled (numba)" if load_compiled_draws() else "numpy (numba not installed)"
+    ctx.note(
+        NAME, f"shmbuffer's prioritized sum tree: {loops}; uniform draws and use counts: {draws}"
+    )
     ctx.note(
         NAME,
         "episodes of uniform random length 100-1000 in one float column (TorchRL: plus its "

@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shmbuffer.errors import EmptyBufferError
-from shmbuffer.spans import LiveSpans, uniform_integers
+from shmbuffer.spans import LiveSpans
 
 __all__ = ["Episode", "SlotTable"]
 
@@ -253,10 +253,10 @@ class SlotTable:
     def sample_rows(self, n: int, rng: np.random.Generator) -> I64:
         """``n`` physical rows drawn uniformly (with replacement) from all live rows.
 
-        A draw is a position among the live rows in ring order, mapped through the spans:
-        one addition while the live rows are one contiguous run, one search over the spans
-        while they are a few (a wrapped ring, rows in flight), the running totals over
-        episodes beyond :data:`_MAX_SPANS`.
+        A draw is a position among the live rows in ring order, mapped through the spans
+        (:meth:`LiveSpans.draw`: one addition while the live rows are one contiguous run, one
+        search over the spans while they are a few: a wrapped ring, rows in flight), or
+        through the running totals over episodes beyond :data:`_MAX_SPANS` spans.
         """
         n = self._check_n(n)
         if self._num_rows == 0:
@@ -265,13 +265,7 @@ class SlotTable:
         if spans.count > _MAX_SPANS:
             base = self._row_base()
             return self._rows_from_absolute(rng.integers(base, base + self._num_rows, size=n))
-        pos = uniform_integers(rng, self._num_rows, n)
-        if spans.count == 1:
-            pos += spans.first
-            return pos
-        ends, shift = spans.arrays()
-        pos += shift.take(ends.searchsorted(pos, side="right"))
-        return pos
+        return spans.draw(rng, self._num_rows, n)
 
     def sample_slices(self, n: int, length: int, rng: np.random.Generator) -> I64:
         """Physical start rows of ``n`` slices of ``length`` rows, each inside one episode.

@@ -18,11 +18,12 @@ after (a learner's batch): only rows written into the shared ring come here.
 from __future__ import annotations
 
 import functools
-import os
 from types import ModuleType
 from typing import Any
 
 import numpy as np
+
+from shmbuffer import jit
 
 __all__ = ["STREAM_MIN_BYTES", "STREAM_ROW_BYTES", "copy_into", "kernels", "warm"]
 
@@ -47,13 +48,7 @@ class _Loop:
 def kernels() -> ModuleType | None:
     """The compiled loop (``_copy_jit.py``), or None: numba is not installed (the ``fast``
     extra), or ``SHMBUFFER_JIT=0`` asks for numpy."""
-    if os.environ.get("SHMBUFFER_JIT", "1") == "0":
-        return None
-    try:
-        import shmbuffer._copy_jit as compiled
-    except ImportError:
-        return None
-    return compiled
+    return jit.load("shmbuffer._copy_jit")
 
 
 def warm(row_nbytes: int | None = None) -> bool:

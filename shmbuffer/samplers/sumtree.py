@@ -56,12 +56,13 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-import os
 from types import ModuleType
 
 import numpy as np
 import numpy.typing as npt
 import torch
+
+from shmbuffer import jit
 
 __all__ = [
     "FANOUT",
@@ -97,13 +98,7 @@ JIT_TOP = FANOUT
 def jit_available() -> ModuleType | None:
     """The compiled kernels (``_jit.py``), or None: numba is not installed (the ``fast``
     extra), or ``SHMBUFFER_JIT=0`` asks for the numpy loops. Imported on first use."""
-    if os.environ.get("SHMBUFFER_JIT", "1") == "0":
-        return None
-    try:
-        import shmbuffer.samplers._jit as kernels
-    except ImportError:
-        return None
-    return kernels
+    return jit.load("shmbuffer.samplers._jit")
 
 
 def _flat_levels(sizes: list[int], neutral: float) -> tuple[F64, I64, list[F64]]:

@@ -139,8 +139,9 @@ class UniformSampler(Sampler):
         n = check_count(n, "n")
         if self._engine is not None:
             return self._engine.sample_rows(n, rng)
-        rows = self.registry.sample_rows(n, rng)
-        return Draw(rows, self._constant(n, 1.0 / self.registry.num_rows))
+        registry = self.registry
+        rows = registry.sample_rows(n, rng)
+        return Draw(rows, self._constant(n, 1.0 / registry.num_rows))
 
     def _constant(self, n: int, value: float) -> F64:
         """``n`` times ``value``, read-only and reused while both stay the same (a full ring

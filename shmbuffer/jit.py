@@ -1,0 +1,32 @@
+"""Where the optional compiled loops come from (numba, the ``fast`` extra): one loader for
+every kernel module (``_copy_jit``, ``_draw_jit``, ``samplers/_jit``).
+
+A kernel module imports numba at its top, so it is imported only through :func:`load`, never at
+package import: numba and LLVM cost ~0.8 s and ~20 MB of private memory in a process that
+already holds torch, paid only where a loop is worth it. ``SHMBUFFER_JIT=0`` keeps every loop
+on its numpy path (the result is the same; tests compare the two).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+__all__ = ["enabled", "load"]
+
+
+def enabled() -> bool:
+    """False when ``SHMBUFFER_JIT=0`` asks for the numpy paths."""
+    return os.environ.get("SHMBUFFER_JIT", "1") != "0"
+
+
+def load(module: str) -> ModuleType | None:
+    """The kernel module ``module`` (a dotted name), or None: numba is not installed, or
+    :func:`enabled` is False. Compiling happens at a kernel's first call, not here."""
+    if not enabled():
+        return None
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None

@@ -1,14 +1,14 @@
 """The copy limit: the fastest single-thread copy of the same bytes found.
 
-Contiguous reads are ``numpy.copyto`` into a preallocated destination; so are writes, except
-that rows of 4 KiB or more stream (non-temporal stores, ``shmbuffer/streamcopy.py``), the
-copy shmbuffer's writers make: 25-35% faster than ``np.copyto`` for image episodes here, so a
-limit made with ``np.copyto`` would sit below what a writer does. Gathers are
-the fastest found per column (issue 10, measured in CPU time): fancy indexing ``src[idx]`` for
-a column of one value per row (numpy's 1-D fast path, ~1 us for 256 rows against ~2.5 us for
-``np.take``), ``np.take(src, idx, axis=0, out=dst, mode="clip")`` for wider rows (torch's
-``index_select(out=)`` and fancy indexing were slower on f32[64] rows and no faster on
-u8[4,84,84] ones; sorted indices and per-run copies did not pay). On the ``first`` pass every
+Every copy is the fastest single-thread copy found for its rows: where rows are 4 KiB or more
+it streams (non-temporal stores, ``shmbuffer/streamcopy.py``, the copy shmbuffer itself makes:
+25-40% faster than ``np.copyto`` / ``np.take`` for image rows here, so a limit made with numpy
+would sit below what shmbuffer does). Otherwise contiguous copies are ``numpy.copyto`` into a
+preallocated destination, and gathers are fancy indexing ``src[idx]`` for a column of one value
+per row (numpy's 1-D fast path, ~1 us for 256 rows against ~2.5 us for ``np.take``) and
+``np.take(src, idx, axis=0, out=dst, mode="clip")`` for wider rows (torch's
+``index_select(out=)`` and fancy indexing were slower on f32[64] rows; sorted indices and
+per-run copies did not pay). On the ``first`` pass every
 destination is fresh (``np.empty``: its pages are faulted in by the copy); on ``steady`` it is
 reused.
 
@@ -26,7 +26,7 @@ import numpy as np
 
 from bench.adapters import Adapter
 from bench.data import Batch, Spec, row_bytes
-from shmbuffer.streamcopy import copy_into, warm
+from shmbuffer.streamcopy import copy_into, gather_into, warm
 
 #: Bytes of rows the pool of draws names at least (a few times the 32 MiB L3 measured).
 POOL_BYTES = 128 * 2**20
@@ -45,7 +45,7 @@ class CopyLimit(Adapter):
         self.rng = np.random.default_rng(1)
         self.pools: dict[tuple[int, int], tuple[np.ndarray, list[int]]] = {}
         self.row_bytes = row_bytes(spec)
-        warm(self.row_bytes)  # large rows: writes stream, as a Writer's do
+        warm(self.row_bytes)  # large rows stream, as shmbuffer's do
 
     def set_pass(self, pass_: str) -> None:
         self.fresh = pass_ == "first"
@@ -81,7 +81,7 @@ class CopyLimit(Adapter):
     def read(self, start: int, stop: int) -> Any:
         out = self._out(stop - start)
         for k, v in out.items():
-            np.copyto(v, self.dst[k][start:stop])
+            copy_into(v, self.dst[k][start:stop])
         return out
 
     def read_index(self, idx: np.ndarray) -> Any:
@@ -91,7 +91,7 @@ class CopyLimit(Adapter):
             if src.ndim == 1:
                 got[k] = src[idx]  # fancy indexing: the 1-D fast path (fresh, and still faster)
             else:
-                got[k] = np.take(src, idx, axis=0, out=v, mode="clip")
+                got[k] = gather_into(src, idx, v)  # np.take, or streamed for large rows
         return got
 
     def prepare_sampling(self) -> None:
@@ -106,5 +106,5 @@ class CopyLimit(Adapter):
         for k, v in out.items():
             src = self.dst[k]
             for j, s in enumerate(starts):
-                np.copyto(v[j], src[s : s + length])
+                copy_into(v[j], src[s : s + length])
         return out

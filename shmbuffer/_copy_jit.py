@@ -38,6 +38,7 @@ from numba.extending import intrinsic
 BLOCK = 64
 #: How far ahead of the copy (bytes) the source is prefetched, non-temporally.
 AHEAD = 1024
+_PAGE = 4096  # the span of the address bits that 4K aliasing compares
 _HALF = ir.VectorType(ir.IntType(64), 4)  # 32 bytes
 _I8P = ir.IntType(8).as_pointer()
 _I32 = ir.IntType(32)
@@ -101,6 +102,37 @@ _fence: Any = intrinsic(_fence_typer)
 def stream(dst: np.ndarray, src: np.ndarray, backward: bool) -> None:  # pragma: no cover
     """Copy ``src`` into ``dst``: uint8 arrays of one size, a multiple of :data:`BLOCK`,
     ``dst`` aligned to it, not overlapping. The last :data:`AHEAD` bytes go unprefetched."""
+    _lines(dst, src, backward)
+    _fence()
+
+
+@numba.njit(cache=True, nogil=True)
+def gather(
+    dst: np.ndarray, src: np.ndarray, rows: np.ndarray, row_bytes: int, dst_at: int, src_at: int
+) -> None:  # pragma: no cover
+    """Copy row ``rows[k]`` of ``src`` into row ``k`` of ``dst`` (uint8, rows of ``row_bytes``
+    each, not overlapping; ``rows`` in range), each row as :func:`stream` copies: the bytes up
+    to the destination's next :data:`BLOCK` boundary and the short tail one by one, the lines
+    between streamed, backward where forward would 4K-alias. ``dst_at``/``src_at``: the
+    arrays' addresses. One fence after the last row."""
+    for k in range(rows.size):
+        d0 = k * row_bytes
+        s0 = rows[k] * row_bytes
+        head = min((BLOCK - (dst_at + d0) % BLOCK) % BLOCK, row_bytes)
+        for j in range(head):
+            dst[d0 + j] = src[s0 + j]
+        body = (row_bytes - head) // BLOCK * BLOCK
+        a, b = d0 + head, s0 + head
+        delta = (dst_at + a - src_at - b) % _PAGE
+        _lines(dst[a : a + body], src[b : b + body], 0 < delta < _PAGE // 2)
+        for j in range(head + body, row_bytes):
+            dst[d0 + j] = src[s0 + j]
+    _fence()
+
+
+@numba.njit(inline="always")
+def _lines(dst: np.ndarray, src: np.ndarray, backward: bool) -> None:  # pragma: no cover
+    """The streamed lines of one copy (see :func:`stream`), without the fence."""
     lines = dst.size // BLOCK
     lead = min(lines, AHEAD // BLOCK)
     if backward:
@@ -113,4 +145,3 @@ def stream(dst: np.ndarray, src: np.ndarray, backward: bool) -> None:  # pragma:
             _copy_line(dst, src, i, AHEAD)
         for i in range(lines - lead, lines):
             _copy_line(dst, src, i, 0)
-    _fence()

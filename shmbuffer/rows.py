@@ -2,16 +2,21 @@
 
 Writes go through numpy (``np.copyto`` reached libc memcpy speed here, torch's single-thread
 ``copy_`` about two thirds of it), large ones through streaming stores (``streamcopy.py``: a
-third faster than ``np.copyto`` for an image episode). Gathers go through numpy too, chosen per
-column by what was fastest here (issue 10: CPU time, one thread, 256 rows drawn at random from
-1M f32[64] rows or 50k u8[4,84,84] rows, with the other columns beside them):
+third faster than ``np.copyto`` for an image episode). Gathers and range copies of large rows
+stream too (``streamcopy.gather_into`` / ``copy_out``, rows of 4 KiB or more, 256 KiB in all,
+once a process of such rows has loaded the loop): 256 random u8[4,84,84] rows in 760-830 us
+against 1,220-1,290 for ``np.take``, and a learner that converts the batch to float right
+after still came out ~0.7 ms ahead (12-04, ``/tmp`` script, median of 7 rounds). Other
+gathers go through numpy, chosen per column by what was fastest here (issue 10: CPU time, one
+thread, 256 rows drawn at random from 1M f32[64] rows or 50k u8[4,84,84] rows, with the other
+columns beside them):
 
 * a column of one value per row: fancy indexing ``a[rows]``, numpy's 1-D fast path (~1 us;
   ``np.take`` ~2.5 us, ``torch.index_select`` 4-6 us);
 * wider rows: ``np.take(a, rows, axis=0, out=np.empty(...), mode="clip")`` (f32[64]: 17 us,
   ``torch.index_select`` 24 us, fancy indexing 45 us; the whole f32[64] + scalars gather 40 us
   against 52 us for index_select into ``torch.empty`` and 68 us for cpprb's fancy indexing).
-  On u8[4,84,84] rows every way is memory bound and within noise of the others.
+  On u8[4,84,84] rows every numpy and torch way is memory bound and within noise of the others.
 
 Not worth it, measured: sorting the rows first (the sort and the reorder cost more than the
 locality gains), one allocation for all columns (slower than one per column), and copying runs
@@ -36,7 +41,7 @@ import torch
 
 from shmbuffer.errors import InvalidArgumentError
 from shmbuffer.schema import Key, Schema, key_str
-from shmbuffer.streamcopy import copy_into
+from shmbuffer.streamcopy import copy_into, copy_out, gather_into
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -235,9 +240,10 @@ def gather_columns(
         if out is None and src.ndim == 1:
             got = torch.from_numpy(src[index])  # numpy's 1-D fast path
         else:
-            # the method, not np.take: its Python wrapper was ~0.7 us a column
+            # the method, not np.take: its Python wrapper was ~0.7 us a column; large rows
+            # stream (streamcopy.gather_into)
             dst = None if out is None else out[key][:n]
-            got = torch.from_numpy(src.take(index, 0, dst, "clip"))  # in range: checked above
+            got = torch.from_numpy(gather_into(src, index, dst))  # in range: checked above
         result[key] = got.view(torch.bfloat16) if column.dtype == torch.bfloat16 else got
     return result
 
@@ -332,12 +338,13 @@ def copy_columns(
 ) -> dict[Key, torch.Tensor]:
     """Copy one contiguous range of rows (memcpy speed, no index tensor). Through numpy when
     ``arrays`` are given: ``ndarray.copy`` took 485 us for 200 u8[4,84,84] rows and 23 us for
-    1,000 f32[64] rows, ``Tensor.clone`` 1,037 and 75 us."""
+    1,000 f32[64] rows, ``Tensor.clone`` 1,037 and 75 us; a large range streams
+    (``streamcopy.copy_out``: 200 image rows in 674 us against 1,049 for ``copy``, 12-04)."""
     if arrays is None:
         return {k: c[start:stop].clone() for k, c in columns.items()}
     flat = {}
     for key, column in columns.items():
-        got = torch.from_numpy(arrays[key][start:stop].copy())
+        got = torch.from_numpy(copy_out(arrays[key][start:stop]))  # large: streamed
         flat[key] = got.view(torch.bfloat16) if column.dtype == torch.bfloat16 else got
     return flat
 

@@ -10,14 +10,17 @@ cannot know that rows written into a ring are read laps later, if at all, from a
 process.
 
 Below :data:`STREAM_MIN_BYTES` plain stores win (the destination's lines may still be in the
-cache, and the call costs a few microseconds), as they do for a destination that is read right
-after (a learner's batch): only rows written into the shared ring come here.
+cache, and the call costs a few microseconds). A learner's batch of large rows streams too
+(:func:`gather_into`, :func:`copy_out`): it is read right after, but at 7 MB for 256 image rows
+it does not stay in the caches anyway, and streamed it was ready ~0.45 ms sooner, which a
+float conversion right after did not take back (``rows.py`` has the figures).
 ``SHMBUFFER_JIT=0`` turns every compiled kernel off, this one too.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from types import ModuleType
 from typing import Any
 
@@ -25,7 +28,15 @@ import numpy as np
 
 from shmbuffer import jit
 
-__all__ = ["STREAM_MIN_BYTES", "STREAM_ROW_BYTES", "copy_into", "kernels", "warm"]
+__all__ = [
+    "STREAM_MIN_BYTES",
+    "STREAM_ROW_BYTES",
+    "copy_into",
+    "copy_out",
+    "gather_into",
+    "kernels",
+    "warm",
+]
 
 #: Smallest copy that streams (about 9 image rows of 28 KB).
 STREAM_MIN_BYTES = 256 * 1024
@@ -34,6 +45,7 @@ STREAM_MIN_BYTES = 256 * 1024
 #: (their staged batches come from a staging area still in the cache).
 STREAM_ROW_BYTES = 4096
 _PAGE = 4096
+_LINE = 64  # a fresh gather's alignment: the loop's aligned stores need 32
 
 
 class _Loop:
@@ -64,12 +76,15 @@ def warm(row_nbytes: int | None = None) -> bool:
         if compiled is not None:  # the first call compiles, or loads the cached code
             source = np.ones(3 * compiled.BLOCK, np.uint8)
             target = np.zeros(3 * compiled.BLOCK, np.uint8)
+            rows = np.array([1, 0], dtype=np.int64)
+            gathered = np.zeros(2 * compiled.BLOCK + 1, np.uint8)
             try:
                 _stream(compiled, target[1:], source[1:])
+                _gather(compiled, source.reshape(3, -1), rows, gathered[1:].reshape(2, -1))
             except Exception as exc:  # a numba or LLVM that cannot build it
                 _Loop.failed = f"{type(exc).__name__}: {exc}"
                 return False
-            if not np.array_equal(target[1:], source[1:]):
+            if not np.array_equal(target[1:], source[1:]) or gathered[1:].sum() != 128:
                 _Loop.failed = "the compiled loop copied wrong bytes"
                 return False
             _Loop.compiled = compiled
@@ -94,6 +109,64 @@ def copy_into(dst: np.ndarray, src: Any) -> None:
         _stream(compiled, dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8))
         return
     np.copyto(dst, src, casting="unsafe")
+
+
+def gather_into(src: np.ndarray, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``src.take(rows, 0, out, "clip")`` (``rows``: int64, in range, checked by the caller),
+    streaming each row when the loop is loaded and the gather is large
+    (:func:`_streams`). Returns ``out``, or a fresh array aligned for the stores."""
+    compiled = _Loop.compiled
+    if compiled is None or src.strides[0] < STREAM_ROW_BYTES or not _streams(src, rows.size, out):
+        return src.take(rows, 0, out, "clip")
+    if out is None:
+        out = _aligned_empty((rows.size, *src.shape[1:]), src.dtype)
+    _gather(compiled, src, rows, out)
+    return out
+
+
+def copy_out(src: np.ndarray) -> np.ndarray:
+    """``src.copy()``, streamed when :func:`copy_into` would stream it (a range of large
+    rows read out of the ring)."""
+    if _Loop.compiled is None or src.nbytes < STREAM_MIN_BYTES or not src.flags.c_contiguous:
+        return src.copy()
+    out = _aligned_empty(src.shape, src.dtype)
+    copy_into(out, src)
+    return out
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+    """An uninitialised array whose first byte is on a cache line (the loop's aligned stores
+    then start at its first line, not after an unaligned head)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + _LINE, np.uint8)
+    at = -raw.ctypes.data % _LINE
+    return raw[at : at + nbytes].view(dtype).reshape(shape)
+
+
+def _streams(src: np.ndarray, n: int, out: np.ndarray | None) -> bool:
+    """Whether a gather of ``n`` rows of ``src`` into ``out`` streams: rows of
+    :data:`STREAM_ROW_BYTES` or more, :data:`STREAM_MIN_BYTES` in all, contiguous arrays of
+    one dtype and row shape that do not overlap."""
+    row_bytes = src.nbytes // len(src) if len(src) else 0
+    if row_bytes < STREAM_ROW_BYTES or n * row_bytes < STREAM_MIN_BYTES:
+        return False
+    if not src.flags.c_contiguous:
+        return False
+    return out is None or (
+        out.dtype == src.dtype
+        and out.shape[1:] == src.shape[1:]
+        and len(out) >= n
+        and out.flags.c_contiguous
+        and not np.may_share_memory(out, src)
+    )
+
+
+def _gather(compiled: ModuleType, src: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+    row_bytes = src.nbytes // len(src)
+    dst = out.reshape(len(out), -1).view(np.uint8).reshape(-1)
+    compiled.gather(
+        dst, src.reshape(-1).view(np.uint8), rows, row_bytes, out.ctypes.data, src.ctypes.data
+    )
 
 
 def _stream(compiled: ModuleType, dst: np.ndarray, src: np.ndarray) -> None:

@@ -147,3 +147,72 @@ def test_a_loop_that_cannot_be_built_leaves_numpy(monkeypatch: pytest.MonkeyPatc
     dst = np.zeros_like(src)
     streamcopy.copy_into(dst, src)  # numpy's copy, not the broken loop
     assert np.array_equal(dst, src)
+
+
+# -- gathers: a learner's batch of large rows -------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    row_bytes=st.integers(streamcopy.STREAM_ROW_BYTES, 3 * streamcopy.STREAM_ROW_BYTES + 7),
+    seed=st.integers(0, 2**32),
+    out_shift=st.one_of(st.none(), st.integers(0, 4095)),
+)
+def test_a_gather_of_large_rows_equals_take(
+    row_bytes: int, seed: int, out_shift: int | None
+) -> None:
+    # rows of any size (not only whole cache lines), in any order, repeated; into a fresh
+    # array or into a caller's ``out`` at any offset, with bytes around it left alone
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, 256, (200, row_bytes), dtype=np.uint8)
+    rows = rng.integers(0, 200, streamcopy.STREAM_MIN_BYTES // row_bytes + 5).astype(np.int64)
+    assert streamcopy._streams(src, rows.size, None)
+    if out_shift is None:
+        got = streamcopy.gather_into(src, rows)
+        assert got.ctypes.data % BLOCK == 0
+    else:
+        base = np.zeros(rows.size * row_bytes + 8192, np.uint8)
+        start = -base.ctypes.data % 4096 + out_shift
+        out = base[start : start + rows.size * row_bytes].reshape(rows.size, row_bytes)
+        got = streamcopy.gather_into(src, rows, out)
+        assert got is out
+        assert not base[:start].any() and not base[start + out.nbytes :].any()
+    assert np.array_equal(got, src[rows])
+
+
+def test_a_gather_keeps_dtype_and_row_shape() -> None:
+    src = np.random.default_rng(0).integers(0, 255, (50, 4, 84, 84), dtype=np.uint8)
+    rows = np.array([3, 49, 0, 3] * 4, dtype=np.int64)
+    got = streamcopy.gather_into(src, rows)
+    assert got.shape == (16, 4, 84, 84) and got.dtype == np.uint8
+    assert np.array_equal(got, src[rows])
+    wide = np.random.default_rng(1).standard_normal((40, 1024)).astype(np.float32)
+    assert np.array_equal(
+        streamcopy.gather_into(wide, rows[rows < 40].repeat(8)), wide[rows[rows < 40].repeat(8)]
+    )
+
+
+def test_small_gathers_and_odd_outs_stay_with_take() -> None:
+    rng = np.random.default_rng(2)
+    src = rng.integers(0, 255, (100, 8192), dtype=np.uint8)
+    few = np.array([1, 2], dtype=np.int64)  # 16 KiB in all: below STREAM_MIN_BYTES
+    many = rng.integers(0, 100, 64).astype(np.int64)
+    small = rng.standard_normal((1000, 64)).astype(np.float32)  # 256 B rows
+    assert not streamcopy._streams(src, few.size, None)
+    assert not streamcopy._streams(small, 1000, None)
+    assert not streamcopy._streams(src[:, ::2], many.size, None)  # not contiguous
+    assert not streamcopy._streams(src, many.size, src)  # out overlaps the rows
+    wrong = np.zeros((64, 8192), np.int8)
+    assert not streamcopy._streams(src, many.size, wrong)  # another dtype: take casts
+    assert np.array_equal(streamcopy.gather_into(src, few), src[few])
+    assert np.array_equal(streamcopy.gather_into(small, many), small[many])
+    assert np.array_equal(streamcopy.gather_into(src[:, ::2], many), src[:, ::2][many])
+
+
+def test_copy_out_is_a_fresh_copy_streamed_when_large() -> None:
+    src = np.random.default_rng(3).integers(0, 255, (40, 4, 84, 84), dtype=np.uint8)
+    for part in (src[1:39], src[:2], src[:, :, :, ::2]):  # streamed; small; not contiguous
+        got = streamcopy.copy_out(part)
+        assert np.array_equal(got, part) and got.dtype == part.dtype
+        assert not np.may_share_memory(got, src)
+    assert streamcopy.copy_out(src[1:39]).ctypes.data % BLOCK == 0

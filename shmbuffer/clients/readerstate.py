@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from shmbuffer import streamcopy
 from shmbuffer.clients.connection import Connection
 from shmbuffer.clients.leased import ClientLease
 from shmbuffer.clients.ticker import Ticker
@@ -202,6 +203,8 @@ class ReaderState:
                 seg = info["segment"]
                 # a CudaSegment for a --device cuda daemon; page-locked for --pin-memory
                 self.segment = attach_segment(seg["name"], seg["storage_dir"], pin=True)
+                if self.segment.device == "cpu":  # large rows: gathers stream (rows.py)
+                    streamcopy.warm(self.schema.row_nbytes)
         return self.segment
 
     def attach(self) -> Schema | None:

@@ -109,13 +109,18 @@ def stream(dst: np.ndarray, src: np.ndarray, backward: bool) -> None:  # pragma:
 @numba.njit(cache=True, nogil=True)
 def gather(
     dst: np.ndarray, src: np.ndarray, rows: np.ndarray, row_bytes: int, dst_at: int, src_at: int
-) -> None:  # pragma: no cover
+) -> int:  # pragma: no cover
     """Copy row ``rows[k]`` of ``src`` into row ``k`` of ``dst`` (uint8, rows of ``row_bytes``
-    each, not overlapping; ``rows`` in range), each row as :func:`stream` copies: the bytes up
-    to the destination's next :data:`BLOCK` boundary and the short tail one by one, the lines
-    between streamed, backward where forward would 4K-alias. ``dst_at``/``src_at``: the
-    arrays' addresses. One fence after the last row."""
+    each, not overlapping), each row as :func:`stream` copies: the bytes up to the
+    destination's next :data:`BLOCK` boundary and the short tail one by one, the lines between
+    streamed, backward where forward would 4K-alias. ``dst_at``/``src_at``: the arrays'
+    addresses. One fence after the last row. Returns -1, or the first ``k`` whose row is out of
+    range (nothing from it on is copied: numba does not check bounds, so this loop does)."""
+    held = src.size // row_bytes
     for k in range(rows.size):
+        if rows[k] < 0 or rows[k] >= held:
+            _fence()
+            return k
         d0 = k * row_bytes
         s0 = rows[k] * row_bytes
         head = min((BLOCK - (dst_at + d0) % BLOCK) % BLOCK, row_bytes)
@@ -128,6 +133,7 @@ def gather(
         for j in range(head + body, row_bytes):
             dst[d0 + j] = src[s0 + j]
     _fence()
+    return -1
 
 
 @numba.njit(inline="always")

@@ -6,13 +6,15 @@ their largest (the rejection check), a 64-bit modulo (~4 us of division alone), 
 the spans, an addition, and ``np.add.at`` for the use counts. Here the draw is one call and the
 count another, ~1.5 us each beside the raw words.
 
-* :func:`span_rows`: Lemire's multiply-shift, exact: ``high * w`` as a 128-bit product of 32-bit
-  halves, the row position its upper 64 bits, a word rejected when the lower 64 bits fall under
-  ``2**64 mod high`` (a share below ``high / 2**64``: the division that threshold needs runs
-  only for a lower half under ``high``). The position is mapped through the spans' running
-  totals by binary search, as ``LiveSpans`` does with ``searchsorted``. The rows are exactly
-  those of ``spans.uniform_integers`` from the same words (a test holds them equal), so a
-  process may switch to this loop at any time.
+* :func:`span_rows`: ``w mod high`` for each raw word ``w``, the words at or above the largest
+  multiple of ``high`` below ``2**64`` rejected (a share below ``high / 2**64``), exactly as
+  ``spans.uniform_integers`` does with numpy, so both give the same rows from the same words
+  and a process may switch to this loop at any time. The modulo is a multiplication: the
+  quotient from the upper half of ``w * floor((2**64 - 1) / high)`` (a 128-bit product of
+  32-bit halves) is at most two short, so the remainder needs at most two subtractions (a
+  hardware 64-bit division here was ~4 of the loop's ~5 us for 256 words; this ~1). The row is
+  then mapped through the spans' running totals by binary search, as ``LiveSpans`` does with
+  ``searchsorted``.
 * :func:`add_one`: ``counts[rows] += 1`` with repeats counted, as ``np.add.at``, bounds checked.
 
 Thread safety: pure functions of their arguments; the registry's owner serialises calls.
@@ -31,27 +33,34 @@ _HALF = np.uint64(32)
 def span_rows(
     words: np.ndarray, high: int, ends: np.ndarray, shift: np.ndarray, out: np.ndarray
 ) -> int:  # pragma: no cover - compiled; tested through LiveSpans.draw
-    """``out[i]``: the row of position ``floor(words[i] * high / 2**64)`` among ``high`` live
-    rows, where span ``k`` holds positions ``[ends[k-1], ends[k])`` and adds ``shift[k]``.
-    Returns -1, or the index ``i`` of the first rejected word: ``out[:i]`` is done, the
-    caller draws the rejected words of ``words[i:]`` again (``spans.redraw_rejected``) and
-    calls again for the rest. ``out`` may be ``words`` itself (each word is read first)."""
+    """``out[i]``: the row of position ``words[i] mod high`` among ``high`` live rows, where
+    span ``k`` holds positions ``[ends[k-1], ends[k])`` and adds ``shift[k]``. Returns -1, or
+    the index ``i`` of the first word rejected: ``out[:i]`` is done, the caller draws the
+    rejected words of ``words[i:]`` again (``spans.redraw_rejected``) and calls again for the
+    rest. ``out`` may be ``words`` itself (each word is read first). (The two constants are
+    worked out here: passed from Python as numbers above ``2**63``, each call spent ~2 us
+    making them numpy scalars, and ~190 us typing them as plain ints.)"""
     h = np.uint64(high)
-    h_lo = h & _LOW
-    h_hi = h >> _HALF
+    ones = np.uint64(0xFFFFFFFFFFFFFFFF)
+    magic = ones // h  # floor((2**64 - 1) / high)
+    # the largest word kept: the last whole multiple of high up to 2**64, less one
+    last_ok = ones if ones - magic * h == h - np.uint64(1) else magic * h - np.uint64(1)
+    m_lo = magic & _LOW
+    m_hi = magic >> _HALF
     last = ends.size - 1
     for i in range(words.size):
         w = words[i]
+        if w > last_ok:
+            return i
         w_lo = w & _LOW
         w_hi = w >> _HALF
-        low_low = w_lo * h_lo
-        high_low = w_hi * h_lo
-        cross = (low_low >> _HALF) + (high_low & _LOW) + w_lo * h_hi
-        upper = (high_low >> _HALF) + (cross >> _HALF) + w_hi * h_hi
-        lower = (cross << _HALF) | (low_low & _LOW)
-        if lower < h and lower < (np.uint64(0) - h) % h:
-            return i
-        position = np.int64(upper)
+        low_low = w_lo * m_lo
+        high_low = w_hi * m_lo
+        cross = (low_low >> _HALF) + (high_low & _LOW) + w_lo * m_hi
+        remainder = w - ((high_low >> _HALF) + (cross >> _HALF) + w_hi * m_hi) * h
+        while remainder >= h:
+            remainder -= h
+        position = np.int64(remainder)
         lo = 0
         hi = last
         while lo < hi:

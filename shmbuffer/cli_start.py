@@ -20,7 +20,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from shmbuffer import runtime
+from shmbuffer import runtime, spans
 from shmbuffer.daemon import security
 from shmbuffer.errors import ConfigError, ShmBufferError
 from shmbuffer.protocol import PROTOCOL_VERSION
@@ -177,6 +177,9 @@ def _serve(
         server.endpoint,
         os.getpid(),
     )
+    # The compiled uniform draws load on a thread once the daemon has drawn 1,000 times, so
+    # its loop never pauses for numba (spans.py).
+    spans.load_on_a_thread()
     try:
         server.serve_forever()
     finally:

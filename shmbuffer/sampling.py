@@ -40,7 +40,7 @@ from shmbuffer.ringstate import (
 )
 from shmbuffer.rows import episode_rows, slice_rows
 from shmbuffer.samplers.base import check_beta, check_count, check_update
-from shmbuffer.spans import compiled_draws
+from shmbuffer.spans import loaded_draws
 
 _ONE_USE = np.int32(1)  # count_use's increment, of use_counts' dtype (numpy's fast add.at)
 #: The kinds of draw a :class:`~shmbuffer.ringstate.SampleLog` is told (journaled as numbers).
@@ -121,8 +121,8 @@ class SamplingOps(RingState):
         ``+=``, which counts a repeated index once). ``np.add.at`` with an int32 one takes
         numpy's fast path (~3.5 us for 256 rows of 10k); with a Python ``1`` it is the slow
         generic one (~30 us), and torch's ``index_add_`` with its tensor wrapping ~8 us. The
-        compiled loop, where the draws are compiled (``spans.compiled_draws``), ~1.5 us."""
-        kernels = compiled_draws()
+        compiled loop, once the draws are (``spans.compiled_draws``), ~1.5 us."""
+        kernels = loaded_draws()
         if kernels is None or rows.dtype != np.int64 or not rows.flags.c_contiguous:
             np.add.at(self.use_counts, rows, _ONE_USE)  # (another layout: not compiled for it)
         elif kernels.add_one(self.use_counts, rows) >= 0:

@@ -5,9 +5,10 @@
 Where numba is installed (the ``fast`` extra) a draw over the spans is one compiled call
 (``_draw_jit.py``, loaded by :func:`compiled_draws` once a process has drawn
 :data:`LOAD_AFTER` times): a uniform ``sample(256)`` at 1M rows took
-~22 us in the registry with numpy, ~6 us so. Both ways turn the same raw words into the same
-rows by the same rule (Lemire's multiply-shift, :func:`uniform_integers`), so which one runs
-never changes a seeded draw: the compiled one can be loaded whenever it is ready.
+~22 us in the registry with numpy, ~7 us so. Both ways turn the same raw words into the same
+rows by the same rule (a modulo, rejecting the words past the last whole multiple:
+:func:`uniform_integers`), so which one runs never changes a seeded draw: the compiled one can
+be loaded whenever it is ready.
 
 Thread safety: not thread-safe; the registry's owner serialises calls.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import threading
 import time
 from types import ModuleType
 
@@ -29,10 +31,13 @@ I64 = npt.NDArray[np.int64]
 log = logging.getLogger(__name__)
 
 
-#: Draws a process makes with numpy before it loads the compiled loop: a process that samples
-#: a few times never pays numba's load (~0.8 s); one that goes on sampling pays it once, in
-#: the call that crosses this count (a daemon's loop pauses for it).
-LOAD_AFTER = 1000
+#: Draws a process makes with numpy before it loads the compiled loop. The load costs ~0.8 s
+#: of CPU (numba and LLVM) and saves ~10 us a draw, so it is repaid after some 80,000 draws:
+#: loading once this many were made (the rent-or-buy rule) never costs more than twice the
+#: best choice in hindsight. A process that samples a little (a test, a short benchmark) never
+#: pays it; a training run pays it once, in the draw that crosses this count, or on a thread
+#: (:func:`load_on_a_thread`). ``load_compiled_draws`` loads at once.
+LOAD_AFTER = 50_000
 
 
 class _Draws:
@@ -41,17 +46,37 @@ class _Draws:
     kernels: ModuleType | None = None
     calls = 0
     tried = False
+    on_a_thread = False
+
+
+def load_on_a_thread() -> None:
+    """Load the compiled draws on a thread of their own when the time comes, not in the draw
+    that crosses :data:`LOAD_AFTER`: for a server whose loop must not pause for 0.8 s (the
+    daemon; its draws stay on numpy until the loops are ready, with the same results). Not
+    for a process that may fork: a fork while the thread imports can leave the child's import
+    locks held."""
+    _Draws.on_a_thread = True
 
 
 def compiled_draws() -> ModuleType | None:
-    """The compiled draw and use count (``_draw_jit.py``) once loaded, else None. Counts its
-    calls and loads them at the :data:`LOAD_AFTER`-th; the result is the same either way."""
+    """The compiled draw and use count (``_draw_jit.py``) once loaded, else None. Counts the
+    draws (each call) and loads the loops at the :data:`LOAD_AFTER`-th; the results are the
+    same either way."""
     kernels = _Draws.kernels
     if kernels is None and not _Draws.tried:
         _Draws.calls += 1
         if _Draws.calls >= LOAD_AFTER:
-            kernels = load_compiled_draws()
+            if _Draws.on_a_thread:
+                _Draws.tried = True
+                threading.Thread(target=_load, name="shmbuffer-draws-jit", daemon=True).start()
+            else:
+                kernels = load_compiled_draws()
     return kernels
+
+
+def loaded_draws() -> ModuleType | None:
+    """The compiled loops if this process has loaded them (counts nothing, loads nothing)."""
+    return _Draws.kernels
 
 
 def load_compiled_draws() -> ModuleType | None:
@@ -60,6 +85,10 @@ def load_compiled_draws() -> ModuleType | None:
     if _Draws.tried:
         return _Draws.kernels
     _Draws.tried = True
+    return _load()
+
+
+def _load() -> ModuleType | None:
     kernels = jit.load("shmbuffer._draw_jit")
     if kernels is None:
         return None
@@ -74,61 +103,42 @@ def load_compiled_draws() -> ModuleType | None:
         log.warning("compiled draws unavailable, sampling with numpy: %s", exc)
         return None
     log.info("compiled draws loaded in %.2f s", time.perf_counter() - began)
-    _Draws.kernels = kernels
+    _Draws.kernels = kernels  # last: another thread uses them from here on
     return kernels
-
-
-_LOW = np.uint64(0xFFFFFFFF)
-_HALF = np.uint64(32)
 
 
 def uniform_integers(rng: np.random.Generator, high: int, n: int) -> I64:
     """``n`` integers drawn uniformly from ``[0, high)``, exactly (``1 <= high < 2**63``).
 
-    Lemire's multiply-shift: a raw 64-bit word ``w`` gives ``floor(w * high / 2**64)``; the
-    words whose product's lower 64 bits fall under ``2**64 mod high`` (a share below
-    ``high / 2**64``) are drawn again (:func:`redraw_rejected`), so every value is equally
-    likely. ``rng.integers`` does the same in ~17 us for 256 of them here, most of it argument
-    handling; this takes ~12, and the compiled loop (``_draw_jit.span_rows``) gives the same
-    values from the same words in ~1.5.
+    ``rng.integers`` does the same in ~7.5 us for 256 of them, most of it argument handling
+    (a Python ``np.prod`` of the size); this takes ~5: raw 64-bit words modulo ``high``, where
+    the few words at or above the largest multiple of ``high`` (a share below
+    ``high / 2**64``) are drawn again (:func:`redraw_rejected`), so every residue is equally
+    likely. The compiled loop (``_draw_jit.span_rows``) gives the same values from the same
+    words.
     """
     words = rng.bit_generator.random_raw(n)
-    if n and int(np.minimum.reduce(words * np.uint64(high))) < (1 << 64) % high:
+    if n and int(np.maximum.reduce(words)) >= _limit(high):
         redraw_rejected(rng, words, high)
-    return multiply_high(words, high)
+    out: I64 = (words % np.uint64(high)).view(np.int64)
+    return out
+
+
+def _limit(high: int) -> int:
+    """The largest multiple of ``high`` up to ``2**64``: words from it on are drawn again."""
+    return (1 << 64) // high * high
 
 
 def redraw_rejected(rng: np.random.Generator, words: npt.NDArray[np.uint64], high: int) -> None:
-    """Draw again, in place and in index order, each word Lemire's method rejects for
-    ``high``, until none is left: the one rejection rule of both ways of drawing."""
-    threshold = (1 << 64) % high
-    if not threshold:
+    """Draw again, in place and in index order, each word at or above :func:`_limit`, until
+    none is left: the one rejection rule of both ways of drawing."""
+    limit = _limit(high)
+    if limit == 1 << 64:
         return
-    h = np.uint64(high)
-    bad = np.flatnonzero(words * h < threshold)
+    bad = np.flatnonzero(words >= limit)
     while bad.size:
         words[bad] = rng.bit_generator.random_raw(bad.size)
-        bad = bad[words[bad] * h < threshold]
-
-
-def multiply_high(words: npt.NDArray[np.uint64], high: int) -> I64:
-    """``floor(words * high / 2**64)`` exactly, in 64-bit pieces (numpy has no 128-bit
-    product). Below ``2**32`` rows: ``w * high = A * 2**32 + B`` with ``A = (w >> 32) * high``
-    and ``B = (w & low32) * high``, and ``(A + (B >> 32)) >> 32`` never overflows."""
-    if high < 1 << 32:
-        h = np.uint64(high)
-        a = (words >> _HALF) * h
-        a += ((words & _LOW) * h) >> _HALF
-        a >>= _HALF
-        small: I64 = a.view(np.int64)
-        return small
-    h_lo, h_hi = np.uint64(high & 0xFFFFFFFF), np.uint64(high >> 32)
-    w_lo, w_hi = words & _LOW, words >> _HALF
-    low_low, high_low = w_lo * h_lo, w_hi * h_lo
-    cross = (low_low >> _HALF) + (high_low & _LOW) + w_lo * h_hi
-    upper = (high_low >> _HALF) + (cross >> _HALF) + w_hi * h_hi
-    large: I64 = upper.view(np.int64)
-    return large
+        bad = bad[words[bad] >= limit]
 
 
 class LiveSpans:

@@ -112,9 +112,10 @@ def copy_into(dst: np.ndarray, src: Any) -> None:
 
 
 def gather_into(src: np.ndarray, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """``src.take(rows, 0, out, "clip")`` (``rows``: int64, in range, checked by the caller),
-    streaming each row when the loop is loaded and the gather is large
-    (:func:`_streams`). Returns ``out``, or a fresh array aligned for the stores."""
+    """``src.take(rows, 0, out, "clip")`` (``rows``: int64, checked by the caller: ``clip``
+    clamps a row out of range), streaming each row when the loop is loaded and the gather is
+    large (:func:`_streams`; there a row out of range raises IndexError). Returns ``out``, or
+    a fresh array aligned for the stores."""
     compiled = _Loop.compiled
     if compiled is None or src.strides[0] < STREAM_ROW_BYTES or not _streams(src, rows.size, out):
         return src.take(rows, 0, out, "clip")
@@ -164,9 +165,11 @@ def _streams(src: np.ndarray, n: int, out: np.ndarray | None) -> bool:
 def _gather(compiled: ModuleType, src: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
     row_bytes = src.nbytes // len(src)
     dst = out.reshape(len(out), -1).view(np.uint8).reshape(-1)
-    compiled.gather(
+    bad = compiled.gather(
         dst, src.reshape(-1).view(np.uint8), rows, row_bytes, out.ctypes.data, src.ctypes.data
     )
+    if bad >= 0:
+        raise IndexError(f"row {int(rows[bad])} is out of range for {len(src)} rows")
 
 
 def _stream(compiled: ModuleType, dst: np.ndarray, src: np.ndarray) -> None:

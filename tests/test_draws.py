@@ -4,6 +4,7 @@ compiled loop only after :data:`~shmbuffer.spans.LOAD_AFTER` draws."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -38,71 +39,47 @@ def ring_with_holes() -> EpisodeRegistry:
     return reg
 
 
-def test_multiply_high_matches_python_integers() -> None:
-    words = np.random.default_rng(0).bit_generator.random_raw(2_000)
-    words[:4] = [0, 1, (1 << 64) - 1, 1 << 63]
-    for high in [1, 2, 3, 1000, (1 << 32) - 1, 1 << 32, (1 << 32) + 1, (1 << 40) + 3, 1 << 62]:
-        expected = [(int(w) * high) >> 64 for w in words]
-        assert spans.multiply_high(words, high).tolist() == expected, high
+def _call(
+    words: np.ndarray, high: int, ends: np.ndarray, shift: np.ndarray
+) -> tuple[int, np.ndarray]:
+    assert KERNELS is not None
+    out = np.empty(words.size, dtype=np.int64)
+    return KERNELS.span_rows(words, high, ends, shift, out), out
 
 
 @needs_numba
 @settings(max_examples=200, deadline=None)
 @given(
     seed=st.integers(0, 2**32),
-    high=st.one_of(st.integers(1, 5_000), st.integers(1, (1 << 62))),
+    high=st.one_of(
+        st.integers(1, 5_000), st.integers(1, (1 << 62)), st.sampled_from([1, 2, 3, 1 << 40])
+    ),
     n=st.integers(1, 300),
 )
 def test_the_compiled_loop_gives_the_rows_numpy_gives(seed: int, high: int, n: int) -> None:
-    assert KERNELS is not None
     words = np.random.default_rng(seed).bit_generator.random_raw(n)
+    words[0] = (1 << 64) // high * high - 1  # the largest word kept
+    words[-1] = (1 << 64) - 1  # kept only when high divides 2**64
     spans.redraw_rejected(np.random.default_rng(seed + 1), words, high)
     # Three spans splitting [0, high) and moved apart: both map positions the same way too.
     cut = sorted({0, high // 3, (2 * high) // 3, high} - {0})
     ends = np.array(cut, dtype=np.int64)
     shift = np.arange(len(cut), dtype=np.int64) * 1000
-    out = np.empty(n, dtype=np.int64)
-    assert KERNELS.span_rows(words, high, ends, shift, out) == -1
-    pos = spans.multiply_high(words, high)
+    stop, out = _call(words, high, ends, shift)
+    assert stop == -1
+    pos = (words % np.uint64(high)).astype(np.int64)
+    assert pos.tolist() == [int(w) % high for w in words]
     assert np.array_equal(out, pos + shift[np.searchsorted(ends, pos, side="right")])
 
 
 @needs_numba
 def test_the_compiled_loop_stops_at_a_rejected_word() -> None:
-    # 2**64 mod 3 == 1: the word 0 has a product of 0, under it, and is drawn again.
-    assert KERNELS is not None
-    words = np.array([5, 0, 7], dtype=np.uint64)
+    # 2**64 mod 3 == 1: only the word 2**64 - 1 lies past the last multiple of 3.
+    words = np.array([5, (1 << 64) - 1, 7], dtype=np.uint64)
     one = np.zeros(1, dtype=np.int64)
-    assert KERNELS.span_rows(words, 3, one + 3, one, np.empty(3, dtype=np.int64)) == 1
+    assert _call(words, 3, one + 3, one)[0] == 1
     spans.redraw_rejected(np.random.default_rng(0), words, 3)
-    assert words[0] == 5 and words[1] != 0 and words[2] == 7
-
-
-def test_a_rejected_word_mid_batch_is_drawn_again_the_same_either_way(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # A generator whose third raw word is rejected for 3 live rows (2**64 mod 3 == 1: only
-    # the word 0 is): both ways draw it again, in place, and give the same rows.
-    class Words(np.random.PCG64):
-        def random_raw(self, size: int | None = None, output: bool = True) -> np.ndarray:
-            drawn = np.asarray(super().random_raw(size))
-            self.calls = getattr(self, "calls", 0) + 1
-            if self.calls == 1:
-                drawn[2] = 0
-            return drawn
-
-    reg = EpisodeRegistry(10)
-    reg.add(4, 7)
-    got = []
-    for kernels in [None, KERNELS] if KERNELS is not None else [None]:
-        monkeypatch.setattr(spans._Draws, "kernels", kernels)
-        monkeypatch.setattr(spans._Draws, "tried", True)
-        words = Words(5)
-        rows = reg.sample_rows(6, np.random.Generator(words))
-        assert words.calls == 2  # the rejected word was drawn again
-        assert set(rows.tolist()) <= {4, 5, 6}
-        got.append(rows)
-    assert all(np.array_equal(got[0], rows) for rows in got)
+    assert words[0] == 5 and words[1] != (1 << 64) - 1 and words[2] == 7
 
 
 def test_a_seeded_draw_is_the_same_either_way(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -141,6 +118,7 @@ def test_use_counts_count_repeats_and_refuse_rows_out_of_range(way: str) -> None
 
 
 def test_a_process_loads_the_loop_only_after_many_draws(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spans, "LOAD_AFTER", 300)
     monkeypatch.setattr(spans._Draws, "kernels", None)
     monkeypatch.setattr(spans._Draws, "tried", False)
     monkeypatch.setattr(spans._Draws, "calls", 0)
@@ -158,3 +136,22 @@ def test_shmbuffer_jit_0_keeps_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(spans._Draws, "tried", False)
     assert spans.load_compiled_draws() is None
     assert spans.compiled_draws() is None
+
+
+def test_a_server_loads_the_loop_on_a_thread_and_draws_on_meanwhile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(spans._Draws, "kernels", None)
+    monkeypatch.setattr(spans._Draws, "tried", False)
+    monkeypatch.setattr(spans._Draws, "calls", spans.LOAD_AFTER - 1)
+    monkeypatch.setattr(spans._Draws, "on_a_thread", False)
+    spans.load_on_a_thread()
+    reg = ring_with_holes()
+    expected = reg.sample_rows(64, np.random.default_rng(3))  # the draw that starts the thread
+    assert spans._Draws.tried
+    deadline = time.monotonic() + 60
+    while spans._Draws.kernels is None and KERNELS is not None and time.monotonic() < deadline:
+        assert np.array_equal(reg.sample_rows(64, np.random.default_rng(3)), expected)
+        time.sleep(0.01)
+    assert spans._Draws.kernels is KERNELS
+    assert np.array_equal(reg.sample_rows(64, np.random.default_rng(3)), expected)

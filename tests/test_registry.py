@@ -699,22 +699,22 @@ def test_uniform_integers_range_and_chi_square(high: int) -> None:
         assert chi2 < high - 1 + 5 * np.sqrt(2 * (high - 1))  # ~5 sigma of chi2(high - 1)
 
 
-def test_uniform_integers_redraws_the_words_lemire_rejects() -> None:
-    # 2**64 mod high is a fifth of 2**64 here, so a fifth of the words are drawn again (in
-    # index order, until none is rejected). Kept, a fifth of the values would come twice as
-    # often as the rest. The draws must be exactly those of the rule, computed in integers.
+def test_uniform_integers_redraws_words_past_the_last_multiple() -> None:
+    # 2**64 // high == 2: a fifth of the raw words lie at or above 2 * high and are drawn
+    # again (in index order, until none is left). Kept, they would land in the lower half of
+    # the residues (1.5x as often there). The draws must be exactly those of the rule.
     high = 2**65 // 5
-    threshold = 2**64 % high
+    limit = 2 * high
     draws = uniform_integers(rng(4), high, 5_000)
     source = rng(4).bit_generator
     words = [int(w) for w in source.random_raw(5_000)]
-    bad = [i for i, w in enumerate(words) if (w * high) % 2**64 < threshold]
+    bad = [i for i, w in enumerate(words) if w >= limit]
     assert 800 < len(bad) < 1_200
     while bad:
         for i, w in zip(bad, source.random_raw(len(bad)), strict=True):
             words[i] = int(w)
-        bad = [i for i in bad if (words[i] * high) % 2**64 < threshold]
-    assert draws.tolist() == [(w * high) >> 64 for w in words]
+        bad = [i for i in bad if words[i] >= limit]
+    assert draws.tolist() == [w % high for w in words]
 
 
 def test_uniform_integers_is_reproducible() -> None:

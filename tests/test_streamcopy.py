@@ -216,3 +216,15 @@ def test_copy_out_is_a_fresh_copy_streamed_when_large() -> None:
         assert np.array_equal(got, part) and got.dtype == part.dtype
         assert not np.may_share_memory(got, src)
     assert streamcopy.copy_out(src[1:39]).ctypes.data % BLOCK == 0
+
+
+def test_a_streamed_gather_refuses_a_row_out_of_range() -> None:
+    src = np.zeros((100, 8192), np.uint8)
+    rows = np.arange(64, dtype=np.int64)
+    rows[40] = 100
+    assert streamcopy._streams(src, rows.size, None)
+    with pytest.raises(IndexError, match="row 100 is out of range for 100 rows"):
+        streamcopy.gather_into(src, rows)
+    rows[40] = -1
+    with pytest.raises(IndexError, match="row -1"):
+        streamcopy.gather_into(src, rows)

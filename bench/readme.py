@@ -106,7 +106,7 @@ def section(
         lines += [
             "",
             "The fastest single-thread copy of the same bytes (copy-limit: streaming stores "
-            "for rows of 4 KiB or more, as shmbuffer's writers copy them, else numpy) is in "
+            "for rows of 4 KiB or more, as shmbuffer copies them, else numpy) is in "
             "results.md beside every op that has one.",
         ]
     if plots:

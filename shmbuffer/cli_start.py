@@ -177,7 +177,7 @@ def _serve(
         server.endpoint,
         os.getpid(),
     )
-    # The compiled uniform draws load on a thread once the daemon has drawn 1,000 times, so
+    # The compiled uniform draws load on a thread once the daemon has drawn 50,000 times, so
     # its loop never pauses for numba (spans.py).
     spans.load_on_a_thread()
     try:

@@ -12,12 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shmbuffer import spans
+from shmbuffer import jit, spans
 from shmbuffer.container import Container
 from shmbuffer.registry import EpisodeRegistry
 from tests._stats import P_MIN, chi2_p
 
-KERNELS = spans.load_compiled_draws()
+# The kernel module itself: loading it through spans would switch the whole test process
+# to the compiled draws from collection on.
+KERNELS = jit.load("shmbuffer._draw_jit")
 needs_numba = pytest.mark.skipif(KERNELS is None, reason="numba (the fast extra) not installed")
 
 

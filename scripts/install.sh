@@ -9,6 +9,7 @@ EXTRAS="${EXTRAS:-dev,examples,torchrl,live,fast}"
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[${EXTRAS}]"
-# Compile the streaming copy of large writes once (the fast extra; numba caches it beside the
-# package): a first compile takes seconds, which the first writer would spend instead.
-.venv/bin/python -c "from shmbuffer import streamcopy; streamcopy.warm()"
+# Compile the streaming copy of large rows and the uniform draws once (the fast extra; numba
+# caches them beside the package): a first compile takes seconds, which the first writer,
+# reader or long-sampling process would spend instead.
+.venv/bin/python -c "from shmbuffer import spans, streamcopy; streamcopy.warm(); spans.load_compiled_draws()"

@@ -13,18 +13,13 @@ import importlib
 import os
 from types import ModuleType
 
-__all__ = ["enabled", "load"]
-
-
-def enabled() -> bool:
-    """False when ``SHMBUFFER_JIT=0`` asks for the numpy paths."""
-    return os.environ.get("SHMBUFFER_JIT", "1") != "0"
+__all__ = ["load"]
 
 
 def load(module: str) -> ModuleType | None:
     """The kernel module ``module`` (a dotted name), or None: numba is not installed, or
-    :func:`enabled` is False. Compiling happens at a kernel's first call, not here."""
-    if not enabled():
+    ``SHMBUFFER_JIT=0``. Compiling happens at a kernel's first call, not here."""
+    if os.environ.get("SHMBUFFER_JIT", "1") == "0":
         return None
     try:
         return importlib.import_module(module)

@@ -2,7 +2,8 @@
 
 Public names only. ``Buffer`` is the in-process engine; ``Writer`` and ``Reader`` talk to a
 ``shmbuffer-daemon``; ``Storage`` is the drop-in façade for code written against RLightning's
-storage backend; ``checkpoint`` asks a daemon to write one.
+storage backend; ``checkpoint`` asks a daemon to write one; the error classes are those of
+``shmbuffer.errors``.
 
 Imports are lazy so that ``shmbuffer-daemon status`` does not pay for importing torch.
 """
@@ -12,8 +13,38 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# Every error class too, so a training loop catches ``shmbuffer.WaitTimeoutError`` as the docs
+# name it (``shmbuffer.errors`` holds the same classes).
 from shmbuffer import errors
-from shmbuffer.errors import ShmBufferError
+from shmbuffer.errors import (
+    CapacityError,
+    CheckpointError,
+    ClosedError,
+    ConfigError,
+    DaemonUnavailableError,
+    EmptyBufferError,
+    ForkedClientError,
+    InsecureEndpointError,
+    InvalidArgumentError,
+    InvalidNameError,
+    JournalError,
+    KeyFileError,
+    LeaseExpiredError,
+    LimitExceededError,
+    NotFoundError,
+    OutOfSpaceError,
+    PermissionDeniedError,
+    ProtocolError,
+    RecoveryError,
+    SchemaError,
+    SegmentError,
+    SegmentNotFoundError,
+    ShmBufferError,
+    TornReadError,
+    UnknownClientError,
+    VersionMismatchError,
+    WaitTimeoutError,
+)
 
 if TYPE_CHECKING:
     from shmbuffer.buffer import Buffer
@@ -34,10 +65,36 @@ _LAZY = {
 
 __all__ = [
     "Buffer",
+    "CapacityError",
+    "CheckpointError",
+    "ClosedError",
+    "ConfigError",
+    "DaemonUnavailableError",
+    "EmptyBufferError",
+    "ForkedClientError",
+    "InsecureEndpointError",
+    "InvalidArgumentError",
+    "InvalidNameError",
+    "JournalError",
+    "KeyFileError",
+    "LeaseExpiredError",
+    "LimitExceededError",
+    "NotFoundError",
+    "OutOfSpaceError",
+    "PermissionDeniedError",
+    "ProtocolError",
     "Reader",
+    "RecoveryError",
     "Schema",
+    "SchemaError",
+    "SegmentError",
+    "SegmentNotFoundError",
     "ShmBufferError",
     "Storage",
+    "TornReadError",
+    "UnknownClientError",
+    "VersionMismatchError",
+    "WaitTimeoutError",
     "Writer",
     "checkpoint",
     "errors",

@@ -126,6 +126,23 @@ def test_error_codes_round_trip_to_classes() -> None:
     assert type(error_from_code("no-such-code", "x")) is ShmBufferError
 
 
+def test_every_error_class_is_a_top_level_name() -> None:
+    """A caller catches ``shmbuffer.WaitTimeoutError``, the name the docs use, and it is the
+    class a reply's code turns into."""
+    import shmbuffer
+    from shmbuffer import errors
+
+    classes = {
+        name: cls
+        for name, cls in vars(errors).items()
+        if isinstance(cls, type) and issubclass(cls, ShmBufferError)
+    }
+    assert "WaitTimeoutError" in classes and "EmptyBufferError" in classes
+    for name, cls in classes.items():
+        assert getattr(shmbuffer, name) is cls, name
+        assert name in shmbuffer.__all__, name
+
+
 # -- spec <-> code, both ways: ops, request and reply fields with their types, error codes ---
 
 #: The type words of the spec's tables (`X or Y` for either) and the Python types they mean.

@@ -567,14 +567,19 @@ def normalize_index(index: Index, size: int) -> tuple[np.ndarray, bool]:
     if isinstance(index, torch.Tensor):
         index = index.cpu().numpy()
     positions = np.asarray(index)
-    if positions.dtype == np.bool_ or not np.issubdtype(positions.dtype, np.integer):
-        if positions.size:
-            raise IndexError(f"indices must be integers, got dtype {positions.dtype}")
-        positions = positions.astype(np.int64)
-    positions = positions.astype(np.int64).reshape(-1)
-    bad = (positions < -size) | (positions >= size)
-    if bad.any():
+    if positions.dtype.kind not in "iu" and positions.size:  # bool masks, floats
+        raise IndexError(f"indices must be integers, got dtype {positions.dtype}")
+    positions = positions.astype(np.int64, copy=False).reshape(-1)  # read, never written
+    if not positions.size:
+        return positions, False
+    # Two reductions decide the usual case, all in [0, size): nothing to check or wrap
+    # (the four comparisons and the modulo of a mask-and-wrap took ~20 us at 1,000 rows).
+    lowest, highest = int(np.minimum.reduce(positions)), int(np.maximum.reduce(positions))
+    if lowest >= 0 and highest < size:
+        return positions, False
+    if lowest < -size or highest >= size:
+        bad = (positions < -size) | (positions >= size)
         raise IndexError(
             f"indices {positions[bad][:5].tolist()} are out of range for {size} stored items"
         )
-    return positions % max(size, 1), False
+    return positions % size, False

@@ -50,6 +50,38 @@ def test_out_of_range_indices_raise_and_never_read_unwritten_rows() -> None:
         episodes[np.array([0, 1])]
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    size=st.integers(0, 50),
+    index=st.lists(st.integers(-60, 60), max_size=20),
+    dtype=st.sampled_from([np.int64, np.int32, np.int16, np.uint8]),
+)
+def test_index_arrays_wrap_negatives_and_refuse_the_rest(
+    size: int, index: list[int], dtype: type
+) -> None:
+    """``normalize_index`` against the rule it implements, in Python integers: a position in
+    ``[-size, size)`` wraps to ``[0, size)``; one outside raises IndexError naming it; floats
+    and bool masks raise; the caller's array is never changed."""
+    from shmbuffer.buffer import normalize_index
+
+    info = np.iinfo(dtype)
+    index = [i for i in index if info.min <= i <= info.max]
+    given_array = np.array(index, dtype=dtype)
+    before = given_array.copy()
+    if all(-size <= i < size for i in index):
+        positions, scalar = normalize_index(given_array, size)
+        assert positions.dtype == np.int64 and not scalar
+        assert positions.tolist() == [i % size for i in index]
+    else:
+        with pytest.raises(IndexError, match="out of range"):
+            normalize_index(given_array, size)
+    assert np.array_equal(given_array, before)
+    if index:
+        for wrong in (given_array.astype(np.float64), given_array > 0):
+            with pytest.raises(IndexError, match="must be integers"):
+                normalize_index(wrong, size)
+
+
 def test_use_counters_count_duplicate_indices() -> None:
     # Seed: `counter[idx] += 1` counted a repeated index once.
     buf = Buffer(10)

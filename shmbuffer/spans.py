@@ -206,10 +206,11 @@ class LiveSpans:
             ends, shift = self.arrays()
             words = rng.bit_generator.random_raw(n)
             out = words.view(np.int64)  # in place: a word is read before its row is written
-            stop = kernels.span_rows(words, high, ends, shift, out)
-            if stop >= 0:  # a rejected word (a share < high / 2**64): the rest drawn again
-                redraw_rejected(rng, words[stop:], high)
-                kernels.span_rows(words[stop:], high, ends, shift, out[stop:])
+            stop, done = kernels.span_rows(words, high, ends, shift, out), 0
+            while stop >= 0:  # a rejected word (a share < high / 2**64): the rest drawn again
+                done += stop
+                redraw_rejected(rng, words[done:], high)
+                stop = kernels.span_rows(words[done:], high, ends, shift, out[done:])
             return out
         pos = uniform_integers(rng, high, n)
         if self.count == 1:

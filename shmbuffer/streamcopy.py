@@ -126,9 +126,16 @@ def gather_into(src: np.ndarray, rows: np.ndarray, out: np.ndarray | None = None
 
 
 def copy_out(src: np.ndarray) -> np.ndarray:
-    """``src.copy()``, streamed when :func:`copy_into` would stream it (a range of large
-    rows read out of the ring)."""
-    if _Loop.compiled is None or src.nbytes < STREAM_MIN_BYTES or not src.flags.c_contiguous:
+    """``src.copy()``, streamed for a range of large rows read out of the ring, by the rule
+    of :func:`gather_into` (rows of :data:`STREAM_ROW_BYTES` or more, :data:`STREAM_MIN_BYTES`
+    in all): a range of small rows is read right after and stays in the caches."""
+    if (
+        _Loop.compiled is None
+        or src.ndim == 0
+        or src.strides[0] < STREAM_ROW_BYTES
+        or src.nbytes < STREAM_MIN_BYTES
+        or not src.flags.c_contiguous
+    ):
         return src.copy()
     out = _aligned_empty(src.shape, src.dtype)
     copy_into(out, src)

@@ -235,7 +235,10 @@ class Reader(EpisodeReads):
 
         A group whose stamps still match after its copy was copied untorn, so only the groups
         just redone are checked again: rechecking all of them would blame rows that were
-        overwritten after their (good) copy was taken.
+        overwritten after their (good) copy was taken. A redraw is leased: rows lapped once
+        are on a ring that a writer laps faster than this copy, where an unleased redraw can be
+        lapped again and again (a fast machine did 8 in a row); a lease holds the writer back
+        for one short copy and the redraw cannot be torn.
         """
         assert self.segment is not None
         stamps = self.segment.generations
@@ -251,7 +254,7 @@ class Reader(EpisodeReads):
                 return data
             todo = todo[moved]
             self.resamples += len(todo)
-            reply, _ = self._sample(**{**fields, "n": len(todo)})
+            reply, _ = self._sample(**{**fields, "n": len(todo), "lease": True})
             if "lease" in reply:
                 leases.append(reply["lease"])
             for name, values in items.items():

@@ -123,35 +123,6 @@ def _start(reader: Any, ep: Any) -> int:
     return (ep["step"].data_ptr() - base.data_ptr()) // (base.stride(0) * base.element_size())
 
 
-def learn_tolerating_torn(name: str, seconds: float, say: Any) -> dict[str, int]:
-    """``learner_loop`` for a ring that laps under the reader: whole leased episodes must
-    always check out; a row sample may give up with TornReadError (documented for a ring far
-    too small for the write rate), which is counted, never a wrong row."""
-    from shmbuffer import Reader
-    from shmbuffer.demo import check_episode, check_rows
-    from shmbuffer.errors import EmptyBufferError, TornReadError
-
-    checked = rows = torn = 0
-    deadline = time.monotonic() + seconds
-    with Reader(name) as reader:
-        while time.monotonic() < deadline:
-            try:
-                with reader.sample_episodes(4) as episodes:
-                    for ep in episodes:
-                        check_episode(ep)
-                        checked += 1
-                sample = reader.sample(64)
-            except EmptyBufferError:
-                time.sleep(0.01)
-                continue
-            except TornReadError:
-                torn += 1
-                continue
-            check_rows(sample)
-            rows += len(sample)
-    return {"episodes_checked": checked, "rows_checked": rows, "torn": torn}
-
-
 # -- chaos workers (tests/e2e/test_chaos.py) ---------------------------------------------------
 #
 # They talk to the test through their own one-way Pipe, never a shared Queue: a worker is

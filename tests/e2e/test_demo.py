@@ -14,8 +14,9 @@ from tests.e2e.conftest import run_in_session
 
 def test_demo_runs_and_its_learner_finds_nothing_torn(e2e_env):
     argv = [sys.executable, "-m", "shmbuffer.cli", "demo", "--writers", "1", "--seconds", "2"]
-    # a 20,000-row (80 MB) ring: a smaller one is lapped by a streaming writer in a few
-    # milliseconds, faster than a sample is gathered, and sample() rightly gives up
+    # a 20,000-row (80 MB) ring, which a streaming writer laps every few milliseconds: rows a
+    # sample names are overwritten under its copy and redrawn, leased (regression: the learner
+    # gave up with TornReadError after 8 unleased redraws on a faster machine)
     argv += ["--capacity", "20000", "--episode-len", "64", "--obs-shape", "4,32,32"]
     # in a session of its own: a demo that hangs is killed with its daemon and children
     returncode, out, err = run_in_session(argv, e2e_env.environ, timeout=100)

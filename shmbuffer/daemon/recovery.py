@@ -208,7 +208,8 @@ def resume_service(config: DaemonConfig) -> BufferService:
         state = journal.load()
     except JournalError as exc:
         raise RecoveryError(f"cannot resume {path}: {exc}") from exc
-    segment = Segment.attach(config.name, storage_dir=storage_dir)
+    # not mapped in here: as at creation (state.py), the clients map their own
+    segment = Segment.attach(config.name, storage_dir=storage_dir, prefault=False)
     _rewrite_manifest(segment)
     config = dataclasses.replace(config, storage_dir=storage_dir, schema=manifest["schema"])
     if config.seed is None and state.get("iterate_seed") is not None:

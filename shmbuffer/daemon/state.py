@@ -128,6 +128,10 @@ class DaemonState:
             self.config.capacity,
             storage_dir=self.config.storage_dir,
             exist_ok=True,
+            # Its pages reserved (posix_fallocate) but not mapped here: the daemon writes rows
+            # only for remote writers; local writers and readers map and populate their own.
+            # Mapping 4 GB took 1.2-1.5 s beside 0.6 s to reserve it, and the daemon's RSS.
+            prefault=False,
             extra={
                 "unit": self.config.unit,
                 "mode": self.config.mode,

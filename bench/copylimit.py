@@ -1,14 +1,15 @@
 """The copy limit: the fastest single-thread copy of the same bytes found.
 
 Every copy is the fastest single-thread copy found for its rows: where rows are 4 KiB or more
-it streams (non-temporal stores, ``shmbuffer/streamcopy.py``, the copy shmbuffer itself makes:
-25-40% faster than ``np.copyto`` / ``np.take`` for image rows here, so a limit made with numpy
-would sit below what shmbuffer does). Otherwise contiguous copies are ``numpy.copyto`` into a
-preallocated destination, and gathers are fancy indexing ``src[idx]`` for a column of one value
-per row (numpy's 1-D fast path, ~1 us for 256 rows against ~2.5 us for ``np.take``) and
-``np.take(src, idx, axis=0, out=dst, mode="clip")`` for wider rows (torch's
-``index_select(out=)`` and fancy indexing were slower on f32[64] rows; sorted indices and
-per-run copies did not pay). On the ``first`` pass every
+it goes through ``shmbuffer/streamcopy.py``, the copy shmbuffer itself makes: ranges stream
+(non-temporal stores: 25-40% faster than ``np.copyto`` for image rows on an AMD VM, level on an
+Intel one), and gathers take whichever way, streamed or ``np.take``, its trial found faster in
+this process (``GatherTrial``), so a limit made with numpy alone would sit below shmbuffer.
+Otherwise contiguous copies are ``numpy.copyto`` into a preallocated destination, and gathers
+are fancy indexing ``src[idx]`` for a column of one value per row (numpy's 1-D fast path, ~1 us
+for 256 rows against ~2.5 us for ``np.take``) and ``np.take(src, idx, axis=0, out=dst,
+mode="clip")`` for wider rows (torch's ``index_select(out=)`` and fancy indexing were slower on
+f32[64] rows; sorted indices and per-run copies did not pay). On the ``first`` pass every
 destination is fresh (``np.empty``: its pages are faulted in by the copy); on ``steady`` it is
 reused.
 

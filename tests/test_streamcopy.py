@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -15,8 +17,14 @@ BLOCK = 64  # _copy_jit.BLOCK
 
 
 @pytest.fixture(scope="module", autouse=True)
-def loaded() -> None:
+def loaded() -> Iterator[None]:
+    """The loop loaded, and large gathers pinned to it (whatever this machine's trial chose:
+    the tests below are about the streamed way)."""
     assert streamcopy.warm(), "numba is installed: the loop must load"
+    decided = streamcopy.GATHER.streams
+    streamcopy.GATHER.streams = True
+    yield
+    streamcopy.GATHER.streams = decided
 
 
 def _pair(size: int, dst_shift: int, src_shift: int) -> tuple[np.ndarray, np.ndarray]:
@@ -228,3 +236,31 @@ def test_a_streamed_gather_refuses_a_row_out_of_range() -> None:
     rows[40] = -1
     with pytest.raises(IndexError, match="row -1"):
         streamcopy.gather_into(src, rows)
+
+
+def test_the_gather_trial_keeps_the_faster_way_and_a_tie_streams() -> None:
+    """Each way in turn until the trial is done, then the one with the lower median seconds
+    per byte, whichever it is; at equal speed, streamed."""
+    for take, streamed, expect in ((2.0, 1.0, True), (1.0, 2.0, False), (1.0, 1.0, True)):
+        trial = streamcopy.GatherTrial()
+        ways = []
+        while trial.streams is None:
+            way = trial.next_streams()
+            ways.append(way)
+            trial.record(way, streamed if way else take, 1)
+        assert ways == [True, False] * (trial.TRIAL_CALLS // 2)
+        assert trial.streams is expect and trial.next_streams() is expect
+
+
+def test_gathers_made_during_the_trial_equal_take_either_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    trial = streamcopy.GatherTrial()
+    monkeypatch.setattr(streamcopy, "GATHER", trial)
+    rng = np.random.default_rng(4)
+    src = rng.integers(0, 255, (300, 8192), dtype=np.uint8)
+    for _ in range(trial.TRIAL_CALLS + 2):
+        rows = rng.integers(0, 300, 64).astype(np.int64)
+        assert np.array_equal(streamcopy.gather_into(src, rows), src[rows])
+    assert trial.streams is not None
+    assert [len(t) for t in trial.seconds_per_byte] == [trial.TRIAL_CALLS // 2] * 2

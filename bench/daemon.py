@@ -73,8 +73,8 @@ def _insert(ctx: Context, name: str, kind: str, unit: str, episodes: int) -> lis
         name,
         f"{total} episodes x {LENGTH} steps per pass ({total * LENGTH * row_bytes / 1e9:.2f} GB) "
         f"split over the writers, into a fresh {total * LENGTH}-row buffer per writer count; "
-        "first = fresh buffer (the daemon prefaults its segment at start, writers attach with "
-        "prefault), steady = a second pass into the same buffer (overwrites all)",
+        "first = fresh buffer (the daemon reserves its segment's pages at start, writers "
+        "attach with prefault), steady = a second pass into the same buffer (overwrites all)",
     )
     ctx.note(
         name,

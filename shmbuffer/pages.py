@@ -5,11 +5,11 @@ populate takes (``mmap.madvise`` holds it, and Python 3.11's mmap module lacks t
 ``MADV_POPULATE_WRITE``).
 
 Which page size is faster to populate depends on the machine, by a wide margin either way.
-Measured with 4 GB of private memory: on an AMD EPYC VM (2026-12-04) 2 MiB pages populated 5x
-*slower* than 4 KiB ones (1.1 GB: 2.0-2.5 s against 0.36-0.40 s); on an Intel Xeon VM
-(2026-12-05) about 1.9x *faster* (0.82-0.96 s against 1.52-1.73 s).
-So :func:`populate_private` measures: it populates a slice with each page size and advises
-the rest by the faster one. Huge pages also spare the learner's gathers TLB misses (a small-row
+Measured in private memory: on an AMD EPYC VM (2026-12-04) 2 MiB pages populated 5x *slower*
+than 4 KiB ones (1.1 GB: 2.0-2.5 s against 0.36-0.40 s); on an Intel Xeon VM (2026-12-05)
+about 1.9x *faster* (4 GB: 0.82-0.96 s against 1.52-1.73 s). So :func:`populate_private`
+measures: it populates slices with each page size and gives the rest huge pages unless they
+were clearly slower. Huge pages also spare the learner's gathers TLB misses (a small-row
 ``sample(256)`` 171 -> 157 us on the AMD VM). Only private memory is probed: tmpfs takes huge
 pages only when mounted so (``huge=within_size``), which the kernel decides, not ``madvise``.
 """
@@ -61,9 +61,9 @@ def prefer_huge(small_seconds: float, huge_seconds: float) -> bool:
 
 def populate_private(address: int, size: int) -> bool:
     """Populate a private anonymous mapping, advising huge pages where the probe found them
-    faster to populate here; returns whether it did. Where the kernel leaves the choice to
-    ``madvise`` (``transparent_hugepage/enabled`` = madvise) and the mapping is large; else a
-    plain :func:`populate`. OSError as :func:`populate`.
+    no slower to populate here (:func:`prefer_huge`); returns whether it did. Where the kernel
+    leaves the choice to ``madvise`` (``transparent_hugepage/enabled`` = madvise) and the
+    mapping is large; else a plain :func:`populate`. OSError as :func:`populate`.
 
     The probe populates four slices of :data:`PROBE_BYTES` at the start, small and huge pages
     in turn, and compares the faster of each pair (one slice alone once took 1.3x its usual

@@ -24,7 +24,7 @@ from pathlib import Path
 __all__ = ["POPULATE_WRITE", "madvise", "populate", "populate_private", "prefer_huge"]
 
 POPULATE_WRITE = 23  # MADV_POPULATE_WRITE, Linux >= 5.14
-_HUGEPAGE, _NOHUGEPAGE = 14, 15
+_HUGEPAGE = 14  # MADV_HUGEPAGE
 _HUGE = 2 * 2**20
 #: Bytes populated with each page size by the probe (~10 ms each at 2-5 GB/s: noise at
 #: that size is far below the 2-5x between the two ways).

@@ -186,16 +186,11 @@ def _address(mm: mmap.mmap) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(mm))
 
 
-def _populate(mm: mmap.mmap, size: int) -> None:
-    """Fault every page of ``mm[:size]`` in for writing (:func:`pages.populate`)."""
-    pages.populate(_address(mm), size)
-
-
 def _prefault(mm: mmap.mmap, size: int) -> None:
     """Populate the page tables now so the first write runs at full speed (no-op if unsupported:
     the pages of a named segment are reserved by ``posix_fallocate`` already)."""
     with contextlib.suppress(OSError, ValueError):
-        _populate(mm, size)
+        pages.populate(_address(mm), size)
 
 
 def _mapped_views(

@@ -35,7 +35,7 @@ import numpy.typing as npt
 from shmbuffer.errors import ProtocolError, ShmBufferError, VersionMismatchError
 
 #: Versioned separately from the package. Minor bumps add optional fields or ops only.
-PROTOCOL_VERSION = "1.5"
+PROTOCOL_VERSION = "1.6"
 PROTOCOL_MAJOR = int(PROTOCOL_VERSION.split(".", maxsplit=1)[0])
 
 #: Largest request header the daemon accepts, in bytes; payload frames are bounded by its own
@@ -362,6 +362,9 @@ _STATS: dict[str, Spec] = {
     "clients": Spec((list,)),
     "reservations": Spec((int,)),
     "reserved_rows": Spec((int,)),
+    # one map per pinned reservation past its TTL or whose connection is gone: pid,
+    # reservation, rows, past_ttl_s, connected (``daemon/pins.py``)
+    "stalled_writers": Spec((list,)),
     "leases": Spec((int,)),
     "uptime_s": Spec((float,)),
     "pid": Spec((int,)),

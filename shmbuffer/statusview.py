@@ -34,12 +34,30 @@ def format_status(s: dict[str, Any]) -> str:
             f"clients     {s['writers']} writers, {s['readers']} readers",
             f"in flight   {s['reservations']} reservations ({s['reserved_rows']:,} rows), "
             f"{s['leases']} leases",
+            *[f"stalled     {line}" for line in stalled_writers(s)],
             f"totals      {s['rows_committed']:,} rows / {s['episodes_committed']:,} episodes "
             f"committed, {s['samples']:,} samples, {s['errors']:,} refused requests",
             *_sampler_lines(s),
             f"schema      {schema}",
         ]
     )
+
+
+def stalled_writers(s: dict[str, Any]) -> list[str]:
+    """One line per reservation held for a live local writer that is past its TTL or lost its
+    connection (a stopped process, a debugger): whose rows writers that lap it wait for."""
+    lines = []
+    for w in s.get("stalled_writers") or []:  # a daemon before protocol 1.6 has none
+        why = (
+            f"{w['past_ttl_s']:.0f}s past its TTL"
+            if w["connected"]
+            else "its connection gone, the process alive"
+        )
+        lines.append(
+            f"writer pid {w['pid']} holds {w['rows']:,} rows (reservation {w['reservation']}), "
+            f"{why}"
+        )
+    return lines
 
 
 def _pairs(values: dict[str, Any]) -> str:
@@ -152,6 +170,8 @@ def _buffer_panel(s: dict[str, Any]) -> RenderableType:
         "in flight",
         f"{s['reservations']} reservations ({s['reserved_rows']:,} rows), {s['leases']} leases",
     )
+    for line in stalled_writers(s):
+        grid.add_row("[bold red]stalled[/]", line)
     grid.add_row("schema", "set" if s["schema"] else "(lazy: set by the first writer)")
     return Panel(grid, title="buffer", title_align="left")
 

@@ -1,11 +1,14 @@
 """The daemon's client table: who said ``hello``, what each holds open, and who is gone.
 
-A client is one ZeroMQ identity (a DEALER socket) that said ``hello``. Its record keeps the
-reservations it holds open; its leases live in :class:`~shmbuffer.daemon.leases.LeaseTable`
-under the same client id. The table decides who is gone — a local process that died (found by
-its pid), or a client that holds nothing and was silent for ``client_idle_ttl`` — and the
-service forgets those with what they hold (``BufferService.forget``), so the table cannot
-grow forever.
+A client is one ZeroMQ identity (a DEALER socket) or lane connection that said ``hello``. Its
+record keeps the reservations it holds open; its leases live in
+:class:`~shmbuffer.daemon.leases.LeaseTable` under the same client id. A lane client's process
+is the one the kernel vouches for (:mod:`~shmbuffer.daemon.processes`), whatever pid its hello
+claims. The table decides who is gone — a local process that died (found by its pid, and for
+a vouched process its start time, so a reused pid is not mistaken for it), or a client that
+holds nothing and was silent for ``client_idle_ttl`` — and the service forgets those with what
+they hold (``BufferService.forget``), as it forgets a lane client whose connection closed, so
+the table cannot grow forever.
 
 Not thread-safe: the daemon loop serialises calls.
 """
@@ -19,6 +22,7 @@ from collections.abc import Iterator, Set
 from dataclasses import dataclass, field
 from typing import Literal
 
+from shmbuffer.daemon.processes import Process, alive
 from shmbuffer.errors import LimitExceededError
 from shmbuffer.runtime import pid_alive
 
@@ -27,8 +31,9 @@ log = logging.getLogger("shmbuffer.daemon")
 REAP_INTERVAL_S = 0.25  # how often clients are checked for a dead process or idleness
 FULL_SWEEP_EVERY = 20  # every 20th sweep (~5 s) also checks the pids of clients holding nothing
 
-#: Why a client is forgotten: its process died, or it held nothing and stayed silent.
-Gone = Literal["died", "idle"]
+#: Why a client is forgotten: its process died, it held nothing and stayed silent, or its
+#: connection closed while it held something and its process lives on.
+Gone = Literal["died", "idle", "closed"]
 
 
 @dataclass
@@ -47,6 +52,15 @@ class Client:
     #: Rows this client committed and sampled (``stats.clients``).
     rows_committed: int = 0
     rows_sampled: int = 0
+    #: The process the transport vouches for (the lane's peer credentials); None for a pid
+    #: only claimed in the hello (tcp, the ZeroMQ ipc socket).
+    process: Process | None = None
+    #: Its connection closed while it held reservations or leases: the next sweep forgets it
+    #: (as ``died`` if its process is gone by then, else ``closed``).
+    disconnected: bool = False
+
+    def is_alive(self) -> bool:
+        return alive(self.process) if self.process is not None else pid_alive(self.pid)
 
     @property
     def local(self) -> bool:
@@ -84,10 +98,18 @@ class ClientTable:
         return len(self._clients) >= self.max_clients
 
     def hello(
-        self, identity: bytes, role: str, pid: int, host: str, remote: bool, now: float
+        self,
+        identity: bytes,
+        role: str,
+        pid: int,
+        host: str,
+        remote: bool,
+        now: float,
+        process: Process | None = None,
     ) -> Client:
         """The record of ``identity``: made on its first ``hello``, the same one (same id) on a
-        repeated one. A new client beyond ``max_clients`` is :class:`LimitExceededError`."""
+        repeated one. A new client beyond ``max_clients`` is :class:`LimitExceededError`.
+        ``process``: what the transport vouches for; its pid replaces the claimed one."""
         client = self._clients.get(identity)
         if client is None:
             if self.full:
@@ -95,12 +117,18 @@ class ClientTable:
                     f"too many clients ({len(self._clients)} connected, limit max_clients="
                     f"{self.max_clients}): close unused Writers/Readers or raise the limit"
                 )
-            client = Client(self._next, identity, role, pid, host, remote)
-            client.watch_pid = (
-                not remote
-                and host == socket.gethostname()
-                and os.getpid() != pid  # an in-process client: never "dead"
-                and pid_alive(pid)  # else another pid namespace: rely on TTLs
+            if process is not None:
+                if process.pid != pid:
+                    log.warning("a lane client claims pid %d; its peer is pid %d", pid, process.pid)
+                pid = process.pid
+            client = Client(self._next, identity, role, pid, host, remote, process=process)
+            client.watch_pid = os.getpid() != pid and (  # an in-process client: never "dead"
+                process is not None  # vouched: watched even if it died before its hello
+                or (
+                    not remote
+                    and host == socket.gethostname()
+                    and pid_alive(pid)  # else another pid namespace: rely on TTLs
+                )
             )
             self._next += 1
             self._clients[identity] = client
@@ -116,6 +144,10 @@ class ClientTable:
         """A reservation ended without its owner's request (it expired)."""
         for client in self._clients.values():
             client.reservations.discard(reservation_id)
+
+    def by_id(self, client_id: object) -> Client | None:
+        """The client of id ``client_id`` (O(clients): for error messages and status)."""
+        return next((c for c in self._clients.values() if c.id == client_id), None)
 
     def count_role(self, role: str) -> int:
         return sum(1 for client in self._clients.values() if client.role == role)
@@ -141,8 +173,14 @@ class ClientTable:
         found: list[tuple[Client, Gone]] = []
         for client in self._clients.values():
             holds = bool(client.reservations) or client.id in holders
-            if client.watch_pid and (holds or full) and not pid_alive(client.pid):
+            if (
+                client.watch_pid
+                and (holds or full or client.disconnected)
+                and not (client.is_alive())
+            ):
                 found.append((client, "died"))
+            elif client.disconnected:
+                found.append((client, "closed"))
             elif not holds and now - client.last_seen > self.idle_ttl:
                 found.append((client, "idle"))
         return found

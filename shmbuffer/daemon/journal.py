@@ -8,7 +8,8 @@ plus the journal records written after it.
 
 Records (:mod:`shmbuffer.daemon.records`, their format, types and replay) are int64 fields
 behind a length and a CRC: EPOCH, RESERVE, COMMIT, CLEAR, RESTORE, PRIORITY (the ring, the
-registry and priorities), SAMPLE (a draw) and LEASE, RENEW, RELEASE (leases). A crash in the
+registry and priorities), SAMPLE (a draw), LEASE, RENEW, RELEASE (leases) and RESERVE_PINNED,
+ABORT (rows pinned to a local writer, ``pins.py``). A crash in the
 middle of a write leaves a short or CRC-failing last record, which :meth:`Journal.load`
 ignores (its request was never acknowledged).
 
@@ -43,13 +44,15 @@ moves the generator 2**127 steps on from the snapshot's, so it does not repeat t
 handed out since. (Replaying them would not give the generator back anyway: a uniform draw
 goes through the registry's internal layout, which a resume rebuilds compact.)
 
-Use counters are not journaled: :meth:`Journal.track` moves the container's per-row counter
-array into ``<segment dir>/use_counts.bin``, a file on the same tmpfs that every read updates
-in place (so a SIGKILL loses nothing and a sample pays nothing more); a resume keeps the
-counts of every row the replayed registry holds. Leases live in the snapshot and in LEASE,
-RENEW and RELEASE records (see ``leases.py``): a resumed daemon pins what they pinned until
-their TTL passes. The snapshot also keeps ``iterate``'s shuffle seed (``iterate_seed``), so a
-rank that asks for pass k after a restart gets the order another rank got before it.
+Use counters are not journaled: :meth:`Journal.track` moves the container's per-row counter array
+into ``<segment dir>/use_counts.bin``, a file on the same tmpfs that every read updates in place (so
+a SIGKILL loses nothing and a sample pays nothing more); a resume keeps the counts of every row the
+replayed registry holds. Leases live in the snapshot and in LEASE, RENEW and RELEASE records (see
+``leases.py``): a resumed daemon pins what they pinned until their TTL passes. Pins live in the
+snapshot and in RESERVE_PINNED and ABORT records (a COMMIT of a pin's episodes ends it too): a
+resumed daemon holds the rows of a writer whose process still runs, as the dead daemon did
+(``pins.py``). The snapshot also keeps ``iterate``'s shuffle seed (``iterate_seed``), so a rank that
+asks for pass k after a restart gets the order another rank got before it.
 
 Snapshots bound replay time: :meth:`Journal.snapshot` writes ``state.json`` under a new epoch
 (temp file + ``os.replace``) and then truncates the journal and starts it with an ``EPOCH``
@@ -83,7 +86,9 @@ from shmbuffer.daemon.journal_hooks import (
     sample_log_for,
 )
 from shmbuffer.daemon.leases import Lease, LeaseTable
+from shmbuffer.daemon.pins import Pin, PinTable
 from shmbuffer.daemon.records import (
+    ABORT,
     CLEAR,
     COMMIT,
     EPOCH,
@@ -96,6 +101,7 @@ from shmbuffer.daemon.records import (
     RENEW,
     RENEW_BODY,
     RESERVE,
+    RESERVE_PINNED,
     RESTORE,
     SAMPLE,
     SAMPLE_BODY,
@@ -103,6 +109,7 @@ from shmbuffer.daemon.records import (
     apply_record,
     encode_record,
     iter_records,
+    pin_fields,
     priority_fields,
     record_bytes,
 )
@@ -111,6 +118,7 @@ from shmbuffer.registry import Episode
 from shmbuffer.samplers import RateLimiter, Sampler
 
 __all__ = [  # the record names are re-exported: importers know them from here
+    "ABORT",
     "CLEAR",
     "COMMIT",
     "EPOCH",
@@ -120,6 +128,7 @@ __all__ = [  # the record names are re-exported: importers know them from here
     "RELEASE",
     "RENEW",
     "RESERVE",
+    "RESERVE_PINNED",
     "RESTORE",
     "SAMPLE",
     "STATE_FILE",
@@ -156,6 +165,14 @@ def container_state(container: Container, counters: dict[str, int] | None = None
     """What a restart needs to rebuild ``container`` (:meth:`Container.state`: ring, registry,
     sampler, limiter, generator), plus the daemon's counters; JSON-able."""
     return {"format": STATE_FORMAT, **container.state(), "counters": dict(counters or {})}
+
+
+def reserve_bytes(evicted: int, pin: Pin | None = None) -> int:
+    """The size of a RESERVE record evicting ``evicted`` ranges, pinned with ``pin``."""
+    fields = 4 + 2 * evicted
+    if pin is not None:
+        fields += 5 + 2 * len(pin.ranges) + 2 * len(pin.episodes)
+    return record_bytes(fields)
 
 
 def restore_container(
@@ -211,6 +228,7 @@ class Journal:
         self._allocated = 0  # bytes of the file reserved with posix_fallocate
         self._state_fn: Callable[[], dict[str, Any]] | None = None
         self._leases: LeaseTable | None = None  # put in every snapshot (track)
+        self._pins: PinTable | None = None  # the same
         self._iterate_seed: int | None = None
 
     # -- what else a resume keeps ---------------------------------------------------------
@@ -221,6 +239,7 @@ class Journal:
         leases: LeaseTable | None = None,
         clients: ClientTable | None = None,
         iterate_seed: int | None = None,
+        pins: PinTable | None = None,
     ) -> None:
         """Keep what samples and leases change across a resume (call before :meth:`start`):
         the container tells this journal every draw (SAMPLE records) where a draw changes
@@ -235,6 +254,7 @@ class Journal:
             if clients is not None:
                 leases.holder_of = holder_lookup(clients)
         self._leases = leases
+        self._pins = pins
         self._iterate_seed = iterate_seed
 
     def room_for_sample(self, n: int) -> None:
@@ -282,6 +302,8 @@ class Journal:
         out: dict[str, Any] = {}
         if self._leases is not None:
             out["leases"] = self._leases.to_state(time.monotonic())
+        if self._pins is not None:
+            out["pins"] = self._pins.to_state()
         if self._iterate_seed is not None:
             out["iterate_seed"] = str(self._iterate_seed)  # 128 bits: JSON ints are not
         return out
@@ -436,10 +458,26 @@ class Journal:
         self.records += 1
 
     def append_reserve(
-        self, evicted: list[Range], pointer: int, rows_written: int, next_reservation: int
+        self,
+        evicted: list[Range],
+        pointer: int,
+        rows_written: int,
+        next_reservation: int,
+        pin: Pin | None = None,
     ) -> None:
+        """A reservation; with ``pin``, pinned to its writer (room: :func:`reserve_bytes`)."""
         flat = [v for r in evicted for v in r]
-        self._append(RESERVE, [pointer, rows_written, next_reservation, len(evicted), *flat])
+        fields = [pointer, rows_written, next_reservation, len(evicted), *flat]
+        if pin is None:
+            self._append(RESERVE, fields)
+            return
+        process = pin.process
+        extra = pin_fields(pin.reservation, process.pid, process.start, pin.ranges, pin.episodes)
+        self._append(RESERVE_PINNED, fields + extra)
+
+    def append_abort(self, reservation_id: int) -> None:
+        """A pinned reservation ended without a commit."""
+        self._append(ABORT, [reservation_id])
 
     def append_commit(
         self,
@@ -490,6 +528,7 @@ class Journal:
         counters = dict(state.get("counters", {}))
         saved_leases = state.get("leases") or {}
         leases = {int(entry[0]): list(entry) for entry in saved_leases.get("held", [])}
+        pins = {int(entry[0]): list(entry) for entry in state.get("pins") or []}
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
@@ -501,7 +540,7 @@ class Journal:
         if first is not None and first[0] == EPOCH and int(first[1][0]) == state.get("epoch"):
             used = first[2]
             for kind, fields, end in records:
-                if not apply_record(container, counters, kind, fields, leases) and stateful:
+                if not apply_record(container, counters, kind, fields, leases, pins) and stateful:
                     diverged += 1
                 replayed, used = replayed + 1, end
         elif first is not None:  # an older generation: already in the snapshot
@@ -512,6 +551,7 @@ class Journal:
         torn = len(data[used:].rstrip(b"\0"))  # the preallocated rest is zeros
         out.update(epoch=state.get("epoch", 0), replayed=replayed, torn=torn, diverged=diverged)
         out["leases"] = {"next": saved_leases.get("next", 1), "held": sorted(leases.values())}
+        out["pins"] = sorted(pins.values())
         if state.get("iterate_seed") is not None:
             out["iterate_seed"] = int(state["iterate_seed"])
         out["use_counts"] = self._saved_use_counts(container.capacity)

@@ -8,8 +8,10 @@ messages go through the same decoding, validation and handlers as ZeroMQ's.
 
 A reply that does not fit the socket's buffer waits in the connection's queue and goes out as
 the client reads (POLLOUT), so a slow reader never blocks the loop; a connection whose queue
-passes ``MAX_QUEUED_BYTES``, that breaks the framing or that hangs up is closed. As over
-ZeroMQ, a closed connection's state (reservations, leases) is reaped by its TTLs.
+passes ``MAX_QUEUED_BYTES``, that breaks the framing or that hangs up is closed, and the server
+is told (``on_close``): unlike a ZeroMQ peer, a lane client whose connection is gone is gone.
+Each connection also knows the process at its other end, as the kernel reports it
+(``SO_PEERCRED``): the one transport here that vouches for a client's pid.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ import socket
 import struct
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import zmq
 
+from shmbuffer.daemon.processes import Process, peer_process
 from shmbuffer.daemon.security import secure_ipc_path
 from shmbuffer.errors import ProtocolError
 from shmbuffer.protocol_unix import Unpacker, pack, unsent
@@ -48,14 +51,22 @@ class _Conn:
         self.unpacker = Unpacker(max_bytes)
         self.queued: deque[memoryview] = deque()  # what the socket did not take yet
         self.queued_bytes = 0
+        self.process = peer_process(sock)
 
 
 class Lane:
     """Listens on ``path`` (mode as the ipc socket's: ``0600``, or ``0660`` for ``gid``)."""
 
-    def __init__(self, path: str, gid: int | None, max_bytes: int) -> None:
+    def __init__(
+        self,
+        path: str,
+        gid: int | None,
+        max_bytes: int,
+        on_close: Callable[[bytes], None] | None = None,
+    ) -> None:
         self.path = path
         self.max_bytes = max_bytes
+        self._on_close = on_close  # told the identity of each connection that closes
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # a crashed daemon's (the ipc socket's bind replaces its own too)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -90,6 +101,11 @@ class Lane:
 
     def owns(self, identity: bytes) -> bool:
         return identity.startswith(_IDENTITY)
+
+    def process(self, identity: bytes) -> Process | None:
+        """The process at the other end of ``identity``'s connection, as the kernel says."""
+        conn = self._by_identity.get(identity)
+        return None if conn is None else conn.process
 
     # -- events -------------------------------------------------------------------------------
 
@@ -215,8 +231,11 @@ class Lane:
             with contextlib.suppress(KeyError, ValueError):
                 self._poller.unregister(conn.fd)
         conn.sock.close()
+        if self._on_close is not None:
+            self._on_close(conn.identity)
 
     def close(self) -> None:
+        self._on_close = None  # stopping: the clients' state goes with the daemon
         for conn in list(self._conns.values()):
             self._close(conn)
         self.listener.close()

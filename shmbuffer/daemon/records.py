@@ -21,7 +21,11 @@ to a commit, rows already filtered for staleness; replayed through the sampler),
 one refused after it changed the sampler; the generator's six words only when a refused draw
 may have moved it since the last SAMPLE), ``LEASE [id, pid, host crc32, expires_us, n, episode
 id * n]``, ``RENEW [id, expires_us]`` and ``RELEASE [id]`` (leases, expiries as wall-clock
-microseconds). A plain abort needs no record: it changed nothing but what its RESERVE record
+microseconds). ``RESERVE_PINNED`` is a RESERVE whose rows are pinned to the local writer
+copying into them (``pins.py``): the RESERVE fields, then ``[id, pid, start time, m, (start,
+stop) * m, k, (start, end) * k]`` (the reservation, its writer's process, its ranges and its
+episodes); ``ABORT [id]`` ends such a pin without a commit (a COMMIT of its episodes ends it
+too). Any other abort needs no record: it changed nothing but what its RESERVE record
 already holds; nor does a lease's expiry (a resume drops it by its wall-clock expiry). A crash
 in the middle of a write leaves a short or CRC-failing last record, which :meth:`Journal.load`
 ignores (its request was never acknowledged).
@@ -40,8 +44,11 @@ from shmbuffer.container import Container
 from shmbuffer.errors import JournalError
 from shmbuffer.registry import Episode
 
+Range = tuple[int, int]
+
 EPOCH, RESERVE, COMMIT, CLEAR, RESTORE, PRIORITY = 0, 1, 2, 3, 4, 5
 SAMPLE, LEASE, RENEW, RELEASE = 6, 7, 8, 9
+RESERVE_PINNED, ABORT = 10, 11
 HEAD = struct.Struct("<II")
 #: A SAMPLE's body: its type and six fields, and with the generator's six words.
 SAMPLE_BODY = struct.Struct("<7q")
@@ -96,11 +103,13 @@ def apply_record(
     kind: int,
     f: np.ndarray,
     leases: dict[int, list[Any]] | None = None,
+    pins: dict[int, list[Any]] | None = None,
 ) -> bool:
-    """Redo one record on ``container`` through its replay methods, and a lease record on
+    """Redo one record on ``container`` through its replay methods, a lease record on
     ``leases`` (id -> ``[id, pid, host crc, expires_us, episode ids]``, as the snapshot keeps
-    them). False for a SAMPLE whose draw did not go as journaled; JournalError for a record
-    that does not fit."""
+    them) and what pins a writer's rows on ``pins`` (id -> ``[id, pid, start, ranges,
+    episodes]``, ``PinTable.to_state``'s entries). False for a SAMPLE whose draw did not go
+    as journaled; JournalError for a record that does not fit."""
     try:
         if kind == SAMPLE:
             call, n, length, strict, handed, refused = (int(v) for v in f[:6])
@@ -113,15 +122,24 @@ def apply_record(
         if kind in (LEASE, RENEW, RELEASE):
             _apply_lease(leases if leases is not None else {}, kind, f)
             return True
-        if kind == RESERVE:
+        pins = pins if pins is not None else {}
+        if kind in (RESERVE, RESERVE_PINNED):
             pointer, rows_written, next_reservation, n = (int(v) for v in f[:4])
             evicted = [(int(f[4 + 2 * i]), int(f[5 + 2 * i])) for i in range(n)]
             container.replay_reserve(evicted, pointer, rows_written, next_reservation)
+            if kind == RESERVE_PINNED:
+                _apply_pin(pins, f[4 + 2 * n :])
         elif kind == COMMIT:
             counters["rows_committed"], counters["episodes_committed"] = int(f[0]), int(f[1])
             n = int(f[2])
             episodes = f[3 : 3 + 3 * n].reshape(n, 3).tolist()  # ValueError if cut short
             container.replay_commit([(i, s, e) for i, s, e in episodes])
+            if pins:  # a pinned reservation's commit publishes exactly its episodes
+                bounds = [[s, e] for _, s, e in episodes]
+                for rid in [rid for rid, pin in pins.items() if pin[4] == bounds]:
+                    del pins[rid]
+        elif kind == ABORT:
+            pins.pop(int(f[0]), None)
         elif kind == CLEAR:
             container.replay_clear(int(f[0]))
         elif kind == RESTORE:
@@ -138,6 +156,25 @@ def apply_record(
     except (IndexError, ValueError) as exc:
         raise JournalError(f"journal record {kind} does not apply: {exc}") from exc
     return True
+
+
+def pin_fields(
+    reservation_id: int, pid: int, start: int, ranges: list[Range], episodes: list[Range]
+) -> list[int]:
+    """What RESERVE_PINNED adds after the RESERVE fields (see the module docstring)."""
+    flat_ranges = [v for r in ranges for v in r]
+    flat_episodes = [v for r in episodes for v in r]
+    return [reservation_id, pid, start, len(ranges), *flat_ranges, len(episodes), *flat_episodes]
+
+
+def _apply_pin(pins: dict[int, list[Any]], f: np.ndarray) -> None:
+    rid, pid, start, m = (int(v) for v in f[:4])
+    ranges = f[4 : 4 + 2 * m].reshape(m, 2).tolist()
+    k = int(f[4 + 2 * m])
+    episodes = f[5 + 2 * m : 5 + 2 * m + 2 * k].reshape(k, 2).tolist()
+    if f.size != 5 + 2 * m + 2 * k:
+        raise ValueError(f"RESERVE_PINNED record of {f.size} pin fields")
+    pins[rid] = [rid, pid, start, ranges, episodes]
 
 
 def _apply_lease(leases: dict[int, list[Any]], kind: int, f: np.ndarray) -> None:

@@ -171,10 +171,15 @@ class Server:
             return None
         try:
             limit = config.max_payload_bytes + MAX_HEADER_BYTES
-            return Lane(path, resolve_group(config.group), limit)
+            lane = Lane(path, resolve_group(config.group), limit, on_close=self._lane_closed)
         except OSError as exc:  # a path over the kernel's limit, say: clients keep ZeroMQ
             log.warning("no local lane at %s (%s); local clients use the ipc socket", path, exc)
             return None
+        self.service.peer_process = lane.process  # the pid a lane client has is vouched for
+        return lane
+
+    def _lane_closed(self, identity: bytes) -> None:
+        self.service.disconnected(identity, time.monotonic())
 
     def stop(self, *_: object) -> None:
         """Ask the loop to finish the messages in hand and return (signal-handler safe)."""

@@ -25,6 +25,8 @@ from typing import Any
 from shmbuffer.daemon.clients import Client
 from shmbuffer.daemon.config import DaemonConfig
 from shmbuffer.daemon.journal import record_bytes, restore_container
+from shmbuffer.daemon.pins import pins_from_state
+from shmbuffer.daemon.processes import alive
 from shmbuffer.daemon.samples import SampleOps
 from shmbuffer.daemon.state import Deferred, Frames, Reply
 from shmbuffer.daemon.stats import client_figures
@@ -108,27 +110,61 @@ class BufferService(WriteOps, SampleOps):
             self._reap(now)  # make room from clients that died without a 'bye'
         remote = fields.get("remote", False)
         client = self.clients.hello(
-            identity, fields["role"], fields["pid"], fields["host"], remote, now
+            identity,
+            fields["role"],
+            fields["pid"],
+            fields["host"],
+            remote,
+            now,
+            process=self.peer_process(identity),
         )
         return {"client": client.id, "buffer": self.buffer_info(), "daemon_pid": os.getpid()}, []
 
     def op_ping(self, identity: bytes, fields: dict[str, Any], now: float) -> Reply:
         return {"pid": os.getpid(), "protocol": PROTOCOL_VERSION}, []
 
-    def forget(self, identity: bytes) -> None:
-        """Drop a client with everything it holds: its reservations are aborted (their rows
-        were never published), its leases released."""
+    def forget(self, identity: bytes, now: float | None = None, said_bye: bool = False) -> None:
+        """Drop a client with everything it holds: its leases are released and its
+        reservations aborted (their rows were never published) — except, unless it said
+        ``bye``, those pinned to a process that still runs (pins.py): a writer whose
+        connection went may still be copying, so they are kept for it as orphans."""
         client = self.clients.pop(identity)
         if client is None:
             return
         for rid in list(client.reservations):
-            self.container.abort(rid)
-            self._priorities.pop(rid, None)
+            reservation = self.container.reservations[rid]
+            held = self.pins.get(rid)
+            if held is not None and not said_bye and alive(held.process):
+                held.orphaned = time.monotonic() if now is None else now
+                reservation.owner = None
+                log.warning(
+                    "client %d gone while pid %d lives: its %d rows (reservation %d) stay "
+                    "pinned until that process commits or aborts them, or exits",
+                    client.id,
+                    held.process.pid,
+                    held.rows,
+                    rid,
+                )
+            else:
+                self._abort(None, reservation, None)
         self.leases.release_owner(client.id)
         log.info("client %d (pid %d) gone", client.id, client.pid)
 
+    def disconnected(self, identity: bytes, now: float) -> None:
+        """The transport says ``identity``'s connection closed (a lane client hung up). One
+        holding nothing is forgotten at once; one holding reservations or leases on the next
+        sweep, which tells a process that died (a SIGKILL closes its sockets as it exits) from
+        one that dropped a connection and lives on (:meth:`forget`)."""
+        client = self.clients.get(identity)
+        if client is None:
+            return
+        if client.reservations or self.leases.count_owner(client.id):
+            client.disconnected = True
+        else:
+            self.forget(identity, now)
+
     def op_bye(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Reply:
-        self.forget(client.identity)
+        self.forget(client.identity, now, said_bye=True)
         return {}, []
 
     def op_stats(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Reply:
@@ -201,8 +237,27 @@ class BufferService(WriteOps, SampleOps):
         service = cls(config, segment)
         restore_container(state, service.container)
         service.counters.restore(state.get("counters", {}))
-        service._start_journal()
+        service._hold_pins(state.get("pins") or [], time.monotonic())
+        service._start_journal()  # its first snapshot keeps the pins held again
         return service
+
+    def _hold_pins(self, entries: list[Any], now: float) -> None:
+        """Hold again the rows a dead daemon had pinned to writers that still run (their
+        copies may go on into them); those of writers that exited stay free."""
+        for held in pins_from_state(entries):
+            if not alive(held.process):
+                continue
+            reservation = self.container.hold(held.reservation, held.ranges, held.episodes)
+            reservation.deadline = now + self.config.reservation_ttl
+            held.orphaned = now
+            self.pins.add(held)
+            log.warning(
+                "resume: %d rows (reservation %d) stay pinned to pid %d, which was writing "
+                "them when the daemon died",
+                held.rows,
+                held.reservation,
+                held.process.pid,
+            )
 
     def op_checkpoint(
         self, client: Client, fields: dict[str, Any], frames: Frames, now: float
@@ -225,12 +280,23 @@ class BufferService(WriteOps, SampleOps):
         expired = self.leases.expire(now)
         self.counters.leases_expired += len(expired)
         for reservation in list(self.container.reservations.values()):
-            if reservation.deadline <= now:
-                self.container.abort(reservation.id)
-                self._priorities.pop(reservation.id, None)
-                self.clients.discard_reservation(reservation.id)
-                self.counters.reservations_expired += 1
-                log.warning("reservation %d expired uncommitted; rows dropped", reservation.id)
+            if reservation.deadline > now:
+                continue
+            held = self.pins.get(reservation.id)
+            if held is not None:  # kept while its writer lives (pins.py)
+                if not held.overdue:
+                    held.overdue = True
+                    log.warning(
+                        "reservation %d of pid %d is past its TTL uncommitted; its rows stay "
+                        "pinned while that process lives (stopped, or in a debugger?)",
+                        reservation.id,
+                        held.process.pid,
+                    )
+                continue
+            self._abort(None, reservation, None)
+            self.clients.discard_reservation(reservation.id)
+            self.counters.reservations_expired += 1
+            log.warning("reservation %d expired uncommitted; rows dropped", reservation.id)
         self.rates.tick(now, self.counters)
         if self.journal is not None and self.journal.needs_snapshot(self.container.num_episodes):
             try:
@@ -239,6 +305,20 @@ class BufferService(WriteOps, SampleOps):
                 log.warning("journal snapshot failed, retried later: %s", exc)
         if self.clients.sweep_due(now):
             self._reap(now)
+            self._drop_dead_orphans()
+
+    def _drop_dead_orphans(self) -> None:
+        """Abort the orphaned pins whose process is gone: nobody can copy into them now."""
+        for held in self.pins.orphans():
+            if not alive(held.process):
+                log.warning(
+                    "pid %d exited: its pinned reservation %d is aborted, %d rows dropped",
+                    held.process.pid,
+                    held.reservation,
+                    held.rows,
+                )
+                self._abort(None, self.container.reservations[held.reservation], None)
+                self.counters.reservations_expired += 1
 
     def _reap(self, now: float) -> None:
         """Forget the clients the table finds gone (:meth:`ClientTable.gone`: a local process
@@ -255,6 +335,8 @@ class BufferService(WriteOps, SampleOps):
                     len(client.reservations),
                     self.leases.count_owner(client.id),
                 )
+            elif why == "closed":
+                log.info("client %d (pid %d) closed its connection", client.id, client.pid)
             else:
                 self.counters.clients_expired += 1
                 log.info(
@@ -263,7 +345,7 @@ class BufferService(WriteOps, SampleOps):
                     client.pid,
                     self.clients.idle_ttl,
                 )
-            self.forget(client.identity)
+            self.forget(client.identity, now)
 
     def stats(self, now: float) -> dict[str, Any]:
         insert_rate, sample_rate = self.rates.rates(now, self.counters)
@@ -286,6 +368,7 @@ class BufferService(WriteOps, SampleOps):
             "clients": client_figures(self.clients, self.leases.count_by_owner(), now),
             "reservations": len(container.reservations),
             "reserved_rows": container.reserved_rows,
+            "stalled_writers": self.stalled_writers(now),
             "leases": len(self.leases),
             "uptime_s": time.time() - self.started,
             "pid": os.getpid(),
@@ -300,6 +383,25 @@ class BufferService(WriteOps, SampleOps):
             "priority_updates": container.priority_updates,
             "priority_updates_stale": container.priority_updates_stale,
         }
+
+    def stalled_writers(self, now: float) -> list[dict[str, Any]]:
+        """Pinned reservations past their TTL or whose connection is gone: the rows a
+        stopped (or disconnected) local writer holds, and for how long."""
+        out = []
+        for held in self.pins:
+            reservation = self.container.reservations[held.reservation]
+            if held.orphaned is None and reservation.deadline > now:
+                continue
+            out.append(
+                {
+                    "pid": held.process.pid,
+                    "reservation": held.reservation,
+                    "rows": held.rows,
+                    "past_ttl_s": max(0.0, now - reservation.deadline),
+                    "connected": held.orphaned is None,
+                }
+            )
+        return out
 
     def limiter_stats(self) -> dict[str, Any]:
         """The rate limiter for ``stats`` and ``configure``: kind, settings, counts, the

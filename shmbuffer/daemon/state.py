@@ -18,6 +18,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,8 @@ from shmbuffer.daemon.clients import ClientTable
 from shmbuffer.daemon.config import DaemonConfig
 from shmbuffer.daemon.journal import Journal, container_state
 from shmbuffer.daemon.leases import LeaseTable
+from shmbuffer.daemon.pins import Pin, PinTable
+from shmbuffer.daemon.processes import Process
 from shmbuffer.daemon.security import segment_access
 from shmbuffer.daemon.stats import Counters, RateMeter
 from shmbuffer.errors import CheckpointError, OutOfSpaceError
@@ -86,6 +89,11 @@ class DaemonState:
             ) from None
         self.leases = LeaseTable(config.lease_ttl)
         self.clients = ClientTable(config.max_clients, config.client_idle_ttl)
+        #: Reservations pinned to the local writer process copying into them (pins.py).
+        self.pins = PinTable()
+        #: The process a transport vouches for behind a client identity (the Server sets it
+        #: to the lane's peer credentials; None: a pid only claimed).
+        self.peer_process: Callable[[bytes], Process | None] = lambda identity: None
         self.counters = Counters()
         self.started = time.time()
         self.rates = RateMeter()
@@ -191,7 +199,7 @@ class DaemonState:
         assert self.segment is not None
         journal = Journal(self.segment.path)
         # samples, leases and use counts survive --resume too (journal.py)
-        journal.track(self.container, self.leases, self.clients, self._iterate_seed)
+        journal.track(self.container, self.leases, self.clients, self._iterate_seed, pins=self.pins)
         journal.start(self.persistent_state(), state_fn=self.persistent_state)
         self.journal = journal  # only once it can take records
 
@@ -201,10 +209,10 @@ class DaemonState:
         if self.journal is not None:
             self.journal.reserve(nbytes)
 
-    def _journal_reserve(self, evicted: list[tuple[int, int]]) -> None:
+    def _journal_reserve(self, evicted: list[tuple[int, int]], pin: Pin | None = None) -> None:
         if self.journal is not None:
             c = self.container
-            self.journal.append_reserve(evicted, c.pointer, c.rows_written, c.next_reservation)
+            self.journal.append_reserve(evicted, c.pointer, c.rows_written, c.next_reservation, pin)
 
     def _journal_commit(self, ids: list[int], bounds: list[tuple[int, int]]) -> None:
         if self.journal is not None:

@@ -4,10 +4,13 @@ remote writer's ``write``.
 A reservation bumps the generation stamp of its rows *before* the writer learns which rows it
 got, and is journaled before the reply hands them out; a commit is journaled before the reply
 acknowledges it. While a checkpoint is being written, a reserve first has the checkpoint save
-the rows of its cut it is about to hand out (``checkpoint.py``). A reserve that would evict
-leased episodes, lap a writer still copying, whose rows that checkpoint cannot save yet, or
-that flow control holds back raises :class:`~shmbuffer.daemon.state.Deferred` having changed
-nothing (a piggybacked commit is taken out of ``fields`` first, so a retry does not redo it).
+the rows of its cut it is about to hand out (``checkpoint.py``). A local writer's reservation is
+pinned to its process (``pins.py``): kept past its TTL and past its connection while that
+process lives, and committed or aborted by any connection of that process. A reserve that would
+evict leased episodes, lap a writer still copying (one stalled included, named), whose rows that
+checkpoint cannot save yet, or that flow control holds back raises
+:class:`~shmbuffer.daemon.state.Deferred` having changed nothing (a piggybacked commit is taken
+out of ``fields`` first, so a retry does not redo it).
 A reserve sent ``ahead`` (a streaming writer's next reservation, asked for before it copies the
 current one) is never deferred: where it would be, it is answered with reservation 0. It is
 also answered with 0 where it would evict episodes of a registry holding more than
@@ -27,7 +30,8 @@ import numpy as np
 from shmbuffer import rows
 from shmbuffer.container import Reservation
 from shmbuffer.daemon.clients import Client
-from shmbuffer.daemon.journal import record_bytes
+from shmbuffer.daemon.journal import record_bytes, reserve_bytes
+from shmbuffer.daemon.pins import Pin
 from shmbuffer.daemon.state import DaemonState, Deferred, Frames, Reply
 from shmbuffer.errors import (
     LimitExceededError,
@@ -122,7 +126,11 @@ class WriteOps(DaemonState):
         _, evict = self.container.plan(fields["rows"], episode_split(fields))
         return not any(registry.overlapping(start, stop) for start, stop in evict)
 
-    def _reserve(self, client: Client, fields: dict[str, Any], now: float) -> Reservation:
+    def _reserve(
+        self, client: Client, fields: dict[str, Any], now: float, pin: bool = True
+    ) -> Reservation:
+        """Reserve rows for ``client``; ``pin``: pinned to its process where the transport
+        vouches for one (False: the daemon copies the rows itself, a remote write)."""
         if self.segment is None:
             raise SchemaError("the buffer has no schema yet: send 'define_schema' first")
         if len(client.reservations) >= self.config.max_reservations_per_client:
@@ -139,18 +147,28 @@ class WriteOps(DaemonState):
         )
         if leased:
             raise Deferred(f"rows are leased by readers (episodes {leased[:5]})", deadline)
-        if self.container.conflicts(evict):  # the ring lapped a writer that is still copying
-            raise Deferred("rows are still being written by another writer", deadline)
+        busy = self.container.conflicts(evict) if self.container.reservations else None
+        if busy:  # the ring lapped a writer that is still copying (or stalled: pins.py)
+            raise Deferred(f"rows are still being written by {self._writers(busy, now)}", deadline)
         # The rate limiter, or a FIFO sampler whose rows are not consumed yet: wait for readers.
         blocked = self.container.insert_blocker(num_rows, num_sub)
         if blocked is not None:
             raise Deferred(f"cannot reserve {num_rows} rows now: {blocked}", deadline, "insert")
         self._save_for_checkpoint(ranges, deadline)  # a running checkpoint's rows, saved first
-        self._journal_room(record_bytes(4 + 2 * len(evict)))  # OutOfSpaceError: nothing done
+        process = client.process if pin and not client.remote else None
+        room = reserve_bytes(len(evict))
+        if process is not None:  # the pin's fields too: its ranges and episodes
+            episodes = num_sub if isinstance(num_sub, int) else len(num_sub)
+            room += 8 * (5 + 2 * len(ranges) + 2 * episodes)
+        self._journal_room(room)  # OutOfSpaceError: nothing done
         reservation = self.container.reserve(num_rows, num_sub, owner=client.id)
         if priority is not None:
             self._priorities[reservation.id] = priority
-        self._journal_reserve(evict)  # before the reply hands out the rows
+        held = None
+        if process is not None:
+            held = Pin(reservation.id, process, reservation.ranges, reservation.episodes)
+            self.pins.add(held)
+        self._journal_reserve(evict, held)  # before the reply hands out the rows
         for start, stop in reservation.ranges:
             self.generations[start:stop] += 1
         reservation.deadline = now + self.config.reservation_ttl
@@ -167,6 +185,26 @@ class WriteOps(DaemonState):
             fields["rows"], episode_split(fields), wire_priority(fields["priority"])
         )
 
+    def _writers(self, busy: list[Reservation], now: float) -> str:
+        """Who holds ``busy`` reservations, for the reason a lapping writer waits."""
+        names = []
+        for reservation in busy[:3]:
+            held = self.pins.get(reservation.id)
+            if held is not None:
+                late = now - reservation.deadline
+                name = held.describe()
+                if held.orphaned is not None:
+                    name += ", its connection gone, the process alive"
+                elif late > 0:
+                    name += f", stalled {late:.1f}s past its reservation TTL"
+            else:
+                owner = self.clients.by_id(reservation.owner)
+                pid = "?" if owner is None else owner.pid
+                name = f"writer pid {pid} (reservation {reservation.id})"
+            names.append(name)
+        more = f" and {len(busy) - 3} more" if len(busy) > 3 else ""
+        return "; ".join(names) + more
+
     def _owned(self, client: Client, reservation_id: int) -> Reservation:
         reservation = self.container.reservations.get(reservation_id)
         if reservation is None:
@@ -174,7 +212,15 @@ class WriteOps(DaemonState):
                 f"no open reservation {reservation_id} (committed, aborted, or expired)"
             )
         if reservation.owner != client.id:
-            raise PermissionDeniedError(f"reservation {reservation_id} belongs to another client")
+            held = self.pins.get(reservation_id)
+            if held is None or held.orphaned is None or held.process != client.process:
+                raise PermissionDeniedError(
+                    f"reservation {reservation_id} belongs to another client"
+                )
+            # Pinned to this client's process, whose earlier connection is gone: its own.
+            reservation.owner = client.id
+            held.orphaned = None
+            client.reservations.add(reservation_id)
         return reservation
 
     def _commit(self, client: Client, reservation_id: int, priority: Any = None) -> list[int]:
@@ -190,6 +236,7 @@ class WriteOps(DaemonState):
         self._journal_room(_commit_bytes(reservation) + extra)
         ids = self.container.commit(reservation.id, priority)
         self._priorities.pop(reservation_id, None)
+        self.pins.pop(reservation_id)  # the COMMIT record of its episodes ends it on replay
         client.reservations.discard(reservation.id)
         self.counters.rows_committed += reservation.num_rows
         client.rows_committed += reservation.num_rows
@@ -209,17 +256,25 @@ class WriteOps(DaemonState):
         self._abort(client, self._owned(client, fields["reservation"]), fields.get("written"))
         return {}, []
 
-    def _abort(self, client: Client, reservation: Reservation, written: int | None) -> None:
+    def _abort(self, client: Client | None, reservation: Reservation, written: int | None) -> None:
         """Abort; with ``written`` (rows the writer's copy may have touched) what the
         reservation evicted from untouched rows is published again, and journaled."""
-        client.reservations.discard(reservation.id)
+        if client is not None:
+            client.reservations.discard(reservation.id)
         self._priorities.pop(reservation.id, None)
-        if written is not None and self.journal is not None:
+        pinned = self.pins.pop(reservation.id) is not None
+        if (written is not None or pinned) and self.journal is not None:
             restorable = len(reservation.evicted) + len(reservation.trimmed)
+            room = record_bytes(1) if pinned else 0
+            room += 0 if written is None else record_bytes(3 + 3 * restorable)
             try:
-                self.journal.reserve(record_bytes(3 + 3 * restorable))
+                self.journal.reserve(room)
             except OutOfSpaceError:
-                written = None  # no room to journal it: keep them evicted, as before
+                # No room to journal it: keep them evicted, as before; a pin not ended in the
+                # journal is held again by a resume only while its writer lives.
+                written, pinned = None, False
+            if pinned:
+                self.journal.append_abort(reservation.id)
         c = self.container
         before = (c.pointer, c.rows_written)
         restored = c.abort(reservation.id, written)
@@ -245,7 +300,7 @@ class WriteOps(DaemonState):
         # its rows were copied.
         extra = record_bytes(1 + 2 * fields["rows"]) if "priority" in fields else 0
         self._journal_room(_RESERVE_BYTES + record_bytes(3 + 3 * (episodes + 1)) + extra)
-        reservation = self._reserve(client, fields, now)
+        reservation = self._reserve(client, fields, now, pin=False)
         assert self.segment is not None
         with rows.Progress(functools.partial(self._abort, client, reservation)) as progress:
             rows.write(

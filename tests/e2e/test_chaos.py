@@ -1,9 +1,19 @@
-"""Chaos: writers and learners SIGKILLed at random points while the others keep going, and the
-daemon SIGKILLed and resumed (``start --resume``) under them.
+"""Chaos: writers and learners SIGKILLed at random points, and others stopped (SIGSTOP) for a
+while and continued (SIGCONT) — a stall is as real as a death — while the rest keep going, and
+the daemon SIGKILLed and resumed (``start --resume``) under them.
 
 ``test_chaos_short[*]`` (a few kills, one daemon kill, per sampler) and ``test_chaos_full[*]``
 (the long ones, three daemon kills) run with ``pytest -m chaos tests/e2e/test_chaos.py -s``
-(``-s`` shows the figures); none is in the default run.
+(``-s`` shows the figures); none is in the default run. ``SHMBUFFER_CHAOS_SECONDS`` sets the
+full runs' chaos time (100 s each by default).
+
+**Stalls.** Every ``STALL_EVERY`` seconds or so a running worker is stopped for up to
+``STALL_MAX`` seconds, several times the daemon's ``--reservation-ttl`` (``RESERVATION_TTL``):
+a writer is frozen wherever it is, mid-copy included, and the daemon may be SIGKILLed and
+resumed while it is. A local writer's rows are pinned to its process while it lives
+(``daemon/pins.py``), so the ledger below must find nothing torn, lost or duplicated all the
+same; a stopped learner's leases are renewed again when it goes on (stalls stay well under the
+lease TTL).
 
 How it proves its claims:
 
@@ -74,6 +84,7 @@ import itertools
 import json
 import math
 import multiprocessing.connection
+import os
 import random
 import signal
 import time
@@ -110,6 +121,10 @@ FIFO_PAUSE = 0.02
 #: Whether consumed marks survive a daemon SIGKILL and ``--resume`` (issue 13, item 2).
 FIFO_EXACTLY_ONCE_ACROSS_RESUME = True
 PRIORITY_SAMPLES = 20  # sample(256) calls checked against the sum tree after the run
+RESERVATION_TTL = 0.3  # seconds: far shorter than the stalls, so stalled writers outlive it
+STALL_EVERY = 1.5  # seconds between stalls (randomised by half either way)
+STALL_MAX = 2.0  # the longest a worker stays stopped
+FULL_SECONDS = float(os.environ.get("SHMBUFFER_CHAOS_SECONDS", "100"))
 
 
 @pytest.fixture(autouse=True)
@@ -128,6 +143,7 @@ class Worker:
     killed: bool = False
     done: bool = False
     ready: bool = False  # has written or verified something
+    stopped_until: float | None = None  # SIGSTOPped until then (monotonic)
     progress: int = 0  # episodes acknowledged (writer) or verified (learner) so far
     baseline: int = 0  # its progress when the daemon last came back
 
@@ -173,6 +189,8 @@ class Chaos:
     torn_messages: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     killed: dict[str, int] = field(default_factory=lambda: {"writer": 0, "learner": 0})
+    stalled: dict[str, int] = field(default_factory=lambda: {"writer": 0, "learner": 0})
+    stalled_at_daemon_kill: int = 0  # workers stopped when the daemon was SIGKILLed
     next_id: dict[str, int] = field(default_factory=lambda: {"writer": 0, "learner": 0})
     reconnects: int = 0  # writers' connections after their first
 
@@ -203,6 +221,20 @@ class Chaos:
         worker = Worker(kind, wid, proc, recv)
         self.workers[(kind, wid)] = worker
         return worker
+
+    def stall(self, worker: Worker, until: float) -> None:
+        """SIGSTOP ``worker`` wherever it is (mid-copy, inside a lease); ``wake`` goes on."""
+        os.kill(worker.proc.pid, signal.SIGSTOP)
+        worker.stopped_until = until
+        self.stalled[worker.kind] += 1
+
+    def wake(self, now: float | None = None) -> None:
+        """SIGCONT every stopped worker whose stall is over (all of them without ``now``)."""
+        for w in self.workers.values():
+            if w.stopped_until is not None and (now is None or now >= w.stopped_until):
+                if w.proc.is_alive():
+                    os.kill(w.proc.pid, signal.SIGCONT)
+                w.stopped_until = None
 
     def kill(self, worker: Worker) -> None:
         worker.proc.kill()
@@ -404,11 +436,15 @@ def run_chaos(
     capacity: int,
     workdir: Path,
     sampler: str = "uniform",
+    stall_every: float | None = STALL_EVERY,
 ) -> dict[str, Any]:
     """Run the scenario under ``sampler`` (a key of :data:`SAMPLERS`); return its figures
-    (the caller asserts on them)."""
+    (the caller asserts on them). ``stall_every``: seconds between stalls (None: none)."""
     rng = random.Random(seed)
-    d = daemon(capacity=capacity, unit="episode", args=[*SAMPLERS[sampler], "--seed", str(seed)])
+    ttl = ["--reservation-ttl", str(RESERVATION_TTL)]
+    d = daemon(
+        capacity=capacity, unit="episode", args=[*SAMPLERS[sampler], "--seed", str(seed), *ttl]
+    )
     chaos = Chaos(
         children,
         str(e2e_env.runtime_dir),
@@ -438,6 +474,8 @@ def run_chaos(
         t0 = time.monotonic()
         end = t0 + seconds
         next_kill = t0 + kill_every * rng.uniform(0.5, 1.5)
+        next_stall = t0 + (stall_every or math.inf) * rng.uniform(0.5, 1.5)
+        longest_stall = 0.0
         daemon_at = [
             t0 + seconds * (i + 1) / (daemon_kills + 1) + rng.uniform(-0.5, 0.5)
             for i in range(daemon_kills)
@@ -450,16 +488,23 @@ def run_chaos(
             assert not chaos.errors, chaos.errors[0]
             assert not chaos.bad_updates, chaos.bad_updates[0]
             now = time.monotonic()
+            chaos.wake(now)
             # the daemon dies under clients that all run (none still starting up) and have all
             # got on with the daemon since it last came back, so every one of them must notice
-            # and reconnect
-            working = all(w.ready and w.progress > w.baseline for w in chaos.alive())
+            # and reconnect (a stopped one too, once it goes on: its rows stay pinned)
+            working = all(
+                w.ready and (w.progress > w.baseline or w.stopped_until is not None)
+                for w in chaos.alive()
+            )
             if daemon_at and now >= daemon_at[0] and working:
                 daemon_at.pop(0)
                 under_daemon_kill += len(chaos.alive())
+                chaos.stalled_at_daemon_kill += sum(
+                    w.stopped_until is not None for w in chaos.alive()
+                )
                 killed_at = time.monotonic()
                 sigkill_daemon(d)
-                d = daemon(name=d.name, capacity=capacity, unit="episode", args=["--resume"])
+                d = daemon(name=d.name, capacity=capacity, unit="episode", args=["--resume", *ttl])
                 restarts.append((killed_at, time.monotonic()))
                 pause = restarts[-1][1] - killed_at  # the chaos time excludes the restart
                 end, next_kill, overtime = end + pause, next_kill + pause, overtime + pause
@@ -476,11 +521,20 @@ def run_chaos(
                 victim = rng.choice(running)
                 chaos.kill(victim)
                 chaos.spawn(victim.kind)
+            # another one is stopped where it is, for longer than the reservation TTL
+            awake = [w for w in running if not w.killed and w.stopped_until is None]
+            if now >= next_stall and awake:
+                assert stall_every is not None
+                next_stall = now + stall_every * rng.uniform(0.5, 1.5)
+                length = rng.uniform(0.2, STALL_MAX)
+                longest_stall = max(longest_stall, length)
+                chaos.stall(rng.choice(awake), now + length)
             for w in chaos.alive():  # a worker must only die by our hand
                 if not w.proc.is_alive() and w.proc.exitcode not in (0, None):
                     chaos.drain(w, 0)
                     pytest.fail(f"{w.kind} {w.id} died ({w.proc.exitcode}): {chaos.errors}")
         # stop: every worker finishes its episode and says done
+        chaos.wake()
         chaos.stop_file.touch()
         deadline = time.monotonic() + JOIN_TIMEOUT
         while chaos.alive() and time.monotonic() < deadline:
@@ -524,6 +578,7 @@ def run_chaos(
             check_priorities(d, state, registry, owners, stats) if sampler == "prioritized" else {}
         )
     finally:
+        chaos.wake()
         chaos.stop_file.touch()
 
     # -- the ledger against the registry ------------------------------------------------------
@@ -595,6 +650,10 @@ def run_chaos(
         "writers_killed": chaos.killed["writer"],
         "learners_killed": chaos.killed["learner"],
         "processes_killed": chaos.killed["writer"] + chaos.killed["learner"],
+        "writers_stalled": chaos.stalled["writer"],
+        "learners_stalled": chaos.stalled["learner"],
+        "longest_injected_stall_s": round(longest_stall, 2),
+        "stalled_at_daemon_kills": chaos.stalled_at_daemon_kill,
         "daemon_kills": len(restarts),
         "workers_running_at_daemon_kills": under_daemon_kill,
         "writer_reconnects": chaos.reconnects,
@@ -664,6 +723,7 @@ def check(figures: dict[str, Any]) -> None:
     assert figures["episodes_verified_final"] == figures["episodes_stored"], details
     assert figures["episodes_acknowledged"] > 0 and figures["episodes_verified_by_learners"] > 0
     assert figures["processes_killed"] > 0
+    assert figures["writers_stalled"] + figures["learners_stalled"] > 0
     if figures["sampler"] == "prioritized":
         assert figures["priority_update_errors"] == 0, details
         assert figures["priority_updates_applied_daemon"] > 0, figures
@@ -694,9 +754,9 @@ SHORT = {
     "fifo": (2, 2, 10, 2.5, 1, 20_000),
 }
 FULL = {  # the uniform ring wraps about twice: eviction (in order) under leases
-    "uniform": (3, 2, 100, 2.0, 3, 400_000),
-    "prioritized": (3, 2, 100, 2.0, 3, 40_000),
-    "fifo": (3, 2, 100, 2.0, 3, 20_000),
+    "uniform": (3, 2, FULL_SECONDS, 2.0, 3, 400_000),
+    "prioritized": (3, 2, FULL_SECONDS, 2.0, 3, 40_000),
+    "fifo": (3, 2, FULL_SECONDS, 2.0, 3, 20_000),
 }
 
 
@@ -733,7 +793,7 @@ def test_chaos_short(sampler, daemon, e2e_env, children, tmp_path, record_proper
 
 
 @pytest.mark.chaos
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(int(600 + 3 * FULL_SECONDS))
 @pytest.mark.parametrize("sampler", list(SAMPLERS))
 def test_chaos_full(sampler, daemon, e2e_env, children, tmp_path, record_property):
     writers, learners, seconds, kill_every, daemon_kills, capacity = FULL[sampler]

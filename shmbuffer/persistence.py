@@ -22,7 +22,7 @@ import numpy.typing as npt
 from shmbuffer.errors import ShmBufferError
 from shmbuffer.registry import Episode, EpisodeRegistry
 from shmbuffer.reservations import ReservationOps
-from shmbuffer.ringstate import Range, Reservation
+from shmbuffer.ringstate import Range
 from shmbuffer.rows import episode_rows, slice_rows
 from shmbuffer.samplers import RateLimiter, Sampler, make_rate_limiter, make_sampler
 from shmbuffer.sampling import EPISODES, ROWS, SLICES, SamplingOps, set_rng_words
@@ -157,25 +157,6 @@ class PersistenceOps(ReservationOps, SamplingOps):
         self._evict_ranges(evicted, [])
         self.pointer, self.rows_written = pointer, rows_written
         self._next_reservation = next_reservation
-
-    def hold(
-        self, reservation_id: int, ranges: Sequence[Range], episodes: Sequence[Range]
-    ) -> Reservation:
-        """Open again a reservation a dead owner had (its rows already evicted by the replay
-        of its reserve), so that no new one is granted over its rows until it is committed
-        or aborted (a writer that outlived its daemon may still copy there). ValueError if
-        its id is taken or still to come."""
-        if reservation_id in self.reservations or reservation_id >= self._next_reservation:
-            raise ValueError(f"reservation {reservation_id} cannot be held again")
-        reservation = Reservation(
-            reservation_id,
-            [(int(s), int(e)) for s, e in ranges],
-            [(int(s), int(e)) for s, e in episodes],
-            before=(self.pointer, self.rows_written, self.travelled),
-            travelled=self.travelled,
-        )
-        self.reservations[reservation_id] = reservation
-        return reservation
 
     def replay_commit(self, episodes: Sequence[tuple[int, int, int]]) -> None:
         """Redo a commit of ``(id, start, end)`` episodes (one reservation's); ValueError if

@@ -112,6 +112,28 @@ class ReservationOps(RingState):
         self.reservations[reservation.id] = reservation
         return reservation
 
+    def hold(
+        self, reservation_id: int, ranges: Sequence[Range], episodes: int | Sequence[int]
+    ) -> Reservation:
+        """Open again reservation ``reservation_id`` of ``ranges`` split into ``episodes`` (as
+        :meth:`reserve` takes them) that a dead owner had, its rows already evicted by the
+        replay of its reserve: no new reservation is granted over its rows until it is
+        committed or aborted (a writer that outlived its daemon may still copy there).
+        ValueError if its id is taken or still to come, or the split does not fit."""
+        if reservation_id in self.reservations or reservation_id >= self._next_reservation:
+            raise ValueError(f"reservation {reservation_id} cannot be held again")
+        held = [(int(s), int(e)) for s, e in ranges]
+        lengths = episode_lengths(sum(e - s for s, e in held), episodes)
+        reservation = Reservation(
+            reservation_id,
+            held,
+            _episode_bounds(held, lengths),
+            before=(self.pointer, self.rows_written, self.travelled),
+            travelled=self.travelled,
+        )
+        self.reservations[reservation_id] = reservation
+        return reservation
+
     def insert_blocker(self, num_rows: int, episodes: int | Sequence[int] = 1) -> str | None:
         """Why a reservation of ``num_rows`` must wait now, or None if it may go: the rate
         limiter refuses it, or (FIFO with ``max_times_sampled``) rows it would overwrite were

@@ -722,3 +722,46 @@ def test_a_saved_sampler_of_another_kind_is_refused(folder: Path) -> None:
     assert isinstance(restore_container(state).sampler, PrioritizedSampler)  # the saved kind
     old = {k: v for k, v in state.items() if k not in ("sampler", "rate_limiter", "rng")}
     assert restore_container(old).sampler.name == "uniform"  # a state from before samplers
+
+
+def test_pins_are_journaled_until_their_commit_or_abort(folder: Path) -> None:
+    """RESERVE_PINNED records a writer's pin; the COMMIT of its episodes or an ABORT ends it;
+    a snapshot in between keeps the pins still open. What ``load`` returns rebuilds them."""
+    from shmbuffer.daemon.pins import Pin, PinTable, pins_from_state
+    from shmbuffer.daemon.processes import Process
+
+    container = Container(100, unit="episode")
+    pins = PinTable()
+    journal = Journal(folder)
+    journal.track(container, pins=pins)
+    journal.start(container_state(container))
+    writer = Process(os.getpid(), 12345)
+
+    def reserve(rows: int, split: int | list[int]) -> int:
+        _, evict = container.plan(rows, split)
+        r = container.reserve(rows, split)
+        pin = Pin(r.id, writer, r.ranges, split)
+        pins.add(pin)
+        journal.append_reserve(
+            evict, container.pointer, container.rows_written, container.next_reservation, pin
+        )
+        return r.id
+
+    committed, aborted, kept = reserve(10, 2), reserve(6, [1, 5]), reserve(9, [4, 5])
+    bounds = container.reservations[committed].episodes
+    ids = container.commit(committed)
+    pins.pop(committed)
+    journal.append_commit([(i, s, e) for i, (s, e) in zip(ids, bounds, strict=True)], 10, 2)
+    journal.snapshot(container_state(container))  # aborted and kept are open here
+    container.abort(aborted)
+    pins.pop(aborted)
+    journal.append_abort(aborted)
+    loaded = Journal(folder).load()
+    (held,) = pins_from_state(loaded["pins"])
+    assert (held.reservation, held.process, held.split) == (kept, writer, [4, 5])
+    assert held.ranges == container.reservations[kept].ranges
+    again = restore_container(loaded)
+    assert again.reservations == {}  # only a resumed daemon holds it, for a live writer
+    reservation = again.hold(held.reservation, held.ranges, held.split)
+    assert reservation.episodes == container.reservations[kept].episodes
+    journal.close()

@@ -171,7 +171,7 @@ def reserve_bytes(evicted: int, pin: Pin | None = None) -> int:
     """The size of a RESERVE record evicting ``evicted`` ranges, pinned with ``pin``."""
     fields = 4 + 2 * evicted
     if pin is not None:
-        fields += 5 + 2 * len(pin.ranges) + 2 * len(pin.episodes)
+        fields += 5 + 2 * len(pin.ranges) + (0 if isinstance(pin.split, int) else len(pin.split))
     return record_bytes(fields)
 
 
@@ -472,8 +472,8 @@ class Journal:
             self._append(RESERVE, fields)
             return
         process = pin.process
-        extra = pin_fields(pin.reservation, process.pid, process.start, pin.ranges, pin.episodes)
-        self._append(RESERVE_PINNED, fields + extra)
+        extra = pin_fields(pin.reservation, process.pid, process.start, pin.ranges, pin.split)
+        self._append(RESERVE_PINNED, np.concatenate([np.array(fields, dtype="<i8"), extra]))
 
     def append_abort(self, reservation_id: int) -> None:
         """A pinned reservation ended without a commit."""

@@ -40,8 +40,9 @@ class Pin:
     reservation: int
     process: Process
     ranges: list[Range]
-    #: ``(start, end)`` of each (sub-)episode, as its commit will publish them.
-    episodes: list[Range]
+    #: How its rows split into episodes, as the reserve asked: a count of equal ones, or
+    #: their lengths (``Container.hold`` rebuilds the reservation from it).
+    split: int | list[int]
     #: Monotonic time since which no client owns it (None: its writer's client does).
     orphaned: float | None = None
     #: Past its ``reservation_ttl`` and logged as such (once).
@@ -85,9 +86,9 @@ class PinTable:
         return [pin for pin in self._pins.values() if pin.orphaned is not None]
 
     def to_state(self) -> list[list[Any]]:
-        """JSON-able, for the journal's snapshots: ``[id, pid, start, ranges, episodes]``."""
+        """JSON-able, for the journal's snapshots: ``[id, pid, start, ranges, split]``."""
         return [
-            [p.reservation, p.process.pid, p.process.start, p.ranges, p.episodes]
+            [p.reservation, p.process.pid, p.process.start, p.ranges, p.split]
             for p in self._pins.values()
         ]
 
@@ -99,7 +100,7 @@ def pins_from_state(entries: list[list[Any]]) -> list[Pin]:
             int(rid),
             Process(int(pid), int(start)),
             [(int(s), int(e)) for s, e in ranges],
-            [(int(s), int(e)) for s, e in episodes],
+            int(split) if isinstance(split, int) else [int(n) for n in split],
         )
-        for rid, pid, start, ranges, episodes in entries
+        for rid, pid, start, ranges, split in entries
     ]

@@ -23,12 +23,13 @@ may have moved it since the last SAMPLE), ``LEASE [id, pid, host crc32, expires_
 id * n]``, ``RENEW [id, expires_us]`` and ``RELEASE [id]`` (leases, expiries as wall-clock
 microseconds). ``RESERVE_PINNED`` is a RESERVE whose rows are pinned to the local writer
 copying into them (``pins.py``): the RESERVE fields, then ``[id, pid, start time, m, (start,
-stop) * m, k, (start, end) * k]`` (the reservation, its writer's process, its ranges and its
-episodes); ``ABORT [id]`` ends such a pin without a commit (a COMMIT of its episodes ends it
-too). Any other abort needs no record: it changed nothing but what its RESERVE record
-already holds; nor does a lease's expiry (a resume drops it by its wall-clock expiry). A crash
-in the middle of a write leaves a short or CRC-failing last record, which :meth:`Journal.load`
-ignores (its request was never acknowledged).
+stop) * m, k, length * k]`` (the reservation, its writer's process, its ranges, and its
+episodes' lengths, or ``-k`` for k equal episodes); ``ABORT [id]`` ends such a pin without a
+commit (a COMMIT whose first episode starts its rows ends it too). Any other abort needs no
+record: it changed nothing but what its RESERVE record already holds; nor does a lease's
+expiry (a resume drops it by its wall-clock expiry). A crash in the middle of a write leaves a
+short or CRC-failing last record, which :meth:`Journal.load` ignores (its request was never
+acknowledged).
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def apply_record(
     """Redo one record on ``container`` through its replay methods, a lease record on
     ``leases`` (id -> ``[id, pid, host crc, expires_us, episode ids]``, as the snapshot keeps
     them) and what pins a writer's rows on ``pins`` (id -> ``[id, pid, start, ranges,
-    episodes]``, ``PinTable.to_state``'s entries). False for a SAMPLE whose draw did not go
+    split]``, ``PinTable.to_state``'s entries). False for a SAMPLE whose draw did not go
     as journaled; JournalError for a record that does not fit."""
     try:
         if kind == SAMPLE:
@@ -134,9 +135,9 @@ def apply_record(
             n = int(f[2])
             episodes = f[3 : 3 + 3 * n].reshape(n, 3).tolist()  # ValueError if cut short
             container.replay_commit([(i, s, e) for i, s, e in episodes])
-            if pins:  # a pinned reservation's commit publishes exactly its episodes
-                bounds = [[s, e] for _, s, e in episodes]
-                for rid in [rid for rid, pin in pins.items() if pin[4] == bounds]:
+            if pins and n:  # a pinned reservation's commit: its first episode starts its rows
+                first = episodes[0][1]  # (open reservations never overlap: one at most)
+                for rid in [rid for rid, pin in pins.items() if pin[3][0][0] == first]:
                     del pins[rid]
         elif kind == ABORT:
             pins.pop(int(f[0]), None)
@@ -159,22 +160,24 @@ def apply_record(
 
 
 def pin_fields(
-    reservation_id: int, pid: int, start: int, ranges: list[Range], episodes: list[Range]
+    reservation_id: int, pid: int, start: int, ranges: list[Range], split: int | list[int]
 ) -> list[int]:
-    """What RESERVE_PINNED adds after the RESERVE fields (see the module docstring)."""
-    flat_ranges = [v for r in ranges for v in r]
-    flat_episodes = [v for r in episodes for v in r]
-    return [reservation_id, pid, start, len(ranges), *flat_ranges, len(episodes), *flat_episodes]
+    """What RESERVE_PINNED adds after the RESERVE fields (see the module docstring): a count
+    of equal episodes is one field (negative), unequal lengths one each."""
+    head = [reservation_id, pid, start, len(ranges), *(v for r in ranges for v in r)]
+    if isinstance(split, int):
+        return [*head, -split]
+    return [*head, len(split), *split]
 
 
 def _apply_pin(pins: dict[int, list[Any]], f: np.ndarray) -> None:
     rid, pid, start, m = (int(v) for v in f[:4])
     ranges = f[4 : 4 + 2 * m].reshape(m, 2).tolist()
     k = int(f[4 + 2 * m])
-    episodes = f[5 + 2 * m : 5 + 2 * m + 2 * k].reshape(k, 2).tolist()
-    if f.size != 5 + 2 * m + 2 * k:
+    split: int | list[int] = -k if k < 0 else f[5 + 2 * m :].tolist()
+    if f.size != 5 + 2 * m + max(k, 0):
         raise ValueError(f"RESERVE_PINNED record of {f.size} pin fields")
-    pins[rid] = [rid, pid, start, ranges, episodes]
+    pins[rid] = [rid, pid, start, ranges, split]
 
 
 def _apply_lease(leases: dict[int, list[Any]], kind: int, f: np.ndarray) -> None:

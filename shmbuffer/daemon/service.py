@@ -247,7 +247,7 @@ class BufferService(WriteOps, SampleOps):
         for held in pins_from_state(entries):
             if not alive(held.process):
                 continue
-            reservation = self.container.hold(held.reservation, held.ranges, held.episodes)
+            reservation = self.container.hold(held.reservation, held.ranges, held.split)
             reservation.deadline = now + self.config.reservation_ttl
             held.orphaned = now
             self.pins.add(held)

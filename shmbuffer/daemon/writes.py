@@ -157,16 +157,15 @@ class WriteOps(DaemonState):
         self._save_for_checkpoint(ranges, deadline)  # a running checkpoint's rows, saved first
         process = client.process if pin and not client.remote else None
         room = reserve_bytes(len(evict))
-        if process is not None:  # the pin's fields too: its ranges and episodes
-            episodes = num_sub if isinstance(num_sub, int) else len(num_sub)
-            room += 8 * (5 + 2 * len(ranges) + 2 * episodes)
+        if process is not None:  # the pin's fields too: its ranges and split
+            room += 8 * (5 + 2 * len(ranges) + (0 if isinstance(num_sub, int) else len(num_sub)))
         self._journal_room(room)  # OutOfSpaceError: nothing done
         reservation = self.container.reserve(num_rows, num_sub, owner=client.id)
         if priority is not None:
             self._priorities[reservation.id] = priority
         held = None
         if process is not None:
-            held = Pin(reservation.id, process, reservation.ranges, reservation.episodes)
+            held = Pin(reservation.id, process, reservation.ranges, num_sub)
             self.pins.add(held)
         self._journal_reserve(evict, held)  # before the reply hands out the rows
         for start, stop in reservation.ranges:

@@ -148,3 +148,35 @@ def test_serve_metrics_over_http_and_a_busy_port(h: Harness) -> None:
         server.close()
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", server.port), 1):
         pass  # closed for good
+
+
+def test_rows_pinned_to_a_stalled_writer_are_a_gauge(h: Harness) -> None:
+    """A vouched writer's reservation past its TTL is kept for it (daemon/pins.py), shown in
+    ``stalled_writers`` and as the ``stalled_writer_rows`` gauge; gone once its process is."""
+    import subprocess
+
+    from shmbuffer.daemon.processes import process_of
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        stalled = b"\x01lane-stalled"
+        h.service.peer_process = lambda identity: process_of(child.pid)
+        h.hello(stalled)
+        reservation = h(stalled, "reserve", rows=5)["reservation"]
+        h.now += h.config.reservation_ttl + 1
+        h.service.tick(h.now)  # past its TTL: kept, its writer still runs
+        (entry,) = h.service.stats(h.now)["stalled_writers"]
+        assert (entry["pid"], entry["reservation"], entry["rows"]) == (child.pid, reservation, 5)
+        metrics = Metrics(every_s=0.5)
+        metrics.publish(h.now, h.service.stats)
+        assert scrape(metrics)["shmbuffer_stalled_writer_rows"] == 5
+        child.kill()
+        child.wait(10)
+        h.service.disconnected(stalled, h.now)  # its connection closes as it dies
+        h.now += 1
+        h.service.tick(h.now)  # the next sweep finds the process gone: the rows go
+        assert h.service.stats(h.now)["stalled_writers"] == []
+        assert h.service.stats(h.now)["reservations"] == 0
+    finally:
+        child.kill()
+        child.wait(10)

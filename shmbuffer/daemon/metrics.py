@@ -16,7 +16,8 @@ scrape is at most ``PUBLISH_EVERY_S`` (plus one loop tick) behind.
 Exposed (all prefixed ``shmbuffer_``): the stats counters as ``*_total`` (rows_committed,
 episodes_committed, rows_sampled, samples, messages, errors, ...), gauges ``rows``,
 ``episodes``, ``capacity_rows``, ``fill_ratio``, ``reservations``, ``reserved_rows``,
-``leases``, ``clients{role}``, ``insert_rows_per_second``, ``sample_rows_per_second``,
+``leases``, ``stalled_writer_rows`` (rows pinned to stopped or disconnected local writers),
+``clients{role}``, ``insert_rows_per_second``, ``sample_rows_per_second``,
 ``waiting_requests{queue}``, ``sampler_figure{figure}``, ``uptime_seconds`` and
 ``info{name,unit,mode,sampler,rate_limiter,protocol}``; the counter
 ``rate_limiter_blocked_seconds_total{queue}``; histograms ``sample_seconds`` (handling of
@@ -189,6 +190,11 @@ def families(stats: Mapping[str, Any], times: Mapping[str, HistogramValue]) -> t
         for key, (name, doc) in GAUGES.items()
         if _number(stats.get(key))
     ]
+    stalled = stats.get("stalled_writers")
+    if stalled is not None:  # a daemon before protocol 1.6 has none
+        rows = float(sum(w["rows"] for w in stalled))
+        doc = "Rows held for local writers stopped past their TTL or whose connection is gone."
+        out.append(Family(PREFIX + "stalled_writer_rows", "gauge", doc, (), (((), rows),)))
     roles = dict.fromkeys(ROLES, 0)
     for client in stats.get("clients", ()):
         roles[client["role"]] = roles.get(client["role"], 0) + 1

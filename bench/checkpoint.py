@@ -13,7 +13,11 @@ time every call. Then, under that load:
    that overlapped it, and the daemon's own ``max_pause_ms``;
 3. with the writer paused (the reader goes on): a checkpoint that catches up, then one with
    nothing changed, per target; then one per target after 10% of the rows were written again;
-4. the disk's own figure: ``dd if=/dev/zero of=/var/tmp/ddtest bs=64M count=32 oflag=direct
+4. the daemon stopped: each target's last checkpoint restored into a fresh segment under
+   /dev/shm, one at a time (``restore_service``, what ``start --restore`` runs before it
+   listens: every chunk read, checked against its checksum and written; the journal's first
+   snapshot included);
+5. the disk's own figure: ``dd if=/dev/zero of=/var/tmp/ddtest bs=64M count=32 oflag=direct
    conv=fsync``.
 
 The buffer, every checkpoint folder and the dd file are removed at the end (also after an
@@ -169,6 +173,25 @@ def write_rows(name: str, rows: int) -> None:
         writer.flush()
 
 
+def restore_seconds(storage: str, capacity: int, folder: Path) -> float:
+    """Seconds to restore the checkpoint in ``folder`` into a fresh segment (then removed)."""
+    from shmbuffer.daemon.config import DaemonConfig
+    from shmbuffer.daemon.recovery import restore_service
+    from shmbuffer.segment import Segment
+
+    name = f"bench-restore-{os.getpid()}"
+    config = DaemonConfig(name=name, capacity=capacity, unit="transition", storage_dir=storage)
+    t0 = time.perf_counter()
+    service = restore_service(config, folder)
+    seconds = time.perf_counter() - t0
+    if service.journal is not None:
+        service.journal.close()
+    if service.segment is not None:
+        service.segment.close()
+    Segment.unlink(name, storage)
+    return seconds
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     row = data.row_bytes(SPEC) + 8
     capacity = int(args.gb * 1e9) // row
@@ -240,6 +263,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for line in log.read_text(errors="replace").splitlines()
                 if "cut paused" in line
             ]
+        result["restores"] = {  # the buffer is gone: room for one restored copy at a time
+            str(folder.parent): restore_seconds(storage, capacity, folder) for folder in folders
+        }
         result["dd_var_tmp"] = dd_figure("/var/tmp")
         result["load_after"] = os.getloadavg()
         result["windows"] = {
@@ -300,6 +326,10 @@ def report(result: dict[str, Any]) -> str:
             f"| {key} | {c['seconds']:.2f} | {c['gb_per_s']:.2f} | {c['copied_gb']:.2f} "
             f"| {c['linked_gb']:.2f} | {c['daemon_max_pause_ms']:.1f} |"
         )
+    lines += ["", "| restore from | seconds | GB/s |", "| --- | --- | --- |"]
+    gb = result["capacity"] * result["row_bytes"] / 1e9
+    for target, seconds in result.get("restores", {}).items():
+        lines.append(f"| {target} | {seconds:.2f} | {gb / seconds:.2f} |")
     lines += ["", f"dd to /var/tmp ({' '.join(DD)}): {result['dd_var_tmp']}", ""]
     lines += ["daemon log:", *result["daemon_log"]]
     return "\n".join(lines)

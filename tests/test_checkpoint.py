@@ -141,7 +141,7 @@ def test_round_trip(storage: str, tmp_path: Path, unit: str) -> None:
     assert (tmp_path / "checkpoint" / "COMPLETE").is_file()
     assert not list(tmp_path.glob(".tmp-*"))
     state = json.loads((tmp_path / "checkpoint" / ckpt.STATE).read_text())
-    assert state["checkpoint_format"] == 2
+    assert state["checkpoint_format"] == ckpt.CHECKPOINT_FORMAT == 3
     assert len(table(tmp_path)["chunks"]) == len(list((tmp_path / "checkpoint/chunks").iterdir()))
 
     restored = restore(storage, tmp_path, unit=unit)
@@ -223,10 +223,10 @@ def _child_checkpoint(storage: str, dest: str, where: str, ready: Any) -> None:
             die()
         return 0
 
-    def write_json(path: Path, value: Any) -> None:
+    def write_json(path: Path, value: Any) -> int:
         if where == "state" and path.name == ckpt.STATE:
             die()
-        real_json(path, value)
+        return real_json(path, value)
 
     def replace(src: Any, dst: Any) -> None:
         real_replace(src, dst)

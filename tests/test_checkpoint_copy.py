@@ -264,7 +264,7 @@ def test_format_1_checkpoints_still_restore(storage: str, tmp_path: Path) -> Non
     (folder / ckpt.STATE).write_text(json.dumps(state))
     (folder / ckpt.COMPLETE).write_text("{}")
     assert_same(service, restore(storage, tmp_path))
-    state["checkpoint_format"] = 3
+    state["checkpoint_format"] = 4
     (folder / ckpt.STATE).write_text(json.dumps(state))
-    with pytest.raises(CheckpointError, match="checkpoint_format 3"):
+    with pytest.raises(CheckpointError, match="checkpoint_format 4"):
         restore(storage, tmp_path)

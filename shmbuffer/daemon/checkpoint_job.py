@@ -25,6 +25,7 @@ import os
 import threading
 import time
 import uuid
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -221,7 +222,7 @@ class CheckpointJob:
 
     def _write(self, tmp: Path) -> Path:
         cut, layout = self.cut, self.layout
-        ck.write_json(tmp / MANIFEST, self.manifest)
+        sums = {MANIFEST: ck.write_json(tmp / MANIFEST, self.manifest)}
         (tmp / ck.CHUNKS).mkdir(mode=0o700)
         prev = ck.previous_table(self.dest, layout)
         dirty = {
@@ -232,6 +233,7 @@ class CheckpointJob:
         first = layout.chunk_of_row(cut.pointer)
         names: list[str] = [""] * layout.num_chunks
         namespaces: list[str | None] = [None] * layout.num_chunks
+        checksums: list[int] = [0] * layout.num_chunks
         bounce = memoryview(bytearray(max(layout.piece_nbytes(0), 1) * RUN_PIECES))
         with concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="shmbuffer-fsync"
@@ -242,7 +244,7 @@ class CheckpointJob:
             try:
                 for i in range(layout.num_chunks):
                     chunk = (first + i) % layout.num_chunks
-                    fd, names[chunk], namespaces[chunk] = self._chunk(
+                    fd, names[chunk], namespaces[chunk], checksums[chunk] = self._chunk(
                         chunk, chunk in dirty, prev, tmp, bounce
                     )
                     if fd is not None:
@@ -254,23 +256,28 @@ class CheckpointJob:
                     with contextlib.suppress(OSError):
                         fsyncs.popleft().result()
         with open(tmp / ck.USE_COUNTS, "wb") as f:
-            np.save(f, cut.use_counts)
+            summing = ck.Summing(f)
+            np.save(summing, cut.use_counts)  # a write() is all it needs
             f.flush()
             os.fsync(f.fileno())
+        sums[ck.USE_COUNTS] = summing.crc
         state = {**cut.state, "checkpoint_format": ck.CHECKPOINT_FORMAT, "created": time.time()}
-        ck.write_json(tmp / ck.STATE, state)
+        sums[ck.STATE] = ck.write_json(tmp / ck.STATE, state)
         table = {
             **layout.to_json(),
             "lineage": cut.lineage,
             "chunks": names,
             "namespaces": namespaces,
+            "checksum": "crc32",
+            "checksums": checksums,
         }
-        ck.write_json(tmp / ck.TABLE, table)
+        sums[ck.TABLE] = ck.write_json(tmp / ck.TABLE, table)
         summary = {
             "bytes": layout.nbytes,
             "copied_bytes": self.copied_bytes,
             "linked_bytes": self.linked_bytes,
             "episodes": len(state["registry"]["episodes"]),
+            "checksums": sums,  # of the small files; the chunks' are in the table
         }
         ck.write_json(tmp / ck.COMPLETE, summary)
         ck.fsync_dir(tmp / ck.CHUNKS)
@@ -284,9 +291,11 @@ class CheckpointJob:
         prev: tuple[Path, dict[str, Any]] | None,
         tmp: Path,
         bounce: memoryview,
-    ) -> tuple[int | None, str, str | None]:
-        """Save one chunk: linked from ``prev`` when its identity is unchanged, else copied.
-        ``(fd to fsync or None, file name, identity lineage)``."""
+    ) -> tuple[int | None, str, str | None, int]:
+        """Save one chunk: linked from ``prev`` when its identity is unchanged (its checksum
+        taken from ``prev``'s table, the file not read), else copied (the checksum taken over
+        the bytes as they are written). ``(fd to fsync or None, file name, identity lineage,
+        CRC-32 of the file)``."""
         if self._cancel:
             raise Cancelled
         name, namespace = self._identity(chunk, dirty)
@@ -300,9 +309,10 @@ class CheckpointJob:
                 with self.lock:  # the same bytes are on disk already: nothing to keep
                     self._recycle([self._drop(piece) for piece in pieces])
                 self.linked_bytes += self.layout.chunk_nbytes(chunk)
-                return None, name, namespace
+                return None, name, namespace, int(prev[1]["checksums"][chunk])
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         fd = os.open(tmp / ck.CHUNKS / name, flags, 0o600)
+        crc = 0
         try:
             i = 0
             while i < len(pieces):
@@ -311,6 +321,8 @@ class CheckpointJob:
                 views, count, used = self._take(pieces, i, bounce)
                 if self._sleep:
                     time.sleep(self._sleep * count)
+                for view in views:  # in file order: pieces are written back to back
+                    crc = zlib.crc32(view, crc)
                 self.copied_bytes += write_views(fd, views, self.layout.offset_in_chunk(pieces[i]))
                 i += count
                 del views
@@ -319,7 +331,7 @@ class CheckpointJob:
         except BaseException:
             os.close(fd)
             raise
-        return fd, name, namespace
+        return fd, name, namespace, crc
 
     def _identity(self, chunk: int, dirty: bool) -> tuple[str, str | None]:
         """The chunk's file name and the lineage its identity is in (None: a name nothing

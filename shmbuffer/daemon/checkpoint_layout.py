@@ -16,13 +16,16 @@ one.
 A chunk's *identity* names its file: a hash of the segment lineage it was written from, its
 rows and their stamps. A reservation bumps its rows' stamps before any writer touches them, so
 the same lineage and stamps mean the same bytes; a later checkpoint whose chunk has the same
-identity hard-links the earlier file instead of copying it.
+identity hard-links the earlier file instead of copying it. The name says which bytes a chunk
+should hold, not that the file still holds them: its CRC-32 is kept in the chunk table and
+checked on restore (``checkpoint.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -57,7 +60,7 @@ def read_exactly(fd: int, buf: memoryview, offset: int) -> None:
     while done < len(buf):
         n = os.preadv(fd, [buf[done:]], offset + done)
         if n <= 0:
-            raise CheckpointError(f"the data file ended at byte {offset + done}")
+            raise CheckpointError(f"a file ended at byte {offset + done}, before its end")
         done += n
 
 
@@ -221,18 +224,23 @@ class ChunkLayout:
         start, stop = self.piece_rows_of(piece)
         return data[len(data) - (stop - start) * STAMP_BYTES :]
 
-    def restore_chunk(self, chunk_fd: int, data_fd: int, chunk: int) -> None:
-        """Copy one chunk file's rows and stamps back to their places in the data file."""
+    def restore_chunk(self, chunk_fd: int, data_fd: int, chunk: int, bounce: memoryview) -> int:
+        """Copy one chunk file's rows and stamps back to their places in the data file,
+        piece by piece through ``bounce`` (a piece's bytes at least); the CRC-32 of the chunk
+        file, taken on the way (so a restore reads every byte once)."""
+        crc = 0
         for piece in self.pieces_of(chunk):
             start, stop = self.piece_rows_of(piece)
-            pos = self.offset_in_chunk(piece)
-            for _, offset, row in self.columns:
+            data = bounce[: self.piece_nbytes(piece)]
+            read_exactly(chunk_fd, data, self.offset_in_chunk(piece))
+            crc = zlib.crc32(data, crc)
+            pos = 0
+            for _, offset, row in (*self.columns, ("", self.stamps_offset, STAMP_BYTES)):
                 n = (stop - start) * row
                 if n:
-                    copy_range(chunk_fd, data_fd, n, pos, offset + start * row)
+                    write_exactly(data_fd, data[pos : pos + n], offset + start * row)
                 pos += n
-            n = (stop - start) * STAMP_BYTES
-            copy_range(chunk_fd, data_fd, n, pos, self.stamps_offset + start * STAMP_BYTES)
+        return crc
 
     # -- identity ---------------------------------------------------------------------------
 

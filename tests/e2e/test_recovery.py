@@ -183,6 +183,30 @@ def test_checkpoint_stop_restore(daemon, e2e_env, tmp_path):
     assert found == set(range(N))
 
 
+def test_restore_refuses_a_corrupted_checkpoint_naming_the_chunk(daemon, e2e_env, tmp_path):
+    """One flipped byte in a chunk file: ``start --restore`` exits non-zero naming the file,
+    before it serves anything, and leaves no segment behind."""
+    d = daemon(capacity=1000, unit="episode")
+    write_episodes(d.name, 0, N)
+    out = e2e_env.cli("checkpoint", "--name", d.name, "--to", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert d.stop() == 0
+    chunk = next((tmp_path / "checkpoint" / "chunks").glob("000000-*.bin"))  # rows from 0
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 0x01  # the first row's first column
+    chunk.write_bytes(bytes(data))
+
+    argv = ["start", "--name", d.name, "--capacity", "1000", "--unit", "episode"]
+    argv += ["--storage-dir", str(e2e_env.storage_dir), "--restore", str(tmp_path), "--detach"]
+    res = e2e_env.cli(*argv, timeout=60)
+    info = e2e_env.read_runtime(d.name)
+    if info is not None:  # it serves: reap it after the test
+        e2e_env.extra_pids.append(int(info["pid"]))
+    assert res.returncode != 0, res.stdout
+    assert "corrupt" in res.stderr and chunk.name in res.stderr, res.stderr
+    assert not d.segment_path.exists()
+
+
 # -- what samples and leases changed survives --resume too (issue 13, item 2) ----------------
 
 RING = 4  # episodes of LENGTH rows: a writer of RING more laps the ring

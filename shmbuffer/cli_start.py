@@ -85,7 +85,9 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 def _claim_name(config: DaemonConfig, keep_segment: bool = False) -> None:
     """Refuse a name a live daemon serves; clear what a dead one left behind (its segment
-    too, unless ``keep_segment``: ``--resume`` re-attaches it)."""
+    too). With ``keep_segment`` (``--resume``) the segment and the stale runtime record stay:
+    the record holds the settings of a daemon that died before it had a segment, and a
+    resume that fails can be tried again; the resumed daemon's own record replaces it."""
     info = runtime.read(config.name)
     if info is None:
         return
@@ -100,17 +102,16 @@ def _claim_name(config: DaemonConfig, keep_segment: bool = False) -> None:
             "are kept and resumed, committed rows included",
             info.get("pid"),
         )
-    else:
-        log.warning(
-            "removing the stale runtime file and segment of dead daemon pid %s, with the rows "
-            "it had committed (`start --resume` would have served them again)",
-            info.get("pid"),
-        )
+        return
+    log.warning(
+        "removing the stale runtime file and segment of dead daemon pid %s, with the rows "
+        "it had committed (`start --resume` would have served them again)",
+        info.get("pid"),
+    )
     runtime.remove(config.name)
-    if not keep_segment:
-        from shmbuffer.segment import Segment
+    from shmbuffer.segment import Segment
 
-        Segment.unlink(config.name, info.get("storage_dir"))
+    Segment.unlink(config.name, info.get("storage_dir"))
 
 
 def run_daemon(
@@ -138,6 +139,7 @@ def _serve(
 ) -> int:
     from shmbuffer.daemon.server import Server
     from shmbuffer.daemon.service import BufferService
+    from shmbuffer.segment import segment_path
 
     for warning in security.check_daemon_access(config):  # refuses an exposed tcp endpoint
         log.warning("%s", warning)
@@ -160,10 +162,17 @@ def _serve(
         "pid": os.getpid(),
         "storage_dir": config.storage_dir,
         "protocol": PROTOCOL_VERSION,
+        # Where its segment is or will be (created with the schema): whether it exists once
+        # this daemon is gone says what `--resume` would find.
+        "segment": str(segment_path(config.name, config.storage_dir)),
+        "settings": service.resume_settings(),  # `--resume` of a daemon with no segment
     }
     if metrics is not None:  # the port 0 chose is found here
         info["metrics"] = metrics.url
     runtime.write(config.name, info)
+    service.settings_changed = lambda: runtime.update(
+        config.name, settings=service.resume_settings()
+    )
     _write_private(runtime_dir() / f"{config.name}.pid", f"{os.getpid()}\n".encode())
     security.share_runtime(config)  # with --group: the runtime dir and file become group-readable
     log.info(

@@ -3,8 +3,10 @@
 Shared by both sides: the daemon writes these files, clients and the command line read them.
 
 ``<runtime dir>/<name>.json`` holds the endpoint, pid, segment path and protocol version of
-the daemon serving ``name``. It is written atomically once the daemon listens and removed when
-it stops; one left behind by a daemon that died is *stale* (its pid is gone) and is replaced.
+the daemon serving ``name``, and what ``--resume`` needs of one that dies before it has a
+segment (its settings, rewritten after ``configure``: :func:`update`). It is written
+atomically once the daemon listens and removed when it stops; one left behind by a daemon
+that died is *stale* (its pid is gone) and is replaced.
 
 **Group discovery.** A daemon started with ``--group G`` also publishes a copy of that record
 in a folder every member of ``G`` can read, at a place that depends on nothing in anyone's
@@ -127,6 +129,25 @@ def write(name: str, info: dict[str, Any]) -> Path:
         json.dump({**info, "host": socket.gethostname(), "written": time.time()}, f, indent=1)
     os.replace(tmp, path)
     return path
+
+
+def update(name: str, **fields: Any) -> None:
+    """Rewrite the runtime file of ``name`` with ``fields`` changed, keeping its other fields
+    and the access it was given (a ``--group`` daemon's is group-readable); the copy in a
+    group folder keeps what it had (``--resume`` reads the owner's own record)."""
+    path = runtime_file(name)
+    info = read(name)
+    if info is None:
+        return
+    st = os.stat(path, follow_symlinks=False)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        with contextlib.suppress(OSError):  # a group we left meanwhile: owner-only then
+            os.fchown(f.fileno(), -1, st.st_gid)
+            os.fchmod(f.fileno(), stat.S_IMODE(st.st_mode) & 0o640)
+        json.dump({**info, **fields}, f, indent=1)
+    os.replace(tmp, path)
 
 
 def read(name: str) -> dict[str, Any] | None:
@@ -447,15 +468,24 @@ def resolve_endpoint(target: str) -> str:
             f"{note}); start one with `shmbuffer-daemon start --name {target}`"
         )
     if is_stale(info):
-        if "published" in info:
-            raise DaemonUnavailableError(
-                f"the daemon of buffer {target!r} published in {info['published']} (pid "
-                f"{info.get('pid')}) is gone; its user can serve its committed data again with "
-                f"`shmbuffer-daemon start --name {target} --resume`"
-            )
-        raise DaemonUnavailableError(
-            f"the daemon of buffer {target!r} (pid {info.get('pid')}) is gone; "
-            f"`shmbuffer-daemon start --name {target} --resume` serves its committed data "
-            "again (a plain `start` discards it)"
-        )
+        raise DaemonUnavailableError(gone_advice(target, info))
     return str(info["endpoint"])
+
+
+def gone_advice(target: str, info: dict[str, Any]) -> str:
+    """What to do about the dead daemon of ``info``: what ``--resume`` would give back."""
+    resume = f"`shmbuffer-daemon start --name {target} --resume`"
+    what = f"the daemon of buffer {target!r} (pid {info.get('pid')})"
+    segment = info.get("segment")
+    if isinstance(segment, str) and not os.path.isdir(segment):  # never had a schema
+        return (
+            f"{what} is gone; it stored nothing (it died before its first write, with no "
+            f"segment); {resume} starts it again, empty, with its settings (sampler, rate "
+            "limiter as last configured)"
+        )
+    if "published" in info:
+        return (
+            f"{what}, published in {info['published']}, is gone; its user can serve its "
+            f"committed data again with {resume}"
+        )
+    return f"{what} is gone; {resume} serves its committed data again (a plain `start` discards it)"

@@ -5,7 +5,10 @@
   included), use counters and leases from the journal (see ``journal.py``). Reservations that
   were open at the crash are gone: their rows were evicted when reserved and never committed,
   so they are never published. Leases are kept until their TTL passes: a reader of views the
-  dead daemon leased keeps them unchanged, whichever writers reconnect.
+  dead daemon leased keeps them unchanged, whichever writers reconnect. A daemon that died
+  before its first write (no schema, so no segment) stored nothing but its settings, kept in
+  its runtime record (the rate limiter as ``configure`` left it): resume starts it again,
+  empty, with them.
 * **restore** creates a fresh segment from a checkpoint folder (see ``checkpoint.py``), copies
   the rows in and rebuilds the same state, sampler state (priorities, epochs, consumed
   marks), rate limiter counts, generator state and use counters included.
@@ -91,12 +94,25 @@ def saved_settings(config: DaemonConfig, restore: str | None) -> dict[str, Any]:
         _, manifest, state = read_checkpoint(restore)
         return {**_saved_settings(manifest, state), **_saved_parts(state)}
     path = segment_path(config.name, _storage_dir(config))
+    if not (path / MANIFEST).exists() and (unwritten := _unwritten_settings(config)):
+        return {**unwritten, "schema": None, **_saved_parts(unwritten)}
     manifest = _read_manifest(path)
     try:  # the journal's last snapshot: the sampler never changes, configure snapshots
         snapshot = json.loads((path / STATE_FILE).read_text())
     except (OSError, ValueError):
         snapshot = None  # resume_service reports what is wrong with the journal
     return {**_saved_settings(manifest, None), **_saved_parts(snapshot)}
+
+
+def _unwritten_settings(config: DaemonConfig) -> dict[str, Any] | None:
+    """The settings a dead daemon that never created its segment (no schema yet: nothing
+    written) left in its runtime record (``BufferService.resume_settings``); None if there
+    is no such record."""
+    info = runtime.read(config.name)
+    if info is None or not runtime.is_stale(info) or not isinstance(info.get("settings"), dict):
+        return None
+    settings = dict(info["settings"])
+    return {k: settings.get(k) for k in ("capacity", "unit", "mode", "sampler", "rate_limiter")}
 
 
 def _saved_parts(state: dict[str, Any] | None) -> dict[str, Any]:
@@ -195,6 +211,13 @@ def resume_service(config: DaemonConfig) -> BufferService:
     t0 = time.perf_counter()
     storage_dir = _storage_dir(config)
     path = segment_path(config.name, storage_dir)
+    if not (path / MANIFEST).exists() and _unwritten_settings(config) is not None:
+        log.warning(  # its settings came in through adopt_settings
+            "resumed %r: its daemon died before its first write and stored nothing; starting "
+            "empty with its settings (sampler, rate limiter as last configured)",
+            config.name,
+        )
+        return BufferService(config)
     manifest = _read_manifest(path)
     owner = _owner_pid(manifest)
     here = manifest.get("host") == socket.gethostname()

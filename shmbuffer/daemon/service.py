@@ -226,6 +226,11 @@ class BufferService(WriteOps, SampleOps):
                 self.journal.snapshot(self.persistent_state())
             except (OSError, OutOfSpaceError) as exc:
                 log.warning("journal snapshot after configure failed: %s", exc)
+        if self.settings_changed is not None:  # and so does one before the first write
+            try:
+                self.settings_changed()
+            except OSError as exc:
+                log.warning("keeping the new settings in the runtime record failed: %s", exc)
         return {"rate_limiter": self.limiter_stats()}, []
 
     @classmethod

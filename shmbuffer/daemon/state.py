@@ -115,6 +115,10 @@ class DaemonState:
         #: Whether ``checkpoint`` replies later (the Server sets it: it parks the request until
         #: the copy is done); without a server the request waits for the copy itself.
         self.defer_checkpoints = False
+        #: Called after ``configure`` changed the rate limiter (the command line keeps
+        #: :meth:`resume_settings` in the runtime record: a daemon that dies before it has a
+        #: segment has no journal to keep them).
+        self.settings_changed: Callable[[], None] | None = None
         #: A segment created before lineages existed gets one per daemon process: its
         #: checkpoints link only to those this process wrote.
         self._lineage_fallback = uuid.uuid4().hex
@@ -221,6 +225,19 @@ class DaemonState:
                 self.counters.rows_committed,
                 self.counters.episodes_committed,
             )
+
+    def resume_settings(self) -> dict[str, Any]:
+        """What ``start --resume`` needs of a daemon that died before its first write (it has
+        no segment, so no journal): capacity, unit, mode, and the sampler's and rate
+        limiter's kinds and settings as the container has them now."""
+        c = self.container
+        return {
+            "capacity": c.capacity,
+            "unit": c.unit,
+            "mode": c.mode,
+            "sampler": {"name": c.sampler.name, "settings": c.sampler.settings()},
+            "rate_limiter": {"name": c.rate_limiter.name, "settings": c.rate_limiter.settings()},
+        }
 
     def persistent_state(self) -> dict[str, Any]:
         """The container and counters as JSON (what the journal snapshots and checkpoints

@@ -108,6 +108,33 @@ def test_plain_start_after_sigkill_starts_empty(daemon, e2e_env):
     assert "stale" in fresh.log()
 
 
+def test_a_daemon_killed_before_its_first_write_resumes_with_its_settings(daemon, e2e_env):
+    """A daemon that never had a schema has no segment: ``status`` says so, and ``--resume``
+    starts it again, empty, with its settings, the rate limiter as ``configure`` left it."""
+    args = ["--rate-limiter", "min-size", "--min-size", "1"]
+    d = daemon(capacity=100, unit="transition", args=args)
+    out = e2e_env.cli("configure", "--name", d.name, "--min-size", "3")
+    assert out.returncode == 0, out.stderr
+    sigkill(d)
+    assert not d.segment_path.exists()
+
+    status = e2e_env.cli("status", "--name", d.name)
+    assert status.returncode != 0
+    assert "stored nothing" in status.stderr and "--resume" in status.stderr, status.stderr
+    assert "committed data" not in status.stderr  # there is none to serve again
+
+    resumed = daemon(name=d.name, capacity=100, unit="transition", args=["--resume"])
+    limiter = resumed.stats()["rate_limiter"]
+    assert (limiter["kind"], limiter["settings"]["min_size"]) == ("min-size", 3)
+    assert "stored nothing" in resumed.log()
+    with Writer(d.name, timeout=5) as w:
+        w.add_episode(make_episode(0, 0, 3, OBS))
+        w.flush()
+    with Reader(d.name, timeout=5) as r:
+        assert len(r.sample(2)["episode"]) == 2
+    assert resumed.stats()["rate_limiter"]["settings"]["min_size"] == 3
+
+
 def test_resume_refusals(daemon, e2e_env):
     storage = str(e2e_env.storage_dir)
     nothing = e2e_env.cli(

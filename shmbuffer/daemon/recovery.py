@@ -42,6 +42,7 @@ from shmbuffer import runtime
 from shmbuffer.daemon.config import LIMITER_OPTIONS, SAMPLER_OPTIONS, DaemonConfig
 from shmbuffer.daemon.journal import STATE_FILE, Journal, restore_container
 from shmbuffer.errors import CheckpointError, JournalError, RecoveryError, ShmBufferError
+from shmbuffer.protocol_unix import LANE_SUFFIX
 from shmbuffer.runtime import runtime_dir
 from shmbuffer.schema import Schema
 from shmbuffer.segment import (
@@ -323,14 +324,17 @@ def restore_service(config: DaemonConfig, source: str | Path) -> BufferService:
 # -- cleanup ----------------------------------------------------------------------------------
 
 
+#: The files a daemon keeps in the runtime dir beside its ``<name>.json``: its pid, its ipc
+#: socket and the local lane's socket beside it (``protocol_unix.lane_path``), its log.
+RUNTIME_SUFFIXES = (".pid", ".sock", ".sock" + LANE_SUFFIX, ".log")
 #: A log with no runtime file beside it is removed once it has been quiet this long: a daemon
 #: that ``--detach`` is still starting (or resuming) has a log but no runtime file yet.
 ORPHAN_LOG_AGE_S = 60.0
 
 
 def cleanup(storage_dir: str | Path | None = None, dry_run: bool = False) -> list[str]:
-    """Remove the runtime files (``.json``, ``.pid``, ``.sock``, ``.log``) and segment folders
-    of daemons that are gone; return what was (or, with ``dry_run``, would be) removed. A log
+    """Remove the runtime files (``.json`` and :data:`RUNTIME_SUFFIXES`) and segment folders of
+    daemons that are gone; return what was (or, with ``dry_run``, would be) removed. A log
     alone (its daemon stopped, or never started) goes once it is ``ORPHAN_LOG_AGE_S`` old.
     Live daemons' files, segments of other hosts and folders that are not segments (no
     manifest) are left alone, and so is whatever cannot be read (another user's folder, a
@@ -363,14 +367,14 @@ def cleanup(storage_dir: str | Path | None = None, dry_run: bool = False) -> lis
             live.add((path.stem, seg_root.absolute()))
             continue
         remove(path)
-        for suffix in (".pid", ".sock", ".log"):
-            if (rdir / f"{path.stem}{suffix}").exists():
+        for suffix in RUNTIME_SUFFIXES:
+            if os.path.lexists(rdir / f"{path.stem}{suffix}"):
                 remove(rdir / f"{path.stem}{suffix}")
         if storage_dir is None or seg_root.absolute() == Path(storage_dir).absolute():
             roots.add(seg_root)
     now = time.time()
     for path in sorted(rdir.glob("*.log")):
-        others = [rdir / f"{path.stem}{suffix}" for suffix in (".json", ".pid", ".sock")]
+        others = [rdir / f"{path.stem}{s}" for s in (".json", *RUNTIME_SUFFIXES) if s != ".log"]
         if str(path) in removed or any(os.path.lexists(p) for p in others):
             continue
         with contextlib.suppress(OSError):

@@ -167,6 +167,9 @@ def test_cleanup_removes_only_dead_daemons_leftovers(daemon, e2e_env):
     stray.mkdir()
     (stray / "keep.txt").write_text("x")
 
+    lane = e2e_env.runtime_dir / f"{dead.name}.sock.lane"  # the local lane's socket
+    assert lane.exists()  # left by the SIGKILL
+
     dry = e2e_env.cli("cleanup", "--storage-dir", storage, "--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert str(dead.segment_path) in dry.stdout and "would remove" in dry.stdout
@@ -179,6 +182,8 @@ def test_cleanup_removes_only_dead_daemons_leftovers(daemon, e2e_env):
     assert not dead.segment_path.exists()
     assert not e2e_env.runtime_file(dead.name).exists()
     assert not (e2e_env.runtime_dir / f"{dead.name}.sock").exists()
+    assert not lane.exists() and str(lane) in out.stdout
+    assert (e2e_env.runtime_dir / f"{live.name}.sock.lane").exists()
     # the live daemon and the stray folder are untouched
     assert live.segment_path.is_dir() and e2e_env.runtime_file(live.name).exists()
     assert (stray / "keep.txt").exists()

@@ -448,7 +448,38 @@ REPLIES: dict[str, dict[str, Spec]] = {
 
 
 def encode(header: Mapping[str, Any]) -> bytes:
-    return msgpack.packb(header, use_bin_type=True)  # type: ignore[no-any-return]
+    """A header as msgpack; a value msgpack cannot carry (an int outside 64 bits, an object)
+    is a ProtocolError naming its field, before anything is sent."""
+    try:
+        return msgpack.packb(header, use_bin_type=True)  # type: ignore[no-any-return]
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise ProtocolError(
+            _unencodable(header, "") or f"header cannot be encoded: {exc}"
+        ) from None
+
+
+#: The integers msgpack carries: int64 and uint64.
+_MSGPACK_INTS = (-(2**63), 2**64 - 1)
+_PLAIN = (bool, int, float, str, bytes, type(None))
+
+
+def _unencodable(value: Any, path: str) -> str | None:
+    """The first field in ``value`` that msgpack cannot carry, described (None: none)."""
+    if isinstance(value, Mapping):
+        children = [(f"{path}.{k}" if path else str(k), v) for k, v in value.items()]
+    elif isinstance(value, list | tuple):
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    elif type(value) is int and not _MSGPACK_INTS[0] <= value <= _MSGPACK_INTS[1]:
+        return f"field {path!r}={value} cannot be sent: the protocol's integers are 64-bit"
+    elif isinstance(value, _PLAIN):
+        return None
+    else:
+        return f"field {path!r} cannot be sent: a value of type {type(value).__name__}"
+    for name, child in children:
+        found = _unencodable(child, name)
+        if found:
+            return found
+    return None
 
 
 def decode(frame: bytes | memoryview, max_bytes: int | None = MAX_HEADER_BYTES) -> dict[str, Any]:

@@ -129,6 +129,8 @@ def _as_leaf(key: Key, value: Any) -> np.ndarray | torch.Tensor:
 
     Lists and scalars become numpy arrays here, once, so the dtype validation checks is the
     dtype the copy reads (``torch.as_tensor`` and ``np.asarray`` disagree on Python floats).
+    An array in the other byte order (``>f4`` here) is copied into this machine's: the same
+    values exactly, and torch, which the schema and the copies go through, has no other.
     """
     if isinstance(value, torch.Tensor):
         return value
@@ -146,6 +148,8 @@ def _as_leaf(key: Key, value: Any) -> np.ndarray | torch.Tensor:
             f"key {key_str(key)!r}: {what or leaf.dtype} values (numpy dtype {leaf.dtype}) "
             "cannot be stored; columns hold bool, int, float or complex"
         )
+    if not leaf.dtype.isnative:
+        leaf = leaf.astype(leaf.dtype.newbyteorder("="))
     try:
         _dtype_of(leaf)
     except TypeError:  # float128, uint16 on an old torch, ...

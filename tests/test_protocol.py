@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -574,3 +575,18 @@ def test_fuzz_plausible_requests(op: str, seq: Any, v: Any, fields: dict[str, An
 def test_valid_requests_survive_codec(op: str, seq: int) -> None:
     header = request(op, seq, **GOOD_FULL[op])
     assert validate_request(decode(encode(header))) == GOOD_FULL[op]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"min_size": 99999999999999999999}, "field 'min_size'=99999999999999999999"),
+        ({"schema": {"obs": {"shape": [1, -(2**64)]}}}, r"field 'schema.obs.shape\[1\]'"),
+        ({"n": np.int64(3)}, "field 'n' cannot be sent: a value of type int64"),
+    ],
+)
+def test_a_value_msgpack_cannot_carry_is_refused_naming_its_field(
+    fields: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        encode(request("configure", 1, **fields))

@@ -206,3 +206,29 @@ def test_a_non_mapping_episode_is_a_schema_error(episode: Any) -> None:
         Buffer(4).add_episode(episode, num_envs=2)
     with pytest.raises(SchemaError, match=r"'x'.*not an array"):
         Buffer(4).add_episode({"x": ["a", "b"]}, num_envs=2)
+
+
+@pytest.mark.parametrize("declared", [False, True], ids=["lazy", "declared"])
+def test_arrays_in_the_other_byte_order_are_stored_as_their_values(declared: bool) -> None:
+    """A big-endian array (``>f4``, as from a file or a network) holds the same values as a
+    native one: it is converted (exactly) and stored, never refused with torch's error."""
+    values = {
+        "f": np.array([1.5, -2.25, 3e38], dtype=">f4"),
+        "i": np.array([1, -2, 2**40], dtype=">i8"),
+        "c": np.array([1 + 2j, 3 - 4j, 0j], dtype=">c8"),
+        "s": np.array([[1, 2], [3, -32768], [0, 7]], dtype=">i2"),
+    }
+    spec = {
+        "f": {"dtype": "float32", "shape": []},
+        "i": {"dtype": "int64", "shape": []},
+        "c": {"dtype": "complex64", "shape": []},
+        "s": {"dtype": "int16", "shape": [2]},
+    }
+    buf = Buffer(8, schema=spec if declared else None)
+    buf.extend(values)
+    buf.extend({k: v.astype(v.dtype.newbyteorder("=")) for k, v in values.items()})
+    assert buf.schema is not None and buf.schema.to_spec() == Schema.from_spec(spec).to_spec()
+    stored = buf[:]
+    for key, value in values.items():
+        expected = np.concatenate([value, value]).astype(value.dtype.newbyteorder("="))
+        assert np.array_equal(stored[key].numpy(), expected), key

@@ -278,10 +278,11 @@ class SamplingOps(RingState):
         ``priority``: a scalar or one value per row. ``generation``: each row's stamp when it
         was sampled, compared with ``stamps`` (the owner's current per-row generation stamps):
         a row overwritten since is left out (``stale``), never applied to the new data.
-        InvalidArgumentError for an index out of range, a negative or NaN priority, lengths
-        that differ, or a sampler that keeps no priorities."""
+        InvalidArgumentError for an index out of range, a negative, NaN or too large priority
+        (one whose weight could overflow the sampler's sums), lengths that differ, or a
+        sampler that keeps no priorities."""
         with as_invalid_argument:
-            index, given = check_update(rows, priority, self.capacity)
+            index, given = check_update(rows, priority, self.capacity, self.sampler.priority_limit)
             if not self.sampler.has_priorities:
                 self.sampler.update_priorities(index, given)  # its refusal, naming it
             if generation is None:

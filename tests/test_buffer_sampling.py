@@ -417,3 +417,43 @@ def test_a_sampler_serves_one_buffer_only() -> None:
     Buffer(8, sampler=sampler)
     with pytest.raises(InvalidArgumentError, match="already belongs"):
         Buffer(8, sampler=sampler)
+
+
+# -- limits: the sum tree stays finite, a sample's size is capped, min_size fits ------------
+
+
+@pytest.fixture(params=["numpy", "compiled"])
+def tree_loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The prioritized sampler's sum tree with numpy loops, then compiled (the fast extra)."""
+    from shmbuffer.samplers import sumtree
+
+    if request.param == "numpy":
+        monkeypatch.setattr(sumtree, "jit_available", lambda: None)
+    elif sumtree.jit_available() is None:
+        pytest.skip("numba (the fast extra) is not installed")
+    return str(request.param)
+
+
+@pytest.mark.usefixtures("tree_loops")
+@pytest.mark.parametrize("alpha", [1.0, 2.0])
+def test_a_priority_that_could_overflow_the_sum_tree_is_refused_whole(alpha: float) -> None:
+    """Finite priorities whose weights ``(p + eps) ** alpha`` would add up past float64's
+    largest value (or overflow alone) are refused like inf and NaN, naming the value, with
+    nothing changed; the largest accepted ones, on every leaf at once, keep the total finite.
+    64 leaves: the compiled tree has levels above them (it walks 16 per step)."""
+    buf = Buffer(64, sampler="prioritized", priority_exponent=alpha, seed=1)
+    buf.extend(rows(64), priority=np.arange(1.0, 65.0))
+    before = snapshot(buf)
+    with pytest.raises(InvalidArgumentError, match=r"priority\[0\] = 1e\+308"):
+        buf.update_priorities(np.arange(6), np.full(6, 1e308))
+    with pytest.raises(InvalidArgumentError, match=r"priority\[2\] = 1e\+307"):
+        buf.update_priorities(np.arange(6), [1.0, 2.0, 1e307, 1.0, 1.0, 1.0])
+    with pytest.raises(InvalidArgumentError, match="priority"):
+        buf.extend(rows(4, first=64), priority=1e308)
+    assert snapshot(buf) == before and buf.stats()["priority_updates"] == 0
+    largest = buf.sampler.priority_limit * (1 - 1e-9)  # what the tree can hold
+    assert buf.update_priorities(np.arange(64), np.full(64, largest)) == 64
+    total = buf.sampler.stats()["priority_total"]
+    assert np.isfinite(total) and total > 0
+    _, info = buf.sample(32, return_info=True)
+    assert bool(torch.isfinite(info["weight"]).all()) and bool((info["probability"] > 0).all())

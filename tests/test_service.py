@@ -729,3 +729,21 @@ def test_a_bad_priority_refuses_a_reserve_whole_piggybacked_commit_included(make
     assert h(W, "commit", reservation=first["reservation"])["episodes"] == [0]
     sampler = h.service.container.sampler.stats()
     assert sampler["priority_total"] == pytest.approx(1.0 + 2.0**0.6)  # the reserve's priority
+
+
+def test_a_priority_that_could_overflow_the_sum_is_refused_and_stats_stay_finite(
+    make: Any,
+) -> None:
+    from shmbuffer.errors import InvalidArgumentError
+    from shmbuffer.protocol import encode_f64, encode_i64
+
+    h = _ready(make(sampler="prioritized", priority_exponent=1.0))
+    h.write(W, 8, 1.0)
+    before = h(R, "stats")["stats"]["sampler"]["figures"]["priority_total"]
+    with pytest.raises(InvalidArgumentError, match=r"priority\[0\] = 1e\+308"):
+        h(R, "update_priorities", index=encode_i64(range(6)), priority=encode_f64([1e308] * 6))
+    with pytest.raises(InvalidArgumentError, match="priority"):
+        h(W, "reserve", rows=2, priority=1e308)
+    stats = h(R, "stats")["stats"]
+    assert stats["sampler"]["figures"]["priority_total"] == before == pytest.approx(8.0, rel=1e-5)
+    assert stats["priority_updates"] == 0 and stats["reservations"] == 0

@@ -76,28 +76,48 @@ class SliceDraw(NamedTuple):
 _INF_BITS = int(np.array(np.inf).view(np.uint64))
 
 
-def check_priority(priority: npt.ArrayLike, count: int, what: str = "priority") -> F64:
+def check_priority(
+    priority: npt.ArrayLike, count: int, what: str = "priority", most: float = math.inf
+) -> F64:
     """``priority`` as ``count`` float64 values (a scalar is repeated); ValueError unless every
-    value is finite and >= 0 and an array has exactly ``count`` entries."""
+    value is finite, >= 0 and <= ``most`` (a sampler's :attr:`Sampler.priority_limit`) and an
+    array has exactly ``count`` entries."""
     arr = np.asarray(priority, dtype=np.float64)
     if arr.ndim == 0:
         arr = np.full(count, float(arr))
     elif arr.ndim != 1 or arr.size != count:
         raise ValueError(f"{what} needs {count} values (one per item), got shape {arr.shape}")
-    # One reduction: the bits of a finite float >= 0 (sign clear, exponent not all ones),
-    # read as unsigned, lie below those of +inf; NaN, inf and negatives (-0.0 too, accepted
-    # below) lie above.
-    if arr.size and int(np.maximum.reduce(arr.view(np.uint64))) < _INF_BITS:
+    # One reduction: the bits of a float >= 0 (sign clear), read as unsigned, order as the
+    # values do, and +inf's lie above every finite one's; NaN and negatives (-0.0 too,
+    # accepted below) lie above those of any bound.
+    if arr.size and int(np.maximum.reduce(arr.view(np.uint64))) <= _bits_below(most):
         return arr
-    bad = ~np.isfinite(arr) | (arr < 0)
+    bad = ~np.isfinite(arr) | (arr < 0) | (arr > most)
     if bad.any():
         i = int(np.argmax(bad))
-        raise ValueError(f"{what}[{i}] = {float(arr[i])}: priorities must be finite and >= 0")
+        rule = "finite and >= 0"
+        if most < math.inf:
+            rule = (
+                f"finite, >= 0 and at most {most:.6g} (the sampler's sum of weights "
+                "(priority + eps) ** alpha over every item must stay a finite float64)"
+            )
+        raise ValueError(f"{what}[{i}] = {float(arr[i])}: priorities must be {rule}")
     return arr
 
 
-def check_update(rows: npt.ArrayLike, priority: npt.ArrayLike, capacity: int) -> tuple[I64, F64]:
-    """Validated ``(rows, priority)`` of an ``update_priorities`` call."""
+def _bits_below(most: float) -> int:
+    """The largest float64 bit pattern (read as unsigned) of a value in ``[0, most]``, and
+    finite: below +inf's own."""
+    if most >= math.inf:
+        return _INF_BITS - 1
+    return int(np.array(max(most, 0.0), dtype=np.float64).view(np.uint64))
+
+
+def check_update(
+    rows: npt.ArrayLike, priority: npt.ArrayLike, capacity: int, most: float = math.inf
+) -> tuple[I64, F64]:
+    """Validated ``(rows, priority)`` of an ``update_priorities`` call (``most``: as for
+    :func:`check_priority`)."""
     idx = np.asarray(rows)
     if idx.ndim != 1 or (idx.dtype.kind not in "iu" and idx.size):
         raise ValueError(f"index must be a 1-D integer array, got {idx.dtype} {idx.shape}")
@@ -106,7 +126,7 @@ def check_update(rows: npt.ArrayLike, priority: npt.ArrayLike, capacity: int) ->
     if idx.size and int(np.maximum.reduce(idx.view(np.uint64))) >= capacity:
         bad = int(idx[(idx < 0) | (idx >= capacity)][0])
         raise IndexError(f"index {bad} out of range for a buffer of capacity {capacity}")
-    return idx, check_priority(priority, idx.size)
+    return idx, check_priority(priority, idx.size, most=most)
 
 
 def check_count(value: int, what: str) -> int:
@@ -124,6 +144,9 @@ class Sampler(ABC):
     name: ClassVar[str]
     #: Whether ``update_priorities`` and a ``priority`` on commit mean anything here.
     has_priorities: ClassVar[bool] = False
+    #: The largest priority it can keep (``check_priority``'s ``most``): what its sums stay
+    #: finite with; set once attached to a capacity.
+    priority_limit: float = math.inf
     #: Whether draws take numbers from the generator (the journal then keeps its state where
     #: a refused call may have moved it; see ``daemon/journal.py``).
     uses_rng: ClassVar[bool] = True
@@ -234,7 +257,7 @@ class Sampler(ABC):
         if not self.has_priorities:
             raise ValueError(f"priority given, but the {self.name} sampler keeps no priorities")
         count = len(episodes) if self.unit == "episode" else sum(ep.length for ep in episodes)
-        return check_priority(priority, count)
+        return check_priority(priority, count, most=self.priority_limit)
 
     def update_priorities(self, rows: npt.ArrayLike, priority: npt.ArrayLike) -> int:
         """Set the priority of the items holding physical ``rows``; return how many were set.

@@ -83,6 +83,7 @@ Accept = Callable[[I64], npt.NDArray[np.bool_]]
 _MIN_ACCEPT_RATE = 1e-3  # below it, rejection costs more than one exact O(C) draw
 _MAX_ROUNDS = 32
 _TINY = float(np.finfo(np.float64).tiny)
+_LARGEST = float(np.finfo(np.float64).max)
 
 
 def last_writes(keys: I64, bound: int) -> tuple[I64, I64]:
@@ -145,11 +146,25 @@ class PrioritizedSampler(Sampler):
     def _reset(self) -> None:
         size = max(self.capacity, 1)
         self._sum = SumTree(size)
+        self.weight_limit, self.priority_limit = self._limits(self._sum.size)
         self._min = PositiveMinTree(self._sum)
         self._positive = 0  # leaves > 0: live, unretired items
         self._times = np.zeros(size if self.max_times_sampled else 0, dtype=np.int64)
         self._masses = SliceMasses(exact=False)
         self._graveyard = Graveyard(size)
+
+    def _limits(self, leaves: int) -> tuple[float, float]:
+        """The largest weight a leaf may hold, and the largest priority that gives it: with
+        every one of ``leaves`` at that weight the tree's total is half of float64's largest
+        value, so no sum in the tree (nor its rounding) reaches inf, whatever the other leaves
+        hold. A static bound per item, not a check of the running total: whether a priority
+        is accepted never depends on the others, so a journal's replay agrees with the run."""
+        weight = _LARGEST / (2 * leaves)
+        if self.priority_exponent == 0:  # every weight is 1
+            return weight, math.inf
+        with np.errstate(over="ignore"):
+            root = float(np.float64(weight) ** (1 / self.priority_exponent))
+        return weight, root - self.priority_eps  # inf where no finite priority can reach it
 
     # -- leaves ------------------------------------------------------------------------------
 
@@ -415,7 +430,7 @@ class PrioritizedSampler(Sampler):
     # -- priorities --------------------------------------------------------------------------
 
     def update_priorities(self, rows: npt.ArrayLike, priority: npt.ArrayLike) -> int:
-        idx, given = check_update(rows, priority, self.capacity)
+        idx, given = check_update(rows, priority, self.capacity, self.priority_limit)
         return self.set_priorities(idx, given)
 
     def set_priorities(self, rows: I64, priority: F64) -> int:
@@ -493,7 +508,19 @@ class PrioritizedSampler(Sampler):
             if alpha == 0:
                 raise ValueError("cannot convert priorities saved with priority_exponent=0")
             raw = np.maximum(leaves[live] ** (1 / alpha) - eps, 0.0)
-            leaves[live] = self._weight(raw)
+            with np.errstate(over="ignore"):
+                leaves[live] = self._weight(raw)
+        if leaves.size and leaves.max() > self.weight_limit:  # inf too
+            raise ValueError(
+                f"sampler state 'leaves' holds a weight over {self.weight_limit:.6g}, the most "
+                "one item may have for the sum of every item's to stay finite"
+            )
+        max_priority = float(state["max_priority"])
+        if not 0 <= max_priority <= self.priority_limit:
+            raise ValueError(
+                f"sampler state 'max_priority' = {max_priority} is out of range "
+                f"[0, {self.priority_limit:.6g}]"
+            )
         times = np.zeros(0, dtype=np.int64)
         if self.max_times_sampled:
             times = np.zeros(self.capacity, dtype=np.int64)
@@ -505,7 +532,7 @@ class PrioritizedSampler(Sampler):
         self._positive = int(np.count_nonzero(leaves))
         self._times = times
         self._masses.clear()
-        self._max_priority = float(state["max_priority"])
+        self._max_priority = max_priority
         self._retired_total = int(state.get("retired_total", 0))
 
     def stats(self) -> dict[str, Any]:

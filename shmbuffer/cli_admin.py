@@ -158,6 +158,11 @@ def cmd_configure(args: argparse.Namespace) -> int:
     conn = _admin(args.name, timeout=args.timeout)
     try:
         limiter = conn.call("configure", **settings)["rate_limiter"]
+    except ShmBufferError as exc:  # the wire names each setting by its field: say the flag
+        message = str(exc)
+        for name in settings:
+            message = message.replace(name, "--" + name.replace("_", "-"))
+        raise type(exc)(message) from None
     finally:
         conn.close()
     changed = ", ".join(f"{k}={v:g}" for k, v in limiter["settings"].items())

@@ -148,6 +148,10 @@ class RingState:
             )
         self.sampler: Sampler = UniformSampler() if sampler is None else sampler
         self.rate_limiter: RateLimiter = NoLimit() if rate_limiter is None else rate_limiter
+        try:
+            self.rate_limiter.bind(capacity)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
         self.rng = np.random.default_rng(seed)
         self.sampler.attach(self.registry, self.unit, capacity)
         #: Priority updates applied, and skipped because the row was overwritten since its

@@ -457,3 +457,15 @@ def test_a_priority_that_could_overflow_the_sum_tree_is_refused_whole(alpha: flo
     assert np.isfinite(total) and total > 0
     _, info = buf.sample(32, return_info=True)
     assert bool(torch.isfinite(info["weight"]).all()) and bool((info["probability"] > 0).all())
+
+
+@pytest.mark.parametrize("limiter", ["min-size", "sample-to-insert"])
+def test_a_min_size_above_the_capacity_is_refused(limiter: str) -> None:
+    options: dict[str, Any] = {"samples_per_insert": 1.0, "error_buffer": 2.0}
+    if limiter == "min-size":
+        options = {}
+    with pytest.raises(InvalidArgumentError, match=r"min_size=17 .*capacity of 16"):
+        Buffer(16, rate_limiter=limiter, min_size=17, **options)
+    buf = Buffer(16, rate_limiter=limiter, min_size=16, **options)  # a full ring samples
+    buf.extend(rows(16))
+    assert buf.sample(2).shape == (2,)

@@ -747,3 +747,13 @@ def test_a_priority_that_could_overflow_the_sum_is_refused_and_stats_stay_finite
     stats = h(R, "stats")["stats"]
     assert stats["sampler"]["figures"]["priority_total"] == before == pytest.approx(8.0, rel=1e-5)
     assert stats["priority_updates"] == 0 and stats["reservations"] == 0
+
+
+def test_configure_refuses_a_min_size_above_the_capacity(make: Any) -> None:
+    from shmbuffer.errors import InvalidArgumentError
+
+    h = _ready(make(rate_limiter="min-size", min_size=2))
+    with pytest.raises(InvalidArgumentError, match=r"min_size=17 .*capacity of 16"):
+        h(ADMIN, "configure", min_size=17)
+    assert h(R, "stats")["stats"]["rate_limiter"]["min_size"] == 2
+    assert h(ADMIN, "configure", min_size=16)["rate_limiter"]["min_size"] == 16

@@ -260,9 +260,11 @@ class DaemonConfig:
         if kind in ("sample-to-insert", "min-size") and options["min_size"] is None:
             options["min_size"] = 1
         try:
-            return build_rate_limiter(kind, **options)
+            limiter = build_rate_limiter(kind, **options)
+            limiter.bind(self.capacity)  # a --min-size above --capacity is never met
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"--rate-limiter {kind}: {_as_flags(str(exc))}") from None
+        return limiter
 
     @property
     def resolved_endpoint(self) -> str:

@@ -31,6 +31,10 @@ Reverb: ``samples_per_insert > 0``, ``min_size >= 0``, ``error_buffer >= max(1, 
 (smaller windows could block single-row requests on both sides).
 
 MinSize(N): samples wait until ``size >= N``; inserts always proceed. NoLimit: both always.
+
+A limiter is bound to its buffer's capacity (:meth:`RateLimiter.bind`): a ``min_size`` above
+it could never be met, so every sample would wait forever; it is refused when bound and by
+every later :meth:`RateLimiter.configure`.
 """
 
 from __future__ import annotations
@@ -50,6 +54,16 @@ def _min_size(value: int) -> int:
     if value < 0:
         raise ValueError(f"min_size must be >= 0, got {value}")
     return value
+
+
+def _check_fits(min_size: Any, capacity: int) -> None:
+    """A ``min_size`` above ``capacity`` rows is never met: refused (any other bad value is
+    left to the limiter's own checks)."""
+    if type(min_size) is int and min_size > capacity:
+        raise ValueError(
+            f"min_size={min_size} is above the buffer's capacity of {capacity} rows: samples "
+            "would wait for more rows than it can ever hold"
+        )
 
 
 def _rows(n: int, what: str) -> int:
@@ -73,6 +87,8 @@ class RateLimiter(ABC):
     bounds_inserts: ClassVar[bool] = False
 
     def __init__(self) -> None:
+        #: The rows its buffer can hold (:meth:`bind`); None until bound.
+        self.capacity: int | None = None
         self.inserted = 0
         self.sampled = 0
         self.deleted = 0
@@ -124,13 +140,21 @@ class RateLimiter(ABC):
     def settings(self) -> dict[str, Any]:
         return {}
 
+    def bind(self, capacity: int) -> None:
+        """Serve a buffer of ``capacity`` rows; ValueError, changing nothing, where its
+        ``min_size`` could never be met there."""
+        _check_fits(self.settings().get("min_size"), capacity)
+        self.capacity = capacity
+
     def configure(self, **options: Any) -> None:
         """Change settings live (counts are kept); ValueError, changing nothing, if one is
-        unknown for this limiter or out of range."""
+        unknown for this limiter, out of range, or a ``min_size`` above the capacity."""
         unknown = sorted(set(options) - set(self.options))
         if unknown:
             allowed = ", ".join(self.options) or "none"
             raise ValueError(f"rate limiter {self.name} has no option {unknown}; it has: {allowed}")
+        if self.capacity is not None:
+            _check_fits(options.get("min_size"), self.capacity)
         self._configure(**{**self.settings(), **options})
 
     def _configure(self, **options: Any) -> None:  # noqa: B027 (no settings: nothing to do)

@@ -154,6 +154,16 @@ def test_stale_runtime_file_is_replaced(daemon, e2e_env):
         (["--endpoint", "ipc:///tmp/" + "x" * 120 + ".sock"], 1, "over the kernel's limit"),
         (["--reservation-ttl", "nan"], 2, "--reservation-ttl: must be a positive, finite"),
         (["--lease-ttl", "-1"], 2, "--lease-ttl: must be a positive, finite"),
+        (
+            ["--capacity", "16", "--rate-limiter", "min-size", "--min-size", "17"],
+            1,
+            "--min-size=17 is above the buffer's capacity of 16 rows",
+        ),
+        (
+            ["--capacity", "16", "--rate-limiter", "min-size", "--min-size", "9" * 20],
+            1,
+            "--min-size=99999999999999999999 is above the buffer's capacity of 16 rows",
+        ),
     ],
 )
 def test_start_refuses_bad_settings(e2e_env, args, rc, message):
@@ -173,6 +183,11 @@ def test_start_refuses_bad_settings(e2e_env, args, rc, message):
         ("schema.json", '{"obs": ', "Expecting value"),
         ("daemon.toml", "reservation_ttl = nan", "reservation_ttl must be a positive, finite"),
         ("daemon.toml", "lease_ttl = ", "Invalid"),
+        (
+            "daemon.toml",
+            'capacity = 16\nrate_limiter = "min-size"\nmin_size = 17',
+            "--min-size=17 is above the buffer's capacity of 16 rows",
+        ),
     ],
 )
 def test_file_errors_name_the_file(e2e_env, tmp_path, file, text, message):
@@ -185,10 +200,27 @@ def test_file_errors_name_the_file(e2e_env, tmp_path, file, text, message):
     assert done.returncode == 1, done.stderr
     if file.startswith("schema"):  # the config loader's own value errors name the setting
         assert f"schema file {path}" in done.stderr
-    elif "nan" not in text:
+    elif message == "Invalid":  # a file that does not parse; a bad value names its flag
         assert f"config file {path}" in done.stderr
     assert message in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_configure_refuses_a_min_size_the_buffer_cannot_hold(daemon, e2e_env):
+    """Above the capacity every sample would wait forever; past what msgpack carries the
+    client could not even send it. Both are refused naming the flag; nothing changes."""
+    d = daemon(capacity=16, unit="transition", args=["--rate-limiter", "min-size"])
+    for value, message in [
+        ("17", "--min-size=17 is above the buffer's capacity of 16 rows"),
+        ("99999999999999999999", "--min-size"),
+    ]:
+        done = e2e_env.cli("configure", "--name", d.name, "--min-size", value)
+        assert done.returncode == 1, done.stderr
+        assert message in done.stderr and "Traceback" not in done.stderr
+    assert d.stats()["rate_limiter"]["min_size"] == 1
+    done = e2e_env.cli("configure", "--name", d.name, "--min-size", "16")
+    assert done.returncode == 0, done.stderr
+    assert d.stats()["rate_limiter"]["min_size"] == 16
 
 
 def test_status_watch_needs_a_positive_interval(daemon, e2e_env):

@@ -390,7 +390,7 @@ def test_configure_changes_the_ratio_live_and_a_parked_insert_goes_through(
     # out of range: refused, nothing changed
     bad = ["configure", "--name", d.name, "--samples-per-insert", "0.5", "--error-buffer", "0.1"]
     assert cli.main(bad) == 1
-    assert "error_buffer" in capsys.readouterr().err
+    assert "--error-buffer" in capsys.readouterr().err  # named as the flag
     assert d.stats()["rate_limiter"]["settings"]["error_buffer"] == 4
     # this daemon's sampler (uniform) keeps no priorities: refused by the writer and the daemon
     with Writer(d.name) as writer, Reader(d.name) as reader:

@@ -34,6 +34,7 @@ from shmbuffer import rows, streamcopy
 from shmbuffer.container import Container, as_invalid_argument
 from shmbuffer.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
 from shmbuffer.errors import ClosedError, InvalidArgumentError
+from shmbuffer.protocol import MAX_SAMPLE, check_sample_size
 from shmbuffer.samplers import RateLimiter, Sampler, build_rate_limiter, build_sampler
 from shmbuffer.samplers.base import Priority, check_count, check_priority
 from shmbuffer.schema import Schema
@@ -325,6 +326,8 @@ class Buffer:
         weight ``(N * P) ** -beta`` over its largest value, 1 unless prioritized), each
         ``[batch_size]``. ``beta`` overrides the importance exponent for this call."""
         self._check_open()
+        if type(batch_size) is int and batch_size > MAX_SAMPLE:  # named as the caller knows it
+            check_sample_size(batch_size, what="batch_size")
         drawn = self.container.sample_rows(batch_size, beta=beta)
         data = self._copy(drawn.rows)
         if not return_info:

@@ -32,7 +32,12 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from shmbuffer.errors import ProtocolError, ShmBufferError, VersionMismatchError
+from shmbuffer.errors import (
+    LimitExceededError,
+    ProtocolError,
+    ShmBufferError,
+    VersionMismatchError,
+)
 
 #: Versioned separately from the package. Minor bumps add optional fields or ops only.
 PROTOCOL_VERSION = "1.6"
@@ -69,8 +74,13 @@ _PRIORITY = Spec((bytes, float, int), required=False)
 #: ``MAX_HEADER_BYTES`` (``update_priorities`` sends three arrays: 3 x 8 x 2048 = 48 KiB).
 MAX_PRIORITIES = 4096
 MAX_UPDATES = 2048
-#: Most items one sample request may ask for (``n``).
+#: Most items (rows, slices or episodes) one sample may ask for: ``n`` of a request, and
+#: of every sampling call, in-process ``Buffer`` included (:func:`check_sample_size`).
 MAX_SAMPLE = 1 << 20
+#: Most rows one sample may hand out (a slice counts its length, an episode its rows),
+#: whatever carries it: a local reply holds an index and a stamp per row, so this is the
+#: default ``max_payload_bytes`` / 16, and a daemon configured lower refuses sooner.
+MAX_SAMPLE_ROWS = 1 << 27
 #: Most reservations one ``reserve`` asks for ahead (``count``), and most it commits first.
 MAX_AHEAD = 16
 
@@ -283,6 +293,22 @@ VALIDATORS: dict[str, Callable[[str, Mapping[str, Any]], None]] = {
     "read": _check_read,
     "configure": _check_configure,
 }
+
+
+def check_sample_size(n: int, length: int = 1, what: str = "n") -> None:
+    """Refuse a sample of ``n`` items of ``length`` rows each (a slice's length; an
+    episode's, expected) over :data:`MAX_SAMPLE` items or :data:`MAX_SAMPLE_ROWS` rows with
+    LimitExceededError naming the argument: before anything is drawn, sent or allocated."""
+    if n > MAX_SAMPLE:
+        raise LimitExceededError(
+            f"{what}={n:,} is over the limit of {MAX_SAMPLE:,} items per sample; sample in "
+            "several calls"
+        )
+    if n * length > MAX_SAMPLE_ROWS:
+        raise LimitExceededError(
+            f"{what}={n:,} items of {length:,} rows each make {n * length:,} rows, over the "
+            f"limit of {MAX_SAMPLE_ROWS:,} rows per sample; sample fewer or shorter ones"
+        )
 
 
 def episode_split(fields: Mapping[str, Any]) -> int | list[int]:

@@ -8,7 +8,10 @@ request the limiter (or a FIFO sampler holding unconsumed rows) refuses raises
 :class:`~shmbuffer.errors.WaitTimeoutError`; the daemon asks :meth:`SamplingOps.sample_blocker`
 (and, for writes, ``insert_blocker``) first and parks the request instead. Bad arguments (a
 negative or NaN priority, an index out of range, a call the sampler does not serve in this
-unit) raise :class:`~shmbuffer.errors.InvalidArgumentError` with nothing changed.
+unit) raise :class:`~shmbuffer.errors.InvalidArgumentError` with nothing changed; a sample over
+the protocol's limits (``MAX_SAMPLE`` items, ``MAX_SAMPLE_ROWS`` rows: ``protocol.py``, their
+one home) raises :class:`~shmbuffer.errors.LimitExceededError` before anything is drawn, in
+process as in a daemon.
 
 With a :class:`~shmbuffer.ringstate.SampleLog` (the daemon's journal) every draw is told to it
 before the caller hands the rows out: the call, its size and the rows counted by the limiter
@@ -28,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shmbuffer.errors import WaitTimeoutError
+from shmbuffer.protocol import MAX_SAMPLE, check_sample_size
 from shmbuffer.ringstate import (
     F64,
     I64,
@@ -168,6 +172,8 @@ class SamplingOps(RingState):
         limiter = self.rate_limiter
         try:
             n = check_count(n, "n")
+            if n > MAX_SAMPLE:
+                check_sample_size(n)
             if beta is not None:
                 check_beta(beta)
             if not limiter.can_sample(n):
@@ -215,7 +221,9 @@ class SamplingOps(RingState):
         with as_invalid_argument:
             n = check_count(n, "n")
         episodes = len(self.registry)
-        expected = n * max(1, round(self.registry.num_rows / episodes)) if episodes else n
+        mean = max(1, round(self.registry.num_rows / episodes)) if episodes else 1
+        check_sample_size(n, mean)  # by the mean length: the lengths are known after the draw
+        expected = n * mean
         log = self.sample_log
         with as_invalid_argument:
             self._admit(expected, f"{n} episodes", beta)
@@ -242,6 +250,7 @@ class SamplingOps(RingState):
         limiter counts ``n * length`` rows; use counts only the real ones."""
         with as_invalid_argument:
             n, length = check_count(n, "n"), check_count(length, "length")
+        check_sample_size(n, length)
         log = self.sample_log
         with as_invalid_argument:
             self._admit(n * length, f"{n} slices of {length} rows", beta)

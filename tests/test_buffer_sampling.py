@@ -459,6 +459,30 @@ def test_a_priority_that_could_overflow_the_sum_tree_is_refused_whole(alpha: flo
     assert bool(torch.isfinite(info["weight"]).all()) and bool((info["probability"] > 0).all())
 
 
+def test_a_sample_over_the_protocol_limits_is_refused_before_anything_is_drawn() -> None:
+    """The in-process Buffer refuses what a daemon refuses: over ``MAX_SAMPLE`` items, or over
+    ``MAX_SAMPLE_ROWS`` rows, with LimitExceededError naming the argument, nothing drawn."""
+    from shmbuffer.errors import LimitExceededError
+    from shmbuffer.protocol import MAX_SAMPLE, MAX_SAMPLE_ROWS
+
+    buf = Buffer(16, unit="episode", seed=0)
+    buf.add_episode(rows(8))
+    before = snapshot(buf)
+    with pytest.raises(LimitExceededError, match=f"batch_size={MAX_SAMPLE + 1:,}"):
+        buf.sample(MAX_SAMPLE + 1)
+    with pytest.raises(LimitExceededError, match=f"n={MAX_SAMPLE + 1:,}"):
+        buf.sample_episodes(MAX_SAMPLE + 1)
+    with pytest.raises(LimitExceededError, match=f"n={MAX_SAMPLE + 1:,}"):
+        buf.sample_slices(MAX_SAMPLE + 1, 1)
+    with pytest.raises(LimitExceededError, match=f"of {MAX_SAMPLE_ROWS + 1:,} rows each"):
+        buf.sample_slices(1, MAX_SAMPLE_ROWS + 1)
+    with pytest.raises(LimitExceededError, match=f"{MAX_SAMPLE_ROWS:,} rows"):
+        buf.sample_slices(2, MAX_SAMPLE_ROWS // 2 + 1)
+    # episodes of 8 rows: 2**20 of them would be 2**23 rows, under the row limit
+    assert snapshot(buf) == before
+    assert buf.sample(MAX_SAMPLE).shape == (MAX_SAMPLE,)  # the limit itself is allowed
+
+
 @pytest.mark.parametrize("limiter", ["min-size", "sample-to-insert"])
 def test_a_min_size_above_the_capacity_is_refused(limiter: str) -> None:
     options: dict[str, Any] = {"samples_per_insert": 1.0, "error_buffer": 2.0}

@@ -35,7 +35,14 @@ from shmbuffer.clients.episode_reads import EpisodeReads
 from shmbuffer.clients.leased import ClientLease, EpisodeViews
 from shmbuffer.clients.readerstate import CONSUMING_SAMPLERS, as_beta, as_count, to_host
 from shmbuffer.errors import InvalidArgumentError, ShmBufferError, TornReadError
-from shmbuffer.protocol import MAX_UPDATES, decode_f64, decode_i64, encode_f64, encode_i64
+from shmbuffer.protocol import (
+    MAX_UPDATES,
+    check_sample_size,
+    decode_f64,
+    decode_i64,
+    encode_f64,
+    encode_i64,
+)
 from shmbuffer.samplers.base import check_update
 
 __all__ = ["CONSUMING_SAMPLERS", "MAX_RESAMPLES", "ClientLease", "EpisodeViews", "Reader"]
@@ -126,7 +133,9 @@ class Reader(EpisodeReads):
         ``[batch_size]``. ``beta`` overrides the importance exponent for this call. A FIFO or
         consume-once sampler (and the rate limiter) may hold the call in the daemon for up to
         ``sample_timeout`` seconds, then WaitTimeoutError."""
-        fields = self._fields("rows", as_count(batch_size, "batch_size"), return_info, beta)
+        n = as_count(batch_size, "batch_size")
+        check_sample_size(n, what="batch_size")
+        fields = self._fields("rows", n, return_info, beta)
         reply, frames = self._sample_ahead(**fields)
         items = self._items(reply, return_info, ())
         if self.remote:
@@ -163,8 +172,10 @@ class Reader(EpisodeReads):
                 "sample_slices(strict=False) adds a 'mask' entry, but the schema has a key "
                 "'mask' already"
             )
-        fields = self._fields("slices", as_count(n, "n"), return_info, beta)
-        fields["length"] = length = as_count(length, "length")
+        n, length = as_count(n, "n"), as_count(length, "length")
+        check_sample_size(n, length)
+        fields = self._fields("slices", n, return_info, beta)
+        fields["length"] = length
         if not strict:
             fields["strict"] = False
         reply, frames = self._sample_ahead(**fields)

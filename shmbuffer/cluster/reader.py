@@ -57,6 +57,7 @@ from shmbuffer.errors import (
     ShmBufferError,
     WaitTimeoutError,
 )
+from shmbuffer.protocol import check_sample_size
 from shmbuffer.samplers.base import check_update
 
 __all__ = ["DOWN", "MAX_ROUNDS", "ClusterReader", "ShardUnavailableWarning"]
@@ -291,6 +292,7 @@ class ClusterReader(ShardFanout):
         """``batch_size`` transitions across the shards (a copy), as ``Reader.sample``;
         ``info`` as described in the module docstring, plus ``info["shard"]``."""
         n = as_count(batch_size, "batch_size")
+        check_sample_size(n, what="batch_size")  # the whole call's, not each shard's part
         pieces = self._draw("rows", n, beta=beta)
         merged: Any = self._merge(pieces, return_info, beta)
         return merged
@@ -308,6 +310,7 @@ class ClusterReader(ShardFanout):
         if type(strict) is not bool:
             raise TypeError(f"strict must be True or False, got {strict!r}")
         n, length = as_count(n, "n"), as_count(length, "length")
+        check_sample_size(n, length)
         pieces = self._draw("slices", n, length, strict, beta)
         merged: Any = self._merge(pieces, return_info, beta)
         return merged
@@ -317,7 +320,9 @@ class ClusterReader(ShardFanout):
         """``n`` whole episodes across the shards, as ``Reader.sample_episodes``: views under
         a lease from this node's shard (released when the block exits), copies from the
         others."""
-        pieces = self._draw("episodes", as_count(n, "n"))
+        n = as_count(n, "n")
+        check_sample_size(n)
+        pieces = self._draw("episodes", n)
         with ExitStack() as stack:
             for piece in pieces:
                 stack.push(partial(self._end, piece))

@@ -28,7 +28,7 @@ from shmbuffer import Reader, Writer
 from shmbuffer.clients.connection import Connection
 from shmbuffer.demo import make_episode
 from shmbuffer.errors import LimitExceededError
-from shmbuffer.protocol import MAX_HEADER_BYTES, PROTOCOL_VERSION
+from shmbuffer.protocol import MAX_HEADER_BYTES, MAX_SAMPLE, MAX_SAMPLE_ROWS, PROTOCOL_VERSION
 from shmbuffer.schema import Schema
 
 LENGTH = 10
@@ -166,6 +166,32 @@ def test_oversized_payloads(limited):
         remote.close()
         raw.close()
         bystander.close()
+
+
+def test_a_sample_over_the_protocol_limits_is_refused_before_it_is_sent(limited):
+    """The Reader refuses what the in-process Buffer refuses, as the Buffer does
+    (LimitExceededError naming the argument): over ``MAX_SAMPLE`` items or ``MAX_SAMPLE_ROWS``
+    rows, before any request goes out."""
+    d = limited
+    with Writer(d.name, timeout=5) as writer, Reader(d.name, timeout=5, prefetch=False) as reader:
+        for e in range(4):
+            writer.add_episode(make_episode(1, e, LENGTH, OBS))
+        writer.flush()
+        reader.sample(1)
+        first = d.stats()["messages"]
+        before = d.stats()["messages"]  # what a stats call itself counts: before - first
+        with pytest.raises(LimitExceededError, match=f"batch_size={MAX_SAMPLE + 1:,}"):
+            reader.sample(MAX_SAMPLE + 1)
+        with pytest.raises(LimitExceededError, match=f"n={MAX_SAMPLE + 1:,}"):
+            reader.sample_slices(MAX_SAMPLE + 1, 1)
+        with pytest.raises(LimitExceededError, match=f"{MAX_SAMPLE_ROWS:,} rows per sample"):
+            reader.sample_slices(2, MAX_SAMPLE_ROWS // 2 + 1)
+        with (
+            pytest.raises(LimitExceededError, match=f"n={MAX_SAMPLE + 1:,}"),
+            reader.sample_episodes(MAX_SAMPLE + 1),
+        ):
+            pass
+        assert d.stats()["messages"] - before == before - first  # nothing else arrived
 
 
 def test_buffer_too_big_for_its_file_system_is_refused_at_start(e2e_env):

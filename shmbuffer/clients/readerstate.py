@@ -34,7 +34,7 @@ from shmbuffer.errors import (
     SchemaError,
     UnknownClientError,
 )
-from shmbuffer.protocol import MAX_SAMPLE, encode_i64
+from shmbuffer.protocol import MAX_SAMPLE, MAX_SAMPLE_ROWS, encode_i64
 from shmbuffer.rows import from_bytes, gather, nest
 from shmbuffer.samplers.base import check_beta
 from shmbuffer.schema import Schema
@@ -243,7 +243,7 @@ class ReaderState:
         key = tuple(sorted(fields.items()))
         if self._parts and self._parts_key == key:
             return self._parts.pop(0)
-        depth = self.prefetch if fields["n"] * self.prefetch <= MAX_SAMPLE else 1
+        depth = self.prefetch if self._fits(fields, self.prefetch) else 1
         if self._fresh_only:
             self._fresh_only -= 1
             depth = 1
@@ -255,6 +255,15 @@ class ReaderState:
         self._parts_key = key
         self._ahead = ((key, depth), self._send_sample(group))
         return self._parts.pop(0)
+
+    def _fits(self, fields: dict[str, Any], depth: int) -> bool:
+        """Whether ``depth`` batches like ``fields`` fit one request: every limit a single
+        batch is held to (items, rows, the daemon's reply of an index and a stamp per row),
+        so prefetching never turns a call that is allowed alone into one that is refused."""
+        n = int(fields["n"]) * depth
+        rows = n * int(fields.get("length", 1))
+        payload = int(self.conn.buffer.get("max_payload_bytes", MAX_SAMPLE_ROWS * 16))
+        return n <= MAX_SAMPLE and rows <= min(MAX_SAMPLE_ROWS, payload // 16)
 
     def _went_stale(self) -> None:
         """A batch had rows overwritten before its copy: what else was fetched with it is

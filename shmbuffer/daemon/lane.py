@@ -7,10 +7,13 @@ generated identities are five bytes starting ``\\x00``, so the two never meet), 
 messages go through the same decoding, validation and handlers as ZeroMQ's.
 
 A reply that does not fit the socket's buffer waits in the connection's queue and goes out as
-the client reads (POLLOUT), so a slow reader never blocks the loop; a connection whose queue
-passes ``MAX_QUEUED_BYTES``, that breaks the framing or that hangs up is closed, and the server
-is told (``on_close``): unlike a ZeroMQ peer, a lane client whose connection is gone is gone.
-Each connection also knows the process at its other end, as the kernel reports it
+the client reads (POLLOUT), so a slow reader never blocks the loop. The lane carries every reply
+the protocol allows, as ZeroMQ does: one reply of any size may wait for its client (its bytes
+are the reply the daemon built, queued without a copy). What the limit is about is a client
+that does not read: a connection whose replies queued *behind* the one it has to read next
+pass ``MAX_UNREAD_BYTES`` is closed, as is one that breaks the framing or hangs up, and the
+server is told (``on_close``): unlike a ZeroMQ peer, a lane client whose connection is gone is
+gone. Each connection also knows the process at its other end, as the kernel reports it
 (``SO_PEERCRED``): the one transport here that vouches for a client's pid.
 """
 
@@ -36,7 +39,10 @@ from shmbuffer.protocol_unix import Unpacker, pack, unsent
 
 log = logging.getLogger("shmbuffer.daemon")
 
-MAX_QUEUED_BYTES = 256 * 1024 * 1024  # replies a client leaves unread before it is dropped
+#: Replies a client may leave queued behind the one it reads next before it is dropped. A
+#: Reader never has more than one large reply outstanding (it asks for the next batch once it
+#: took the last), so only a client that stopped reading gets here.
+MAX_UNREAD_BYTES = 256 * 1024 * 1024
 ACCEPT_PAUSE_S = 1.0  # after a failed accept (out of descriptors): stop listening this long
 _READ_BYTES = 256 * 1024  # read into one reused buffer: a fresh 1 MB bytes per recv was an mmap
 _FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
@@ -51,7 +57,18 @@ class _Conn:
         self.unpacker = Unpacker(max_bytes)
         self.queued: deque[memoryview] = deque()  # what the socket did not take yet
         self.queued_bytes = 0
+        self.sizes: deque[int] = deque()  # bytes left of each queued message, oldest first
         self.process = peer_process(sock)
+
+    def took(self, sent: int) -> None:
+        """The socket took ``sent`` more bytes of the queue: whole messages leave ``sizes``."""
+        self.queued_bytes -= sent
+        while sent:
+            part = min(sent, self.sizes[0])
+            self.sizes[0] -= part
+            sent -= part
+            if not self.sizes[0]:
+                self.sizes.popleft()
 
 
 class Lane:
@@ -192,12 +209,17 @@ class Lane:
                 return
             assert self._poller is not None
             self._poller.modify(conn.fd, zmq.POLLIN | zmq.POLLOUT)
+        size = sum(b.nbytes for b in buffers)
         conn.queued.extend(buffers)
-        conn.queued_bytes += sum(b.nbytes for b in buffers)
-        if conn.queued_bytes > MAX_QUEUED_BYTES:
+        conn.queued_bytes += size
+        conn.sizes.append(size)
+        behind = conn.queued_bytes - conn.sizes[0]  # what waits behind the reply read next
+        if behind > MAX_UNREAD_BYTES:
             log.warning(
-                "closing a lane connection that left %d bytes of replies unread",
-                conn.queued_bytes,
+                "closing a lane connection that left %d bytes of replies unread behind the "
+                "one it has to read next (%d bytes)",
+                behind,
+                conn.sizes[0],
             )
             self._close(conn)
 
@@ -211,7 +233,7 @@ class Lane:
             except OSError:
                 self._close(conn)
                 return
-            conn.queued_bytes -= sent
+            conn.took(sent)
             rest = unsent(batch, sent)
             for _ in batch:
                 conn.queued.popleft()

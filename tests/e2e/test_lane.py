@@ -206,3 +206,26 @@ def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.slow
+def test_a_legal_sample_of_2_25_rows_crosses_the_lane_and_the_reader_goes_on(daemon):
+    """``sample_slices(2**19, 64)``: 2**25 rows, under the protocol's limit, whose reply (a
+    stamp per row: 272 MB) is larger than what the lane let a client leave unread. The lane
+    carries any reply the protocol allows, as ZeroMQ does, so the call succeeds there as it
+    does with ``SHMBUFFER_LANE=0``, and the Reader goes on. A tiny buffer: the cost is the
+    reply (about 3 GB at its peak across the daemon and this process, prefetch included)."""
+    d = daemon(capacity=128, unit="episode")
+    with Writer(d.name) as writer, Reader(d.name) as reader:
+        writer.add_episode({"obs": torch.arange(128, dtype=torch.float32)})
+        writer.flush()
+        assert reader.conn._lane is not None
+        for _ in range(2):  # the second is the reply the first prefetched
+            batch = reader.sample_slices(2**19, 64)
+            assert batch.shape == (2**19, 64)
+            obs = batch["obs"]
+            assert bool((obs[:, 1:] - obs[:, :-1] == 1).all())  # consecutive rows
+            del batch, obs
+        assert reader.sample(8).shape == (8,)
+    assert d.process.poll() is None
+    assert "unread" not in d.log()

@@ -194,6 +194,20 @@ def test_a_sample_over_the_protocol_limits_is_refused_before_it_is_sent(limited)
         assert d.stats()["messages"] - before == before - first  # nothing else arrived
 
 
+def test_prefetch_never_turns_an_allowed_sample_into_a_refused_one(limited):
+    """Prefetching ``k`` batches in one request multiplies its rows by ``k``: where that would
+    pass the daemon's limit on a reply (here ``max_payload_bytes`` / 16 = 256 rows), the
+    Reader fetches one batch a request instead of being refused."""
+    d = limited
+    with Writer(d.name, timeout=5) as writer, Reader(d.name, timeout=5, prefetch=4) as reader:
+        for e in range(4):
+            writer.add_episode(make_episode(1, e, LENGTH, OBS))
+        writer.flush()
+        for _ in range(3):  # 100 rows a call: 400 would be refused
+            assert reader.sample_slices(10, LENGTH).shape == (10, LENGTH)
+        assert reader.sample_slices(2, 5).shape == (2, 5)  # 4 x 10 rows: fetched together
+
+
 def test_buffer_too_big_for_its_file_system_is_refused_at_start(e2e_env):
     schema = e2e_env.runtime_dir / "schema.json"
     schema.write_text(json.dumps({"obs": {"dtype": "float32", "shape": [1024]}}))

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from shmbuffer import rows, streamcopy
-from shmbuffer.clients.ahead import ReserveAhead, Shape, commit_fields
+from shmbuffer.clients.ahead import ReserveAhead, Shape, Written, commit_fields
 from shmbuffer.clients.connection import Connection
 from shmbuffer.clients.staging import Staging
 from shmbuffer.clients.ticker import Ticker
@@ -111,13 +111,14 @@ class Writer:
         self.sampler: str = self.conn.buffer.get("sampler", "uniform")
         self.schema: Schema | None = None
         self.segment: Segment | None = None
-        #: (seq, rows) of unacknowledged commits; rows None: an abort of an unused reservation.
-        self._in_flight: list[tuple[int, int | None]] = []
+        #: (seq, what it publishes) of unacknowledged commits; None: an abort of an unused
+        #: reservation.
+        self._in_flight: list[tuple[int, Written | None]] = []
         # Copied writes whose commits ride on this writer's next reserve (one message per
         # write, or per batch reserved ahead, instead of two), or go alone once they have
-        # waited ``commit_delay`` seconds: (reservation, rows, since), oldest first.
+        # waited ``commit_delay`` seconds: (reservation, what it publishes, since), oldest first.
         self.commit_delay = commit_delay
-        self._uncommitted: list[tuple[int, int, float]] = []
+        self._uncommitted: list[tuple[int, Written, float]] = []
         self._ticker: Ticker | None = None
         self._ticker_error: Exception | None = None
         # Small writes (transitions of small rows) wait here to share one round trip.
@@ -332,13 +333,12 @@ class Writer:
             reply = self.conn.call(
                 "reserve", timeout=self.reserve_timeout + self.conn.timeout, **fields
             )
-            if previous:
-                self.episodes_committed += len(reply["committed"])
-                self.rows_committed += sum(n for _, n, _ in previous)
+            for _, written, _ in previous:
+                self._count(written)
         if self._ahead.wanted(shape, self._last_write, with_priority=priority is not None):
             # it carries the pending commits of the writes before this one
             previous, self._uncommitted = self._uncommitted, []
-            self._ahead.send(shape, [(r, n) for r, n, _ in previous])
+            self._ahead.send(shape, [(r, w) for r, w, _ in previous])
         elif not self._ahead.holding:  # this write's rows came ahead: send the commits now
             self._commit_if_due(now=True)
         # else reservations ahead are in hand: the next batch's reserve carries the commits
@@ -360,7 +360,7 @@ class Writer:
                 offset += n
                 progress.rows = 0
         self._last_write = time.monotonic()
-        self._uncommitted.append((reservation, num_rows, self._last_write))
+        self._uncommitted.append((reservation, (num_rows, len(lengths)), self._last_write))
         if self.commit_delay <= 0:
             self._commit_if_due(now=True)
         else:
@@ -370,10 +370,14 @@ class Writer:
 
     def _take_ahead(self, shape: Shape | None) -> dict[str, Any] | None:
         """The reply of the reserve sent ahead if it reserved ``shape``, else None."""
-        reply, episodes, committed_rows = self._ahead.take(shape)
-        self.episodes_committed += episodes
-        self.rows_committed += committed_rows
+        reply, written = self._ahead.take(shape)
+        self._count(written)
         return reply
+
+    def _count(self, written: Written) -> None:
+        """Count what an acknowledged commit published."""
+        self.rows_committed += written[0]
+        self.episodes_committed += written[1]
 
     def _return_ahead(self, idle_only: bool) -> None:
         if self._ahead.due_back(idle_only, self._last_write):
@@ -390,8 +394,8 @@ class Writer:
         once it has waited ``commit_delay`` seconds, or all at once when ``now``."""
         due = time.monotonic() - self.commit_delay
         while self._uncommitted and (now or self._uncommitted[0][2] <= due):
-            reservation, num_rows, _ = self._uncommitted.pop(0)
-            self._in_flight.append((self.conn.send("commit", reservation=reservation), num_rows))
+            reservation, written, _ = self._uncommitted.pop(0)
+            self._in_flight.append((self.conn.send("commit", reservation=reservation), written))
 
     def _commit_from_ticker(self) -> None:
         # An idle writer's last episode must not wait for a next write that may never come
@@ -440,7 +444,8 @@ class Writer:
             rows.to_bytes(leaves[f.key][first_row : first_row + num_rows], f.dtype)
             for f in self.schema.fields
         ]
-        reply = self.conn.call(
+        # The reply's episode ids count registry entries (one across the ring's end is two).
+        self.conn.call(
             "write",
             frames,
             timeout=self.reserve_timeout + self.conn.timeout,
@@ -449,22 +454,20 @@ class Writer:
             timeout_ms=int(self.reserve_timeout * 1000),
             **extra,
         )
-        self.episodes_committed += len(reply["episodes"])
-        self.rows_committed += num_rows
+        self._count((num_rows, num_sub))
 
     def _collect_acks(self, block: bool) -> None:
         """Take the replies of commits sent earlier; raises the first error among them."""
         while self._in_flight:
-            seq, num_rows = self._in_flight[0]
+            seq, written = self._in_flight[0]
             if not block and not self.conn.ready(seq):
                 return
             # Taken off first: a refused commit (out_of_space) is reported once, and a later
             # flush must not wait for a reply already consumed.
             self._in_flight.pop(0)
-            header, _ = self.conn.wait(seq)
-            if num_rows is not None:  # an abort's reply says nothing to count
-                self.episodes_committed += len(header["episodes"])
-                self.rows_committed += num_rows
+            self.conn.wait(seq)
+            if written is not None:  # an abort's reply says nothing to count
+                self._count(written)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until everything written so far is committed and visible to readers.

@@ -1,0 +1,47 @@
+"""What a Writer's returned call promises, through a real daemon: a write that returned is
+stored (or its own call raised), a refused first batch leaves the lazy schema open, and the
+``episodes_committed`` counter counts episodes, not the registry entries a wrap splits them
+into."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shmbuffer import Writer
+
+LENGTH = 30
+
+
+def _episode(writer: int, episode: int, length: int = LENGTH) -> dict[str, np.ndarray]:
+    return {
+        "obs": np.full((length, 4), episode, dtype=np.float32),
+        "writer": np.full(length, writer, dtype=np.int64),
+        "episode": np.full(length, episode, dtype=np.int64),
+    }
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_episodes_committed_counts_an_episode_the_ring_wrapped_once(daemon, remote):
+    """Three 10-step episodes into 25 rows: 4 registry entries (the third wraps), and the
+    counter says 3, in the daemon and in the Writer."""
+    d = daemon(capacity=25, unit="transition")
+    with Writer(d.name, remote=remote, timeout=10) as w:
+        for e in range(3):
+            w.add_episode(_episode(0, e, 10))
+        w.flush()
+        assert w.episodes_committed == 3
+    stats = d.stats()
+    assert stats["episodes"] == 4  # the entries, as the README says
+    assert stats["episodes_committed"] == 3
+
+
+def test_episodes_committed_counts_a_gathered_episode_the_ring_wrapped(daemon):
+    """Small episodes gathered into one reservation, one of them across the ring's end."""
+    d = daemon(capacity=100, unit="transition")
+    with Writer(d.name, timeout=10) as w:  # gathers two 7-step episodes per reservation
+        for e in range(16):  # the eighth reservation, rows 98-112, wraps inside an episode
+            w.add_episode(_episode(0, e, 7))
+        w.flush()
+        assert w.episodes_committed == 16
+    assert d.stats()["episodes_committed"] == 16

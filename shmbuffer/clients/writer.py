@@ -216,17 +216,19 @@ class Writer:
                 f"priority given, but the daemon's sampler {self.sampler!r} keeps no "
                 "priorities (start it with --sampler prioritized)"
             )
-        if self.schema is None:
-            reply = self.conn.call("define_schema", schema=Schema.from_batch(batch).to_spec())
-            self._adopt(reply["buffer"])
-        assert self.schema is not None
-        # Refused here, before any copy, if it does not fit the schema.
-        plan = plan_write(self.schema, batch, num_sub_episodes, self.capacity, self.mode)
+        schema = self.schema if self.schema is not None else Schema.from_batch(batch)
+        # Refused here, before any copy, if it does not fit the schema; and a lazy schema is
+        # defined only by a batch that passed every check the Writer can make.
+        plan = plan_write(schema, batch, num_sub_episodes, self.capacity, self.mode)
         if plan is None:
             return
         leaves, first_row, num_rows, kept = plan
         items = self._items(priority, first_row, num_rows, num_sub_episodes, kept)
         compact = _compact(items)  # refuses too many distinct values before anything is sent
+        if self.schema is None:  # SchemaError if another writer defined a different one
+            reply = self.conn.call("define_schema", schema=schema.to_spec())
+            self._adopt(reply["buffer"])
+        assert self.schema is not None
         lengths = [num_rows // kept] * kept
         if self.remote:
             self._write_remote(leaves, first_row, num_rows, kept, compact)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from shmbuffer import Writer
+from shmbuffer.errors import CapacityError, SchemaError
 
 LENGTH = 30
 
@@ -19,6 +20,39 @@ def _episode(writer: int, episode: int, length: int = LENGTH) -> dict[str, np.nd
         "writer": np.full(length, writer, dtype=np.int64),
         "episode": np.full(length, episode, dtype=np.int64),
     }
+
+
+def test_a_refused_first_batch_leaves_the_lazy_schema_open(daemon):
+    d = daemon(capacity=100, unit="transition")
+    with Writer(d.name, timeout=10) as w:
+        with pytest.raises(SchemaError, match="batch dims"):
+            w.extend({"a": np.zeros((5, 1)), "b": np.zeros((3, 2))})
+        assert d.stats()["schema"] is None
+        w.extend({"x": np.arange(4, dtype=np.float32)})
+        w.flush()
+    stats = d.stats()
+    assert stats["rows_committed"] == 4
+    assert list(stats["schema"]) == ["x"]
+
+
+def test_a_first_batch_too_large_for_a_fixed_buffer_leaves_the_schema_open(daemon):
+    d = daemon(capacity=10, unit="transition", args=["--mode", "fixed"])
+    with Writer(d.name, timeout=10) as w:
+        with pytest.raises(CapacityError):
+            w.extend({"a": np.zeros((15, 2), dtype=np.float32)})
+        assert d.stats()["schema"] is None
+        w.extend({"x": np.arange(4, dtype=np.float32)})
+    assert list(d.stats()["schema"]) == ["x"]
+
+
+def test_a_remote_writers_refused_first_batch_leaves_the_schema_open(daemon):
+    d = daemon(capacity=100, unit="transition")
+    with Writer(d.name, remote=True, timeout=10) as w:
+        with pytest.raises(SchemaError, match="batch dims"):
+            w.extend({"a": np.zeros((5, 1)), "b": np.zeros((3, 2))})
+        assert d.stats()["schema"] is None
+        w.extend({"x": np.arange(4, dtype=np.float32)})
+    assert list(d.stats()["schema"]) == ["x"]
 
 
 @pytest.mark.parametrize("remote", [False, True])

@@ -66,7 +66,9 @@ class Writer:
             reserve per worker every 10 ms) measured 7% fewer env steps per second.
         batch_bytes: small writes (at most :data:`STAGE_MAX_BYTES`, and at most half this)
             are gathered (copied) until this many bytes are waiting, then stored with one
-            reservation. 0 stores each write at once.
+            reservation. 0 stores each write at once, as a daemon with ``--mode fixed``
+            always does (each write's rows are reserved before its call returns, so a write
+            that does not fit raises in its own call).
         curve_server_key, curve_client_cert: CURVE keys for a daemon started with
             ``--curve-secret`` (see :class:`~shmbuffer.clients.connection.Connection`).
         The rest are the episode-assembly options of :class:`~shmbuffer.Buffer`.
@@ -232,13 +234,23 @@ class Writer:
         lengths = [num_rows // kept] * kept
         if self.remote:
             self._write_remote(leaves, first_row, num_rows, kept, compact)
-        elif (nbytes := num_rows * self.schema.row_nbytes) <= STAGE_MAX_BYTES and (
-            nbytes * 2 <= self.batch_bytes
-        ):
+        elif self._gathers(num_rows):
             self._stage(leaves, first_row, num_rows, lengths, items)
         else:
             self._write_staged()  # what came first is stored first
             self._write_local([(leaves, first_row, num_rows)], lengths, compact)
+
+    def _gathers(self, num_rows: int) -> bool:
+        """Whether a local write of ``num_rows`` is staged, to share a reservation with the
+        writes after it: a small one, into a ring. A fixed buffer reserves each write in its
+        own call: there a reservation can be refused for want of room, and the refusal must
+        come from the call whose rows do not fit, not from a later one, after calls that
+        returned had their rows staged in the refused batch."""
+        assert self.schema is not None
+        nbytes = num_rows * self.schema.row_nbytes
+        return (
+            self.mode == "circular" and nbytes <= STAGE_MAX_BYTES and nbytes * 2 <= self.batch_bytes
+        )
 
     def _items(
         self, priority: Any, first_row: int, num_rows: int, num_sub: int, kept: int

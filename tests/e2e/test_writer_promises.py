@@ -22,6 +22,41 @@ def _episode(writer: int, episode: int, length: int = LENGTH) -> dict[str, np.nd
     }
 
 
+@pytest.mark.parametrize("unit", ["transition", "episode"])
+def test_fixed_mode_a_write_that_returned_is_stored(daemon, unit):
+    """Two writers of small episodes fill a fixed buffer: every ``add_episode`` that returned
+    is stored, and the first that does not fit raises in its own call."""
+    capacity = 1000
+    d = daemon(capacity=capacity, unit=unit, args=["--mode", "fixed"])
+    writers = [Writer(d.name, timeout=10), Writer(d.name, timeout=10)]
+    returned = [0, 0]
+    refused = [False, False]
+    try:
+        episode = 0
+        while not all(refused):
+            for i, w in enumerate(writers):
+                if refused[i]:
+                    continue
+                try:
+                    w.add_episode(_episode(i, episode))
+                except CapacityError:
+                    refused[i] = True
+                    continue
+                returned[i] += 1
+                episode += 1
+        for w in writers:
+            w.flush()  # nothing of what returned is left to fail here
+    finally:
+        for w in writers:
+            w.close()
+    stats = d.stats()
+    assert stats["rows_committed"] == LENGTH * sum(returned)
+    assert stats["episodes_committed"] == sum(returned)
+    # Every row that could hold a whole episode does: the first refusal came when less than
+    # one episode's rows were left.
+    assert sum(returned) == capacity // LENGTH
+
+
 def test_a_refused_first_batch_leaves_the_lazy_schema_open(daemon):
     d = daemon(capacity=100, unit="transition")
     with Writer(d.name, timeout=10) as w:

@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import zmq
@@ -49,6 +49,7 @@ from shmbuffer.errors import (
     ForkedClientError,
     LimitExceededError,
     ProtocolError,
+    WaitTimeoutError,
     error_from_code,
 )
 from shmbuffer.protocol import check_version, decode, encode, request
@@ -162,6 +163,9 @@ class Connection:
         self._seq = 0
         self._early: dict[int, Reply] = {}  # replies that arrived before anyone waited
         self._pings: set[int] = set()  # liveness pings sent during long waits (see wait_all)
+        self._cap: float | None = None  # a deadline every wait ends by (see bounded)
+        #: When the daemon last said anything on this connection (monotonic seconds).
+        self.last_heard = 0.0
         self._closed = False
         try:
             hello = self.call(
@@ -268,10 +272,24 @@ class Connection:
         with self._lock:
             self._wait_all(seqs, timeout)
 
+    @contextlib.contextmanager
+    def bounded(self, seconds: float) -> Iterator[None]:
+        """Every wait inside ends within ``seconds`` from now, whatever its own timeout (a
+        finaliser's budget); one cut short raises :class:`WaitTimeoutError`."""
+        self._cap = time.monotonic() + seconds
+        try:
+            yield
+        finally:
+            self._cap = None
+
     def _wait_all(self, seqs: Sequence[int], timeout: float | None) -> None:
         self._check_open()
         waited = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + waited
+        cut = self._cap is not None and self._cap < deadline
+        if cut:
+            assert self._cap is not None
+            deadline = self._cap
         heard = time.monotonic()  # when the daemon last said anything
         for seq in seqs:
             while seq not in self._early:
@@ -289,6 +307,11 @@ class Connection:
                     self._receive_one()
                     heard = time.monotonic()
                 elif time.monotonic() >= deadline:
+                    if cut:
+                        raise WaitTimeoutError(
+                            f"no reply from the daemon at {self.endpoint} within the time "
+                            f"this client had left ({self._why_no_reply()})"
+                        )
                     raise DaemonUnavailableError(
                         f"no reply from the daemon at {self.endpoint} within {waited:.1f}s "
                         f"({self._why_no_reply()})"
@@ -360,6 +383,7 @@ class Connection:
         else:
             frames = self.socket.recv_multipart(copy=False)
             first = frames[0].buffer
+        self.last_heard = time.monotonic()
         header = decode(first, max_bytes=None)  # a sample reply may be megabytes
         got = header.get("seq")
         if not isinstance(got, int):
@@ -374,9 +398,10 @@ class Connection:
     ) -> dict[str, Any]:
         return self.wait(self.send(op, frames, **fields), timeout)[0]
 
-    def close(self) -> None:
-        """Say ``bye`` (waiting at most 2 s) and close the sockets. Safe to call twice; in a
-        forked child it only marks this copy closed (the sockets are the parent's)."""
+    def close(self, goodbye: bool = True) -> None:
+        """Say ``bye`` (waiting at most 2 s; not without ``goodbye``: a daemon known not to
+        answer) and close the sockets. Safe to call twice; in a forked child it only marks
+        this copy closed (the sockets are the parent's)."""
         if self.forked:
             self._closed = True
             self._finalizer.detach()
@@ -386,7 +411,8 @@ class Connection:
                 return
             try:
                 with contextlib.suppress(Exception):  # the daemon may be gone; closing succeeds
-                    self.call("bye", timeout=min(self.timeout, 2.0))
+                    if goodbye:
+                        self.call("bye", timeout=min(self.timeout, 2.0))
             finally:
                 self._closed = True
                 self._monitor = None

@@ -8,18 +8,26 @@ alone once it has waited ``commit_delay`` (the ticker thread, :mod:`~shmbuffer.c
 a remote write sends its rows; acknowledgements are collected as they come, and all of them by
 :meth:`WritePipeline.flush`.
 
-Why a part of its own: the Writer's public face (checks, planning, episode assembly) stays
-apart from the conversation with the daemon, and what a Writer was given but the daemon has
-not stored yet all lives here, in one object that never refers back to its Writer.
+Why a part of its own: what a Writer was given but the daemon has not stored yet lives here,
+and nothing here refers back to the Writer. The Writer registers :meth:`WritePipeline.finalise`
+with ``weakref.finalize``, so a Writer collected, or left at interpreter exit, without
+``close()`` still stores what it was given, as a Python file object flushes: the finaliser holds
+the pipeline (the rows on their way) and never the Writer, which is collected as usual.
+Finalising is bounded by the Writer's ``timeout`` (a daemon that is gone never holds up a
+collection or the interpreter's exit) and ends with ``bye``; rows it could not store are
+named in an :class:`~shmbuffer.errors.UnstoredWritesWarning`.
 
-Locking: every call is made with :attr:`WritePipeline.lock` held (the Writer's calls and the
-ticker's); the lock is reentrant.
+Locking: every call is made with :attr:`WritePipeline.lock` held (the Writer's calls, the
+ticker's and the finaliser's); the lock is reentrant.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +41,7 @@ from shmbuffer.clients.staging import Piece, Staging
 from shmbuffer.clients.ticker import Ticker
 from shmbuffer.cuda_rows import DeviceWriter
 from shmbuffer.cuda_segment import attach_segment
-from shmbuffer.errors import InvalidArgumentError
+from shmbuffer.errors import InvalidArgumentError, UnstoredWritesWarning
 from shmbuffer.protocol import MAX_PRIORITIES, encode_f64
 from shmbuffer.schema import Schema
 from shmbuffer.segment import Segment
@@ -69,6 +77,11 @@ class WritePipeline:
         self._uncommitted: list[tuple[int, Written, float]] = []
         self._ticker: Ticker | None = None
         self._ticker_error: Exception | None = None
+        #: What the failed tick behind ``_ticker_error`` dropped, until a call is told.
+        self._ticker_lost: Written = (0, 0)
+        #: Set when the Writer was collected on the ticker's own thread, mid-tick: the tick
+        #: finalises once it is done (see finalise).
+        self._orphaned = False
         # Small writes (transitions of small rows) wait here to share one round trip.
         self.batch_bytes = batch_bytes
         self.staged: Staging | None = None  # made with the schema, on the first small write
@@ -264,7 +277,8 @@ class WritePipeline:
 
     def _start_ticker(self) -> None:
         if self._ticker is None and self.commit_delay > 0:
-            # A weak reference: the thread must not keep an unclosed writer's pipeline alive.
+            # A weak reference: the thread must not keep the pipeline alive once its Writer
+            # was finalised (the finaliser stops it too).
             tick = weakref.WeakMethod(self._commit_from_ticker)
             self._ticker = Ticker(self.commit_delay / 2, tick, "shmbuffer-commit")
 
@@ -279,18 +293,24 @@ class WritePipeline:
     def _commit_from_ticker(self) -> None:
         # An idle writer's last episode must not wait for a next write that may never come
         # (its reservation would expire): the ticker stores and commits what is due.
-        if not self._tick_due(time.monotonic()):
+        if self._tick_due(time.monotonic()):
+            with self.lock:
+                self._tick()
+        if self._orphaned:
+            self._finalise_now()
+
+    def _tick(self) -> None:
+        if self.closed or self._ticker_error is not None:
             return
-        with self.lock:
-            if self.closed or self._ticker_error is not None:
-                return
-            try:
-                if self.staged and time.monotonic() - self._staged_since >= self.commit_delay:
-                    self.write_staged()
-                self._commit_if_due()
-                self._return_ahead(idle_only=True)
-            except Exception as exc:  # raised to the caller at its next call
-                self._ticker_error = exc
+        before, stored = self.unstored(), self._stored()
+        try:
+            if self.staged and time.monotonic() - self._staged_since >= self.commit_delay:
+                self.write_staged()
+            self._commit_if_due()
+            self._return_ahead(idle_only=True)
+        except Exception as exc:  # raised to the caller at its next call
+            self._ticker_error = exc
+            self._ticker_lost = self._lost(before, stored)
 
     def _tick_due(self, now: float) -> bool:
         """Whether a tick may find work, read without the lock: a streaming writer holds it
@@ -307,6 +327,7 @@ class WritePipeline:
     def check_ticker(self) -> None:
         """Raise what the ticker's last store or commit raised (to the Writer's next call)."""
         error, self._ticker_error = self._ticker_error, None
+        self._ticker_lost = (0, 0)
         if error is not None:
             raise error
 
@@ -323,7 +344,7 @@ class WritePipeline:
             if written is not None:  # an abort's reply says nothing to count
                 self._count(written)
 
-    # -- flush and close -------------------------------------------------------------------------
+    # -- flush, close, finalise ---------------------------------------------------------------
 
     def flush(self, timeout: float | None) -> None:
         """Store what is staged, give back what was reserved ahead, commit, and wait for
@@ -353,13 +374,107 @@ class WritePipeline:
             try:
                 self.flush(timeout)
             finally:
-                self.closed = True
-                if self.segment is not None:
-                    self.segment.close()
-                    self.segment = None
-                self.conn.close()
+                self._disconnect(goodbye=True)
+        self._stop_ticker()
+
+    def _disconnect(self, goodbye: bool) -> None:
+        self.closed = True
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+        self.conn.close(goodbye=goodbye)
+
+    def _stop_ticker(self) -> None:
         if self._ticker is not None:  # outside the lock: its last tick may be waiting for it
             self._ticker.stop()
+
+    def unstored(self) -> Written:
+        """``(rows, episodes)`` given to this pipeline whose commits are not acknowledged yet:
+        staged, copied and uncommitted, or committed with no reply so far."""
+        pending: list[Written] = [w for _, w, _ in self._uncommitted]
+        pending += [w for _, w in self.in_flight if w is not None]
+        if self.ahead.pending is not None:  # the commits a reserve sent ahead carries
+            pending.append(self.ahead.pending[2])
+        if self.staged:
+            pending.append((self.staged.rows, len(self._staged_lengths)))
+        return sum(w[0] for w in pending), sum(w[1] for w in pending)
+
+    def _stored(self) -> Written:
+        return self.rows_committed, self.episodes_committed
+
+    def _lost(self, before: Written, stored: Written) -> Written:
+        """What was unstored at ``before`` (when ``stored`` had been acknowledged) and is
+        neither acknowledged nor still waiting now: dropped by a failed store or commit."""
+        now, acked = self.unstored(), self._stored()
+        return (
+            max(0, before[0] - now[0] - (acked[0] - stored[0])),
+            max(0, before[1] - now[1] - (acked[1] - stored[1])),
+        )
+
+    def finalise(self) -> None:
+        """What ``close()`` does, for a Writer collected (or left at interpreter exit)
+        without it: store and commit what it was given, waiting at most the connection's
+        timeout, and say ``bye``; never raises. Rows it could not store are named in an
+        :class:`~shmbuffer.errors.UnstoredWritesWarning`. In a forked child it does nothing
+        (the rows and the socket are the parent's).
+
+        A Writer is collected on whichever thread the collector runs: if that is this
+        pipeline's ticker, in the middle of a tick, the tick finishes first (a flush from
+        inside it would close the segment under the copy in progress)."""
+        if self._ticker is not None and self._ticker.is_current():
+            self._orphaned = True
+            return
+        self._finalise_now()
+
+    def _finalise_now(self) -> None:
+        self._orphaned = False
+        if self.conn.forked or self.closed:
+            return
+        budget = self.conn.timeout
+        if not self.lock.acquire(timeout=budget):  # a tick stuck longer than it may be
+            self._warn(self.unstored(), "its commit thread held it", budget)
+            return
+        try:
+            if self.closed:
+                return
+            before = _add(self.unstored(), self._ticker_lost)
+            stored = self._stored()
+            error: Exception | None = None
+            start = time.monotonic()
+            try:
+                with self.conn.bounded(budget):
+                    self.flush(None)
+            except Exception as exc:  # the daemon gone, slow or refusing: a warning, below
+                error = exc
+            # No goodbye to a daemon that said nothing while it failed (it would only wait
+            # again); one that answered, if only a ping, forgets this client at once.
+            answered = error is None or self.conn.last_heard >= start
+            with contextlib.suppress(Exception):
+                self._disconnect(goodbye=answered)
+            if error is not None:
+                self._warn(self._lost(before, stored), f"{type(error).__name__}: {error}", budget)
+        finally:
+            self.lock.release()
+            self._stop_ticker()
+
+    def _warn(self, lost: Written, why: str, budget: float) -> None:
+        if lost[0] == 0:
+            return
+        rows_, episodes = lost
+        warnings.warn(
+            UnstoredWritesWarning(
+                f"a Writer of {self.conn.endpoint} (pid {os.getpid()}) was dropped without "
+                f"close() and could not store its last {rows_:,} rows ({episodes:,} "
+                f"episode{'s' if episodes != 1 else ''}) within its timeout of {budget:.1f}s: "
+                f"{why}. close() a Writer, or use it in a `with` block, to see such errors "
+                "where they happen"
+            ),
+            stacklevel=2,
+        )
+
+
+def _add(a: Written, b: Written) -> Written:
+    return a[0] + b[0], a[1] + b[1]
 
 
 def compact(items: Items) -> float | bytes | None:

@@ -12,12 +12,14 @@ a daemon on another host) sends the rows as raw frames instead and the daemon co
 Both have the same API as the in-process :class:`~shmbuffer.Buffer`.
 
 This module checks and plans each write; :mod:`shmbuffer.clients.pipeline` stages, reserves,
-copies and commits it.
+copies and commits it. A Writer never closed still stores what it was given, when it is
+collected or the interpreter exits (the pipeline's finaliser, bounded by ``timeout``).
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -47,7 +49,10 @@ class Writer:
         target: a buffer name (found through its runtime file) or an endpoint.
         remote: send rows over the socket instead of writing shared memory (automatic for a
             ``tcp://`` endpoint on another host).
-        timeout: seconds any single wait on the daemon may take.
+        timeout: seconds any single wait on the daemon may take; also all that a Writer
+            never closed waits, when it is collected or the interpreter exits, to store what
+            it was given (then an :class:`~shmbuffer.errors.UnstoredWritesWarning` names the
+            rows it could not).
         reserve_timeout: seconds a reservation may wait for readers' leases to end.
         commit_delay: seconds a copied episode may wait for the next write to carry its commit,
             and a small write may wait to share a round trip with the next ones. 50 ms: with
@@ -88,6 +93,9 @@ class Writer:
             curve_client_cert=curve_client_cert,
         )
         self._pipe = WritePipeline(conn, reserve_timeout, commit_delay, batch_bytes)
+        # Holds the pipeline, never the Writer: one collected, or left at interpreter exit,
+        # without close() still stores what it was given (a file object flushes the same way).
+        self._finalizer = weakref.finalize(self, self._pipe.finalise)
         self.conn = conn
         self.remote = conn.remote
         self.assembler = EpisodeAssembler(
@@ -247,6 +255,7 @@ class Writer:
         """Commit and wait for everything written, then disconnect. Safe to call twice.
         In a process forked from the writer's, only this copy is dropped: what it staged
         is the parent's to commit, and the socket is the parent's."""
+        self._finalizer.detach()  # closed here: nothing is left for the finaliser
         self._pipe.close(timeout)
 
     def __enter__(self) -> Writer:

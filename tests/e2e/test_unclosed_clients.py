@@ -1,6 +1,6 @@
-"""A Writer never closed ends as a closed one does: it stores what it was given when it is
-collected and at interpreter exit, within its timeout, warning about the rows it could not
-store, and says goodbye.
+"""A client never closed ends as a closed one does: a Writer stores what it was given (when it
+is collected and at interpreter exit, within its timeout, warning about the rows it could
+not store), and a Writer or Reader says goodbye, so the daemon forgets it.
 
 The interpreter-exit cases run a fresh interpreter with a timeout (a hang fails the test).
 """
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from shmbuffer import UnstoredWritesWarning, Writer
+from shmbuffer import Reader, UnstoredWritesWarning, Writer
 from tests.e2e.conftest import run_in_session
 
 SUBPROCESS_TIMEOUT_S = 60.0
@@ -136,6 +136,56 @@ def test_a_never_closed_writer_whose_daemon_is_gone_warns_within_its_timeout(dae
     # at exit: the other writer's rows are named on stderr, and the exit is not held up
     assert "5 rows" in err and "Warning" in err, err
     assert ended - report["exit_from"] < 1.0 + 4.0, (ended, report)  # timeout + teardown
+
+
+def _config(tmp_path: Any, max_clients: int) -> str:
+    path = tmp_path / "daemon.toml"
+    path.write_text(f"max_clients = {max_clients}\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("lane", ["1", "0"])
+def test_dropped_clients_say_goodbye(daemon, tmp_path, monkeypatch, lane):
+    """Many more Readers and Writers than ``max_clients``, each dropped unclosed, one after
+    another: each said goodbye, so none was refused for too many clients."""
+    monkeypatch.setenv("SHMBUFFER_LANE", lane)
+    limit = 8
+    d = daemon(capacity=10_000, unit="transition", args=["--config", _config(tmp_path, limit)])
+    with Writer(d.name, timeout=5) as w:
+        w.add_episode(_rows(3, -1))
+    for i in range(3 * limit):
+        Writer(d.name, timeout=5).add_episode(_rows(3, i))
+        Reader(d.name, timeout=5).sample(1)
+    stats = d.stats()
+    assert stats["rows_committed"] == 3 * (3 * limit + 1)  # each dropped Writer stored its rows
+    assert [c for c in stats["clients"] if c["role"] != "admin"] == []
+
+
+EXIT_SCRIPT = """
+    import os, sys
+    import numpy as np
+    from shmbuffer import Reader, Writer
+
+    os.environ["SHMBUFFER_LANE"] = "0"  # ZeroMQ: only a goodbye tells the daemon
+    writer = Writer(sys.argv[1])
+    writer.add_episode({"x": np.zeros(3, np.float32), "w": np.zeros(3, np.int64)})
+    reader = Reader(sys.argv[1])
+    reader.sample(1)
+"""
+
+
+def test_clients_left_at_interpreter_exit_say_goodbye(daemon, e2e_env):
+    d = daemon(capacity=1000, unit="transition")
+    with Writer(d.name, timeout=5) as w:
+        w.add_episode(_rows(3, -1))
+    rc, _out, err = run_script(
+        f"import sys; sys.argv[1:] = [{d.name!r}]\n" + textwrap.dedent(EXIT_SCRIPT),
+        e2e_env.environ,
+    )
+    assert rc == 0, err
+    stats = d.stats()  # at once: no reaping of a dead pid could have run yet
+    assert stats["rows_committed"] == 6
+    assert [c for c in stats["clients"] if c["role"] != "admin"] == [], stats["clients"]
 
 
 def test_a_dropped_writer_held_back_by_the_daemon_gives_up_within_its_timeout(daemon):

@@ -215,3 +215,46 @@ def test_a_dropped_writer_held_back_by_the_daemon_gives_up_within_its_timeout(da
     stats = d.stats()
     assert stats["rows_committed"] == 2 and stats["reservations"] == 0
     assert [c for c in stats["clients"] if c["role"] != "admin"] == []
+
+
+TICKER_GC_SCRIPT = """
+    import gc, json, sys, threading, time
+    import numpy as np
+    from shmbuffer import Writer
+
+    gc.disable()  # the cycle below is collected only where the script says
+    writer = Writer(sys.argv[1], timeout=5, commit_delay=0.05)
+    pipe = writer._pipe
+    on_ticker = threading.Event()
+    copy = pipe._write_rows
+
+    def write_rows(*args):  # a collection that happens to run on the ticker thread, mid-copy
+        if pipe._ticker is not None and pipe._ticker.is_current() and not on_ticker.is_set():
+            on_ticker.set()
+            gc.collect()
+        copy(*args)
+
+    pipe._write_rows = write_rows
+    writer.add_episode({"x": np.zeros(5, np.float32), "w": np.zeros(5, np.int64)})  # staged
+    writer.cycle = writer
+    del writer
+    deadline = time.monotonic() + 10
+    while not pipe.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    print(json.dumps({"on_ticker": on_ticker.is_set(), "closed": pipe.closed}))
+"""
+
+
+def test_a_writer_collected_on_its_own_ticker_thread_is_finalised_after_the_tick(daemon, e2e_env):
+    """A flush from inside the tick would close the segment under the copy in progress."""
+    d = daemon(capacity=10_000, unit="transition")
+    rc, out, err = run_script(
+        f"import sys; sys.argv[1:] = [{d.name!r}]\n" + textwrap.dedent(TICKER_GC_SCRIPT),
+        e2e_env.environ,
+    )
+    assert rc == 0, err
+    assert json.loads(out.strip().splitlines()[-1]) == {"on_ticker": True, "closed": True}
+    assert "Warning" not in err, err
+    stats = d.stats()
+    assert stats["rows_committed"] == 5
+    assert [c for c in stats["clients"] if c["role"] != "admin"] == []

@@ -265,16 +265,20 @@ class Connection:
         with self._lock:
             return self._send(op, frames, **fields)
 
+    def check_payload(self, op: str, size: int) -> None:
+        """LimitExceededError for a payload of ``size`` bytes over the daemon's limit: it
+        would refuse it, or libzmq drop it unanswered."""
+        limit = getattr(self, "buffer", {}).get("max_payload_bytes")
+        if limit is not None and size > limit:
+            raise LimitExceededError(
+                f"op {op!r}: a payload of {size:,} bytes exceeds the daemon's limit "
+                f"max_payload_bytes={limit:,}; send fewer rows per call"
+            )
+
     def _send(self, op: str, frames: Sequence[Any] = (), **fields: Any) -> int:
         self._check_open()  # again, under the lock: another thread may have closed it
-        limit = getattr(self, "buffer", {}).get("max_payload_bytes")
-        if frames and limit is not None:
-            size = sum(memoryview(f).nbytes for f in frames)
-            if size > limit:  # the daemon would refuse it, or libzmq drop it unanswered
-                raise LimitExceededError(
-                    f"op {op!r}: a payload of {size:,} bytes exceeds the daemon's limit "
-                    f"max_payload_bytes={limit:,}; send fewer rows per call"
-                )
+        if frames:
+            self.check_payload(op, sum(memoryview(f).nbytes for f in frames))
         self._seq += 1
         header = encode(request(op, self._seq, **fields))
         if self._lane is not None:

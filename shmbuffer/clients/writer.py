@@ -202,6 +202,8 @@ class Writer:
         leaves, first_row, num_rows, kept = plan
         items = self._items(priority, first_row, num_rows, num_sub_episodes, kept)
         one = compact(items)  # refuses too many distinct values before anything is sent
+        if self.remote:  # its rows travel as one payload
+            self.conn.check_payload("write", num_rows * schema.row_nbytes)
         pipe = self._pipe
         if self.schema is None:  # SchemaError if another writer defined a different one
             pipe.adopt(self.conn.call("define_schema", schema=schema.to_spec())["buffer"])

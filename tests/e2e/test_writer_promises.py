@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from shmbuffer import Writer
-from shmbuffer.errors import CapacityError, SchemaError
+from shmbuffer.errors import CapacityError, LimitExceededError, SchemaError
 
 LENGTH = 30
 
@@ -85,6 +85,18 @@ def test_a_remote_writers_refused_first_batch_leaves_the_schema_open(daemon):
     with Writer(d.name, remote=True, timeout=10) as w:
         with pytest.raises(SchemaError, match="batch dims"):
             w.extend({"a": np.zeros((5, 1)), "b": np.zeros((3, 2))})
+        assert d.stats()["schema"] is None
+        w.extend({"x": np.arange(4, dtype=np.float32)})
+    assert list(d.stats()["schema"]) == ["x"]
+
+
+def test_a_remote_first_batch_over_the_payload_limit_leaves_the_schema_open(daemon, tmp_path):
+    config = tmp_path / "daemon.toml"
+    config.write_text("max_payload_bytes = 4096\n")
+    d = daemon(capacity=1000, unit="transition", args=["--config", str(config)])
+    with Writer(d.name, remote=True, timeout=10) as w:
+        with pytest.raises(LimitExceededError, match="max_payload_bytes"):
+            w.extend({"a": np.zeros((100, 16), dtype=np.float32)})  # 6,400 bytes
         assert d.stats()["schema"] is None
         w.extend({"x": np.arange(4, dtype=np.float32)})
     assert list(d.stats()["schema"]) == ["x"]

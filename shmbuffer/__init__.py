@@ -42,6 +42,7 @@ from shmbuffer.errors import (
     ShmBufferError,
     TornReadError,
     UnknownClientError,
+    UnstoredWritesWarning,
     VersionMismatchError,
     WaitTimeoutError,
 )
@@ -93,6 +94,7 @@ __all__ = [
     "Storage",
     "TornReadError",
     "UnknownClientError",
+    "UnstoredWritesWarning",
     "VersionMismatchError",
     "WaitTimeoutError",
     "Writer",

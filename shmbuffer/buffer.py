@@ -239,20 +239,28 @@ class Buffer:
     def _write(
         self, batch: Mapping[str, Any], num_sub_episodes: int = 1, priority: Priority = None
     ) -> list[int]:
-        if self.segment is None:
-            self._allocate(Schema.from_batch(batch))
-        assert self.segment is not None
-        plan = plan_write(self.segment.schema, batch, num_sub_episodes, self.capacity, self.mode)
+        # A lazy schema is fixed by the first batch accepted, never by one refused (a bad
+        # batch, priority, or more rows than a fixed buffer holds): rows are reserved first.
+        schema = Schema.from_batch(batch) if self.segment is None else self.segment.schema
+        plan = plan_write(schema, batch, num_sub_episodes, self.capacity, self.mode)
         if plan is None:
             return []
         leaves, first_row, num_rows, kept = plan
-        container, segment = self.container, self.segment
+        container = self.container
         if priority is not None:  # checked before anything is evicted
             priority = self._kept_priority(
                 _host(priority), first_row, num_rows, num_sub_episodes, kept
             )
             container.check_priority(num_rows, kept, priority)
         reservation = container.reserve(num_rows, kept)
+        if self.segment is None:
+            try:
+                self._allocate(schema)
+            except BaseException:  # out of memory, say: as if the batch had never come
+                container.abort(reservation.id, 0)
+                raise
+        segment = self.segment
+        assert segment is not None
         generations = segment.generations
         for start, stop in reservation.ranges:  # what update_priorities' staleness check reads
             generations[start:stop] += 1

@@ -188,6 +188,12 @@ class LeaseExpiredError(NotFoundError):
     code = "lease_expired"
 
 
+class UnstoredWritesWarning(RuntimeWarning):
+    """A Writer dropped without ``close()`` (collected, or left at interpreter exit) could
+    not store what it had been given: the daemon was gone, or did not answer within the
+    Writer's timeout. The message names the rows (client side)."""
+
+
 def error_from_code(code: str, message: str) -> ShmBufferError:
     """Rebuild the exception a daemon reported; unknown codes become the base class."""
     return _BY_CODE.get(code, ShmBufferError)(message)

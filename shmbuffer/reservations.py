@@ -107,6 +107,7 @@ class ReservationOps(RingState):
             trimmed=trimmed,
             before=before,
             travelled=self.travelled,
+            num_episodes=len(lengths),
         )
         self._next_reservation += 1
         self.reservations[reservation.id] = reservation

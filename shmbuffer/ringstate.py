@@ -79,6 +79,9 @@ class Reservation:
     #: abort needs to tell whether later reservations reached the rows it evicted.
     before: tuple[int, int, int] = (0, 0, 0)
     travelled: int = 0
+    #: The (sub-)episodes it publishes: what ``episodes_committed`` counts. ``episodes`` can
+    #: hold one more entry, for the one the ring's end splits in two.
+    num_episodes: int = 1
 
     @property
     def num_rows(self) -> int:

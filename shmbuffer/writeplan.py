@@ -10,20 +10,23 @@ from typing import Any
 
 import torch
 
-from shmbuffer.errors import SchemaError
+from shmbuffer.errors import CapacityError, SchemaError
 from shmbuffer.schema import Schema
 
 
 def plan_write(
     schema: Schema, batch: Mapping[str, Any], num_sub: int, capacity: int, mode: str
 ) -> tuple[dict[Any, Any], int, int, int] | None:
-    """Validate ``batch`` (nothing is written if it does not fit the schema) and decide what
-    to store: ``(leaves, first_row, rows, sub_episodes)``, or None for an empty batch. Shared
-    by :class:`Buffer` and the daemon's Writer so both keep the same rules."""
+    """Validate ``batch`` (nothing is written if it does not fit the schema, or holds more
+    rows than a fixed buffer) and decide what to store: ``(leaves, first_row, rows,
+    sub_episodes)``, or None for an empty batch. Shared by :class:`Buffer` and the daemon's
+    Writer so both keep the same rules; both call it before a lazy schema is fixed."""
     (num_rows,), leaves = schema.validate(batch)
     if num_rows == 0:
         warnings.warn("ignoring a write of zero rows", RuntimeWarning, stacklevel=4)
         return None
+    if num_rows > capacity and mode == "fixed":  # can never fit: refused before anything
+        raise CapacityError(f"{num_rows} rows do not fit a buffer of capacity {capacity}")
     first_row = 0
     if num_rows > capacity and mode == "circular":
         first_row, num_rows, num_sub = tail_that_fits(num_rows, num_sub, capacity)

@@ -45,7 +45,7 @@ from typing import Any
 
 from shmbuffer.clients.connection import Connection
 
-__all__ = ["AHEAD_BACKOFF", "AHEAD_BATCH", "AHEAD_SHARE", "ReserveAhead", "Shape"]
+__all__ = ["AHEAD_BACKOFF", "AHEAD_BATCH", "AHEAD_SHARE", "ReserveAhead", "Shape", "Written"]
 
 #: A write reserves its successor ahead only if it is at most 1/AHEAD_SHARE of the ring: the
 #: rows evicted early by a reservation ahead are missing from what readers and checkpoints see
@@ -61,13 +61,16 @@ AHEAD_BATCH = 4
 #: A reservation's shape, as a reserve ahead must match the write that uses it: rows, and the
 #: number of equal episodes or the lengths of unequal ones.
 Shape = tuple[int, int | None, list[int] | None]
+#: What a commit publishes: ``(rows, episodes)``, as the writer counts them (the daemon's reply
+#: lists registry entries, and an episode across the ring's end is two).
+Written = tuple[int, int]
 
 
 class ReserveAhead:
     """The reserve a writer may have sent ahead of its next writes, and when to send it.
 
-    ``in_flight``: the writer's list of ``(seq, rows)`` requests whose replies it collects; an
-    abort of an unused reservation joins it as ``(seq, None)``, so a flush waits for it too.
+    ``in_flight``: the writer's list of ``(seq, written)`` requests whose replies it collects;
+    an abort of an unused reservation joins it as ``(seq, None)``, so a flush waits for it too.
     ``granted``: reservations of batches, in ring order, until writes take them.
     """
 
@@ -77,16 +80,16 @@ class ReserveAhead:
         capacity: int,
         mode: str,
         commit_delay: float,
-        in_flight: list[tuple[int, int | None]],
+        in_flight: list[tuple[int, Written | None]],
     ) -> None:
         self.conn = conn
         self.capacity = capacity
         self.mode = mode
         self.commit_delay = commit_delay
         self._in_flight = in_flight
-        #: The reserve sent ahead: (seq, the shape it reserved, the rows of the commit it
-        #: carries), until a write (or the ticker, or flush) takes its reply.
-        self.pending: tuple[int, Shape, int] | None = None
+        #: The reserve sent ahead: (seq, the shape it reserved, what the commits it carries
+        #: publish), until a write (or the ticker, or flush) takes its reply.
+        self.pending: tuple[int, Shape, Written] | None = None
         #: Reservations granted ahead that no write has taken yet, and their shape.
         self.granted: deque[dict[str, Any]] = deque()
         self._granted_shape: Shape | None = None
@@ -143,10 +146,10 @@ class ReserveAhead:
         they and the one still in hand would pass 1/:data:`AHEAD_SHARE` of the ring."""
         return max(1, min(AHEAD_BATCH, self._fit(rows) - self._lead(rows)))
 
-    def send(self, shape: Shape, commits: list[tuple[int, int]]) -> None:
+    def send(self, shape: Shape, commits: list[tuple[int, Written]]) -> None:
         """Send the reserve of the next writes (``shape``, a batch of them), carrying
-        ``commits`` (earlier writes' reservations and rows, in order), without waiting: the
-        reply arrives while this write copies."""
+        ``commits`` (earlier writes' reservations and what each publishes, in order), without
+        waiting: the reply arrives while this write copies."""
         num_rows, episodes, lengths = shape
         fields: dict[str, Any] = {"rows": num_rows, "ahead": True}
         if lengths is not None:
@@ -158,21 +161,21 @@ class ReserveAhead:
             fields["count"] = count
         fields.update(commit_fields([r for r, _ in commits]))
         seq = self.conn.send("reserve", **fields)
-        self.pending = (seq, shape, sum(n for _, n in commits))
+        written = (sum(w[0] for _, w in commits), sum(w[1] for _, w in commits))
+        self.pending = (seq, shape, written)
 
-    def take(self, shape: Shape | None) -> tuple[dict[str, Any] | None, int, int]:
-        """``(reply, episodes, rows)``: a reservation of ``shape`` reserved ahead, the next of
+    def take(self, shape: Shape | None) -> tuple[dict[str, Any] | None, Written]:
+        """``(reply, written)``: a reservation of ``shape`` reserved ahead, the next of
         the batch in hand or else the first of the reserve in flight (else None, and all
         that was granted aborted), and what the commits that reserve carried published. An
         error in the reply (a commit refused, say) is raised here, to the write that needed
         it."""
         if self.granted and shape == self._granted_shape:
-            return self.granted.popleft(), 0, 0
-        episodes = commit_rows = 0
+            return self.granted.popleft(), (0, 0)
+        written = (0, 0)
         if self.pending is not None:  # its batch comes after those in hand, in ring order
-            (seq, reserved, commit_rows), self.pending = self.pending, None
+            (seq, reserved, written), self.pending = self.pending, None
             header, _ = self.conn.wait(seq)
-            episodes = len(header.get("committed", ()))
             if header["reservation"] == 0:  # the daemon would have had it wait: reserve anew
                 self._skip = AHEAD_BACKOFF
             else:
@@ -184,9 +187,9 @@ class ReserveAhead:
                 )
                 self._granted_shape = reserved
         if self.granted and shape == self._granted_shape:
-            return self.granted.popleft(), episodes, commit_rows
+            return self.granted.popleft(), written
         self._give_back_granted()
-        return None, episodes, commit_rows
+        return None, written
 
     def _give_back_granted(self) -> None:
         # written=0: what each evicted is published again and, if nothing was reserved after

@@ -10,12 +10,17 @@ is bounded; a daemon that does not answer in time raises :class:`DaemonUnavailab
 instead of hanging the caller.
 
 Lifecycle: every socket lives in one ZeroMQ context per process (:class:`_ProcessContext`),
-never terminated, and each connection closes its own sockets with ``LINGER`` 0, in
-:meth:`Connection.close` or, for one never closed, in a ``weakref.finalize`` callback that
-holds the sockets. ``zmq_ctx_term`` blocks until every socket of its context is closed; a
-context per connection, collected in a reference cycle, was finalised before its socket (the
-garbage's weak references are cleared first, so pyzmq's ``Context.__del__`` found no socket to
-close) and ``gc.collect()`` blocked forever (issue 7). A connection is bound to the process
+never terminated, and each connection says ``bye`` (so the daemon forgets it at once) and
+closes its own sockets with ``LINGER`` 0, in :meth:`Connection.close` or, for one never
+closed (collected, or left at interpreter exit), in a ``weakref.finalize`` callback that holds
+the sockets, never the connection. The goodbye waits at most :data:`BYE_TIMEOUT_S` (or the
+connection's timeout, if shorter) for its answer, and is skipped on a lane that has hung up
+(the daemon that knew the client is gone).
+
+``zmq_ctx_term`` blocks until every socket of its context is closed; a context per connection,
+collected in a reference cycle, was finalised before its socket (the garbage's weak
+references are cleared first, so pyzmq's ``Context.__del__`` found no socket to close) and
+``gc.collect()`` blocked forever (issue 7). A connection is bound to the process
 that made it: used after ``os.fork()`` it raises :class:`ForkedClientError` (the inherited
 socket's I/O thread does not exist in the child, so a poll on it spun forever), and closing
 it there touches nothing of the parent's.
@@ -31,7 +36,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import zmq
@@ -49,6 +54,8 @@ from shmbuffer.errors import (
     ForkedClientError,
     LimitExceededError,
     ProtocolError,
+    ShmBufferError,
+    WaitTimeoutError,
     error_from_code,
 )
 from shmbuffer.protocol import check_version, decode, encode, request
@@ -64,6 +71,11 @@ _FAILED_HANDSHAKE = (
     zmq.EVENT_HANDSHAKE_FAILED_AUTH,
 )
 _HANDSHAKE_EVENTS = functools.reduce(operator.or_, _FAILED_HANDSHAKE)
+
+#: The longest a goodbye waits for the daemon's answer.
+BYE_TIMEOUT_S = 2.0
+#: The goodbye's seq: requests count from 1, so a reply with this one answers the goodbye.
+_BYE_SEQ = 0
 
 
 class _ProcessContext:
@@ -90,10 +102,46 @@ _process_context = _ProcessContext()
 os.register_at_fork(after_in_child=_process_context.after_fork_in_child)
 
 
+def _goodbye(sock: Any, timeout: float) -> None:
+    """Send ``bye`` on a connection's socket (a :class:`LaneSocket` or a DEALER) and wait at
+    most ``timeout`` for its answer, dropping the replies before it; never raises."""
+    header = encode(request("bye", _BYE_SEQ))
+    deadline = time.monotonic() + timeout
+    with contextlib.suppress(zmq.ZMQError, OSError, ShmBufferError, ValueError):
+        if isinstance(sock, LaneSocket):
+            if not sock.connected:  # hung up: the daemon that knew this client is gone
+                return
+            sock.send([header])
+            while sock.connected and sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+                if decode(sock.recv()[0], max_bytes=None).get("seq") == _BYE_SEQ:
+                    return
+        else:
+            sock.send(header, zmq.NOBLOCK)  # never blocks: no pipe, no goodbye
+            while sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+                first = sock.recv_multipart(copy=False)[0].buffer
+                if decode(first, max_bytes=None).get("seq") == _BYE_SEQ:
+                    return
+
+
+def _finalise(pid: int, sockets: list[Any], lock: Any, timeout: float) -> None:
+    """The finaliser of a connection never closed: say goodbye, then close its sockets. A
+    no-op in a forked child, whose copies of the parent's sockets are not its own. At
+    interpreter exit a thread of the client (a lease renewer) may be using the socket: the
+    goodbye waits for its lock, within the same bound, or is skipped."""
+    if os.getpid() != pid:
+        return
+    if sockets and lock.acquire(timeout=timeout):
+        try:
+            _goodbye(sockets[-1], timeout)  # the monitor, while it exists, comes first
+        finally:
+            lock.release()
+    _close_sockets(pid, sockets)
+
+
 def _close_sockets(pid: int, sockets: list[Any]) -> None:
     """Close a connection's sockets at once (``LINGER`` 0: nothing rides on an unacknowledged
-    message). The finaliser of a connection never closed; a no-op in a forked child, whose
-    copies of the parent's sockets are not its own."""
+    message); a no-op in a forked child, whose copies of the parent's sockets are not its
+    own."""
     if os.getpid() != pid:
         return
     while sockets:
@@ -138,10 +186,12 @@ class Connection:
         path = lane_path(self.endpoint)
         if path is not None and not self.remote and not self.curve and lane_wanted():
             self._lane = connect_lane(path, timeout)
-        # Holds the sockets (not the connection): closes them if the connection is collected
-        # unclosed, and is what close() calls. The monitor joins the list when it exists.
+        # Holds the sockets (not the connection): says goodbye and closes them if the
+        # connection is collected unclosed. The monitor joins the list when it exists.
         self._sockets: list[Any] = []
-        self._finalizer = weakref.finalize(self, _close_sockets, self._pid, self._sockets)
+        self._finalizer = weakref.finalize(
+            self, _finalise, self._pid, self._sockets, self._lock, min(timeout, BYE_TIMEOUT_S)
+        )
         if self._lane is not None:
             self._sockets.append(self._lane)
         else:
@@ -162,6 +212,9 @@ class Connection:
         self._seq = 0
         self._early: dict[int, Reply] = {}  # replies that arrived before anyone waited
         self._pings: set[int] = set()  # liveness pings sent during long waits (see wait_all)
+        self._cap: float | None = None  # a deadline every wait ends by (see bounded)
+        #: When the daemon last said anything on this connection (monotonic seconds).
+        self.last_heard = 0.0
         self._closed = False
         try:
             hello = self.call(
@@ -170,7 +223,7 @@ class Connection:
         except BaseException:
             self._closed = True
             self._stop_monitor()
-            self._finalizer()
+            self._release_sockets()  # no hello, no goodbye
             raise
         self._stop_monitor()
         if self._lane is None:
@@ -212,16 +265,20 @@ class Connection:
         with self._lock:
             return self._send(op, frames, **fields)
 
+    def check_payload(self, op: str, size: int) -> None:
+        """LimitExceededError for a payload of ``size`` bytes over the daemon's limit: it
+        would refuse it, or libzmq drop it unanswered."""
+        limit = getattr(self, "buffer", {}).get("max_payload_bytes")
+        if limit is not None and size > limit:
+            raise LimitExceededError(
+                f"op {op!r}: a payload of {size:,} bytes exceeds the daemon's limit "
+                f"max_payload_bytes={limit:,}; send fewer rows per call"
+            )
+
     def _send(self, op: str, frames: Sequence[Any] = (), **fields: Any) -> int:
         self._check_open()  # again, under the lock: another thread may have closed it
-        limit = getattr(self, "buffer", {}).get("max_payload_bytes")
-        if frames and limit is not None:
-            size = sum(memoryview(f).nbytes for f in frames)
-            if size > limit:  # the daemon would refuse it, or libzmq drop it unanswered
-                raise LimitExceededError(
-                    f"op {op!r}: a payload of {size:,} bytes exceeds the daemon's limit "
-                    f"max_payload_bytes={limit:,}; send fewer rows per call"
-                )
+        if frames:
+            self.check_payload(op, sum(memoryview(f).nbytes for f in frames))
         self._seq += 1
         header = encode(request(op, self._seq, **fields))
         if self._lane is not None:
@@ -268,10 +325,24 @@ class Connection:
         with self._lock:
             self._wait_all(seqs, timeout)
 
+    @contextlib.contextmanager
+    def bounded(self, seconds: float) -> Iterator[None]:
+        """Every wait inside ends within ``seconds`` from now, whatever its own timeout (a
+        finaliser's budget); one cut short raises :class:`WaitTimeoutError`."""
+        self._cap = time.monotonic() + seconds
+        try:
+            yield
+        finally:
+            self._cap = None
+
     def _wait_all(self, seqs: Sequence[int], timeout: float | None) -> None:
         self._check_open()
         waited = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + waited
+        cut = self._cap is not None and self._cap < deadline
+        if cut:
+            assert self._cap is not None
+            deadline = self._cap
         heard = time.monotonic()  # when the daemon last said anything
         for seq in seqs:
             while seq not in self._early:
@@ -289,6 +360,11 @@ class Connection:
                     self._receive_one()
                     heard = time.monotonic()
                 elif time.monotonic() >= deadline:
+                    if cut:
+                        raise WaitTimeoutError(
+                            f"no reply from the daemon at {self.endpoint} within the time "
+                            f"this client had left ({self._why_no_reply()})"
+                        )
                     raise DaemonUnavailableError(
                         f"no reply from the daemon at {self.endpoint} within {waited:.1f}s "
                         f"({self._why_no_reply()})"
@@ -360,6 +436,7 @@ class Connection:
         else:
             frames = self.socket.recv_multipart(copy=False)
             first = frames[0].buffer
+        self.last_heard = time.monotonic()
         header = decode(first, max_bytes=None)  # a sample reply may be megabytes
         got = header.get("seq")
         if not isinstance(got, int):
@@ -374,9 +451,11 @@ class Connection:
     ) -> dict[str, Any]:
         return self.wait(self.send(op, frames, **fields), timeout)[0]
 
-    def close(self) -> None:
-        """Say ``bye`` (waiting at most 2 s) and close the sockets. Safe to call twice; in a
-        forked child it only marks this copy closed (the sockets are the parent's)."""
+    def close(self, goodbye: bool = True) -> None:
+        """Say ``bye`` (unless not ``goodbye``: a daemon known not to answer) and close the
+        sockets; the goodbye waits at most :data:`BYE_TIMEOUT_S` (or the timeout, if
+        shorter). Safe to call twice; in a forked child it only marks this copy closed (the
+        sockets are the parent's)."""
         if self.forked:
             self._closed = True
             self._finalizer.detach()
@@ -385,12 +464,17 @@ class Connection:
             if self._closed:
                 return
             try:
-                with contextlib.suppress(Exception):  # the daemon may be gone; closing succeeds
-                    self.call("bye", timeout=min(self.timeout, 2.0))
+                if goodbye and self._sockets:  # the daemon may be gone; closing succeeds
+                    _goodbye(self._sockets[-1], min(self.timeout, BYE_TIMEOUT_S))
             finally:
                 self._closed = True
                 self._monitor = None
-                self._finalizer()
+                self._release_sockets()
+
+    def _release_sockets(self) -> None:
+        """Close the sockets now, in place of the finaliser (which then does nothing)."""
+        if self._finalizer.detach() is not None:
+            _close_sockets(self._pid, self._sockets)
 
 
 def is_remote_target(endpoint: str) -> bool:

@@ -62,6 +62,11 @@ class LaneSocket:
         self._poll.register(sock, select.POLLIN)
         self._unanswered = 0  # requests sent on this connection, minus replies taken
 
+    @property
+    def connected(self) -> bool:
+        """Whether the connection is up (False after a hang-up, until a request reconnects)."""
+        return self.sock is not None
+
     # -- sending ------------------------------------------------------------------------------
 
     def send(self, frames: Sequence[Any]) -> None:

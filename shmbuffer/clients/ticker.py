@@ -30,6 +30,10 @@ class Ticker:
             fn()
             del fn  # no strong reference while waiting
 
+    def is_current(self) -> bool:
+        """Whether the caller runs on this ticker's thread."""
+        return self._thread is threading.current_thread()
+
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
         if self._thread is not threading.current_thread():  # stopped from its own call

@@ -239,7 +239,7 @@ class WriteOps(DaemonState):
         client.reservations.discard(reservation.id)
         self.counters.rows_committed += reservation.num_rows
         client.rows_committed += reservation.num_rows
-        self.counters.episodes_committed += len(ids)
+        self.counters.episodes_committed += reservation.num_episodes  # not the entries
         self._journal_commit(ids, reservation.episodes)  # before the reply acknowledges it
         if given is not None and self.journal is not None:
             self.journal.append_priorities(given.rows, given.priority)

@@ -159,7 +159,7 @@ def test_small_writes_share_a_reservation_and_keep_their_episodes(daemon):
         lengths = [5, 9, 3, 12, 7]
         for e, n in enumerate(lengths):
             w.add_episode(make_episode(0, e, n, (2, 2)))
-        assert w._staged is not None and w._staged.rows == sum(
+        assert w._pipe.staged is not None and w._pipe.staged.rows == sum(
             lengths
         )  # nothing sent yet: they share one reservation
         deadline = time.monotonic() + 5  # the ticker stores them once commit_delay passes

@@ -67,7 +67,7 @@ def test_the_write_after_a_flush_does_not_reserve_ahead(daemon):
         _stream(w, 6, 1)  # now a stream: the next writes' rows too, a batch of them (1.5)
         # 1/16 of the ring (1000 rows) holds 3 writes: a batch of 2 and the 1 left in hand
         # when the next batch is asked for
-        assert w._ahead.batch(LENGTH) == 2
+        assert w._pipe.ahead.batch(LENGTH) == 2
         wait_for(lambda: d.stats()["reservations"] == 1 + 2, 10, what="reservations ahead")
 
 
@@ -93,9 +93,9 @@ def test_writes_of_changing_sizes_are_not_reserved_ahead(daemon):
     with Writer(d.name, commit_delay=30.0, batch_bytes=0) as w:
         for e in range(10):
             _stream(w, e, 1, length=LENGTH if e % 2 else LENGTH // 2)
-            assert w._ahead.pending is None  # nothing sent ahead
+            assert w._pipe.ahead.pending is None  # nothing sent ahead
         _stream(w, 10, 2)  # two equal writes in a row: the next one is reserved ahead
-        assert w._ahead.holding
+        assert w._pipe.ahead.holding
         w.flush()
         stats = d.stats()
         assert stats["episodes"] == 12 and stats["reservations"] == 0
@@ -202,7 +202,7 @@ def test_a_stream_reserves_ahead_in_batches_and_commits_on_the_next_batch(daemon
     with Writer(d.name, commit_delay=30.0, batch_bytes=0) as w:
         sent = _count_ops(w)
         _stream(w, 0, 34)
-        assert w._ahead.batch(LENGTH) == AHEAD_BATCH == 4
+        assert w._pipe.ahead.batch(LENGTH) == AHEAD_BATCH == 4
         # the first two reserve as before, the second also sending the first batch ahead
         # (writes 2-5); then one reserve per batch of 4 (6-9, ..., 34-37), each sent as the
         # batch before it has one left (writes 4, 8, ..., 32), carrying the commits before
@@ -224,7 +224,7 @@ def test_a_stream_reserves_ahead_in_batches_and_commits_on_the_next_batch(daemon
 def test_a_daemon_before_1_5_gets_one_reservation_ahead_at_a_time(daemon):
     d = daemon(capacity=64 * LENGTH, unit="episode")
     with Writer(d.name, commit_delay=30.0, batch_bytes=0) as w:
-        w._ahead._version = (1, 4)  # as if its ping had answered 1.4: no count, no commits
+        w._pipe.ahead._version = (1, 4)  # as if its ping had answered 1.4: no count, no commits
         sent = _count_ops(w)
         _stream(w, 0, 10)
         # one per write (and the first write's own), each carrying one commit
@@ -240,7 +240,7 @@ def test_an_idle_writer_gives_back_the_rest_of_its_batch(daemon):
         wait_for(lambda: d.stats()["reservations"] == 0, 10, what="the batch back")
         stats = d.stats()
         assert stats["episodes_committed"] == 4 and stats["pointer"] == 4 * LENGTH
-        assert not w._ahead.holding
+        assert not w._pipe.ahead.holding
 
 
 def test_ahead_reserve_is_never_parked(daemon):
@@ -287,7 +287,7 @@ def test_fifo_back_pressure_holds_the_reservation_ahead_like_any_other(daemon):
         with Reader(d.name) as reader, reader.sample_episodes(2) as eps:
             assert len(eps) == 2  # consumed: room for two more
         _stream(w, RING, 2)
-        assert w._ahead.pending is None  # refused once: the next writes do not ask ahead (backoff)
+        assert w._pipe.ahead.pending is None  # refused once: the next writes do not ask (backoff)
         w.flush()
         assert d.stats()["episodes_committed"] == RING + 2
 

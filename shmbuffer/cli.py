@@ -17,6 +17,9 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
+import select
+import signal
 import sys
 from collections.abc import Iterator
 
@@ -315,10 +318,41 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # here, not at exit, where a closed pipe would only be reported
+        return code
+    except BrokenPipeError as exc:
+        if not _stdout_reader_gone():
+            print(f"shmbuffer-daemon: {exc}", file=sys.stderr)
+            return 1
+        return _quiet_exit_on_closed_stdout()
     except (ShmBufferError, ValueError, OSError) as exc:
         print(f"shmbuffer-daemon: {exc}", file=sys.stderr)
         return 1
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe nobody reads any more (``| head`` that has its lines): the
+    kernel flags its write end with POLLERR. A broken pipe of anything else (a socket to the
+    daemon) is an error worth reporting."""
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _quiet_exit_on_closed_stdout() -> int:
+    """End as a Unix tool killed by SIGPIPE looks to its shell: nothing on stderr, status
+    128 + SIGPIPE. Python ignores SIGPIPE so that sockets raise instead of killing the
+    process, and it must stay so; stdout is pointed at /dev/null so that the interpreter's
+    last flush of the unwritten text does not report the pipe again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

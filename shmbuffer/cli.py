@@ -5,10 +5,10 @@ This module is the parser, its flag types and ``main`` (the console entry point)
 commands that need no daemon; the others live by job, and keep their names here:
 :mod:`shmbuffer.cli_start` runs a daemon (``start``, ``run_daemon``),
 :mod:`shmbuffer.cli_admin` talks to a running one (``stop``, ``status``, ``configure``,
-``checkpoint``).
+``checkpoint``), :mod:`shmbuffer.cli_demo` runs a daemon and its demo processes.
 
-Only ``start`` (and ``demo``) import torch, about 3 s of CPU: ``status``, ``stop``,
-``configure`` and ``keygen`` answer in a fraction of a second
+Only ``start`` (and the processes ``demo`` starts) import torch, about 3 s of CPU:
+``status``, ``stop``, ``configure`` and ``keygen`` answer in a fraction of a second
 (tests/test_import_cost.py pins it).
 """
 
@@ -66,7 +66,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from shmbuffer.demo import cmd_demo as run_demo  # torch is imported only when needed
+    from shmbuffer.cli_demo import cmd_demo as run_demo
 
     return run_demo(args)
 

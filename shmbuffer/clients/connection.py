@@ -49,6 +49,7 @@ from shmbuffer.errors import (
     ForkedClientError,
     LimitExceededError,
     ProtocolError,
+    UnknownClientError,
     error_from_code,
 )
 from shmbuffer.protocol import check_version, decode, encode, request
@@ -366,8 +367,22 @@ class Connection:
             raise ProtocolError(f"reply without a seq: {header!r}")
         if got in self._pings:  # a liveness ping: arriving was all it had to do
             self._pings.discard(got)
+            self._check_same_daemon(header)
             return
         self._early[got] = (header, frames[1:])
+
+    def _check_same_daemon(self, pong: dict[str, Any]) -> None:
+        """A ping answered proves the daemon alive only if it is the one this client said
+        hello to. A daemon started in a dead one's place on the same endpoint (a resume, a
+        host restarting it) answers pings, since they need no hello, but the requests in
+        flight died with the old one: waiting on would last to the end of the long wait."""
+        pid = pong.get("pid")
+        if pong.get("ok") and isinstance(pid, int) and pid != self.daemon_pid:
+            raise UnknownClientError(
+                f"the daemon at {self.endpoint} restarted: pid {pid} answers in place of pid "
+                f"{self.daemon_pid}, and the requests this client had in flight died with it; "
+                "reconnect (a new Writer/Reader)"
+            )
 
     def call(
         self, op: str, frames: Sequence[Any] = (), timeout: float | None = None, **fields: Any

@@ -48,6 +48,7 @@ from shmbuffer.errors import (
     DaemonUnavailableError,
     ForkedClientError,
     LimitExceededError,
+    PermissionDeniedError,
     ProtocolError,
     UnknownClientError,
     error_from_code,
@@ -55,7 +56,7 @@ from shmbuffer.errors import (
 from shmbuffer.protocol import check_version, decode, encode, request
 from shmbuffer.protocol_unix import lane_path, lane_wanted
 from shmbuffer.protocol_zmq import send_frames
-from shmbuffer.runtime import resolve_endpoint
+from shmbuffer.runtime import access_refusal, resolve_endpoint
 
 Reply = tuple[dict[str, Any], list[Any]]  # payload: zmq.Frame, or bytes off the lane
 
@@ -122,6 +123,7 @@ class Connection:
         started with ``--curve-clients`` checks. Both default to ``$SHMBUFFER_CURVE_SERVER_KEY``
         and ``$SHMBUFFER_CURVE_CLIENT_CERT``."""
         self.endpoint = resolve_endpoint(target)
+        _check_socket_access(self.endpoint)
         #: Rows travel over the socket (a daemon on another host, or asked for).
         self.remote = is_remote_target(self.endpoint) if remote is None else remote
         self.timeout = timeout
@@ -406,6 +408,21 @@ class Connection:
                 self._closed = True
                 self._monitor = None
                 self._finalizer()
+
+
+def _check_socket_access(endpoint: str) -> None:
+    """Refuse at once an ipc socket this user may not connect to (another user's daemon):
+    ZeroMQ would retry its connect quietly until the timeout, and then only guess why."""
+    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
+        return  # tcp, or an abstract socket (no file, no permissions)
+    why = access_refusal(endpoint[len("ipc://") :], os.W_OK)
+    if why is not None:
+        raise PermissionDeniedError(
+            f"the daemon at {endpoint} is another user's: {why}. Only that user, or members "
+            "of the group it was started with (--group), may connect: its user shares it by "
+            "starting it with --group naming a group you are in, or on loopback tcp, where a "
+            "client of another user passes remote=True (README, Access)"
+        )
 
 
 def is_remote_target(endpoint: str) -> bool:

@@ -35,6 +35,7 @@ from shmbuffer.container import Container, as_invalid_argument
 from shmbuffer.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
 from shmbuffer.errors import ClosedError, InvalidArgumentError
 from shmbuffer.protocol import MAX_SAMPLE, check_sample_size
+from shmbuffer.recent import RecentSamples
 from shmbuffer.samplers import RateLimiter, Sampler, build_rate_limiter, build_sampler
 from shmbuffer.samplers.base import Priority, check_count, check_priority
 from shmbuffer.schema import Schema
@@ -138,6 +139,7 @@ class Buffer:
         self._passes: dict[tuple[int, int], int] = {}
         self.segment: Segment | LocalSegment | None = None
         self._closed = False
+        self._recent = RecentSamples()  # stamps for updates sent back without generation=
         if schema is not None:
             self._allocate(schema if isinstance(schema, Schema) else Schema.from_spec(schema))
 
@@ -349,15 +351,20 @@ class Buffer:
         generation: np.ndarray | torch.Tensor | Sequence[int] | None = None,
     ) -> int:
         """Set new priorities for sampled rows (``info["index"]``); returns how many were
-        applied. With ``generation`` (``info["generation"]``) rows overwritten since they were
-        sampled are skipped and counted in ``stats()["priority_updates_stale"]``. A bad index,
+        applied. Rows overwritten since they were sampled are skipped and counted in
+        ``stats()["priority_updates_stale"]``: their stamps are ``generation``
+        (``info["generation"]``) or, left out, those of the one of the last 8 samples whose
+        ``info["index"]`` is ``index`` (as :meth:`Reader.update_priorities`). A bad index,
         priority or length raises InvalidArgumentError and applies nothing."""
         self._check_open()
         if self.segment is None:
             stamps = np.zeros(self.capacity, dtype=np.int64)
         else:
             stamps = self.segment.generations
-        seen = None if generation is None else _host(generation)
+        if generation is None:
+            seen = self._recent.generations_of(_host(index))
+        else:
+            seen = _host(generation)
         return self.container.update_priorities(_host(index), _host(priority), seen, stamps)
 
     def sample_episodes(
@@ -475,9 +482,11 @@ class Buffer:
         self, index: np.ndarray, probability: np.ndarray, weight: np.ndarray
     ) -> dict[str, torch.Tensor]:
         assert self.segment is not None
+        generation = self.segment.generations[index]
+        self._recent.remember(index, generation)  # for an update sent back without it
         return {  # copies: the container's arrays may be shared and read-only
             "index": torch.tensor(index),
-            "generation": torch.from_numpy(self.segment.generations[index]),
+            "generation": torch.from_numpy(generation),
             "probability": torch.tensor(probability),
             "weight": torch.tensor(weight, dtype=torch.float32),
         }

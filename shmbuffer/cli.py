@@ -5,10 +5,10 @@ This module is the parser, its flag types and ``main`` (the console entry point)
 commands that need no daemon; the others live by job, and keep their names here:
 :mod:`shmbuffer.cli_start` runs a daemon (``start``, ``run_daemon``),
 :mod:`shmbuffer.cli_admin` talks to a running one (``stop``, ``status``, ``configure``,
-``checkpoint``).
+``checkpoint``), :mod:`shmbuffer.cli_demo` runs a daemon and its demo processes.
 
-Only ``start`` (and ``demo``) import torch, about 3 s of CPU: ``status``, ``stop``,
-``configure`` and ``keygen`` answer in a fraction of a second
+Only ``start`` (and the processes ``demo`` starts) import torch, about 3 s of CPU:
+``status``, ``stop``, ``configure`` and ``keygen`` answer in a fraction of a second
 (tests/test_import_cost.py pins it).
 """
 
@@ -17,6 +17,9 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
+import select
+import signal
 import sys
 from collections.abc import Iterator
 
@@ -63,7 +66,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from shmbuffer.demo import cmd_demo as run_demo  # torch is imported only when needed
+    from shmbuffer.cli_demo import cmd_demo as run_demo
 
     return run_demo(args)
 
@@ -315,10 +318,41 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # here, not at exit, where a closed pipe would only be reported
+        return code
+    except BrokenPipeError as exc:
+        if not _stdout_reader_gone():
+            print(f"shmbuffer-daemon: {exc}", file=sys.stderr)
+            return 1
+        return _quiet_exit_on_closed_stdout()
     except (ShmBufferError, ValueError, OSError) as exc:
         print(f"shmbuffer-daemon: {exc}", file=sys.stderr)
         return 1
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe nobody reads any more (``| head`` that has its lines): the
+    kernel flags its write end with POLLERR. A broken pipe of anything else (a socket to the
+    daemon) is an error worth reporting."""
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _quiet_exit_on_closed_stdout() -> int:
+    """End as a Unix tool killed by SIGPIPE looks to its shell: nothing on stderr, status
+    128 + SIGPIPE. Python ignores SIGPIPE so that sockets raise instead of killing the
+    process, and it must stay so; stdout is pointed at /dev/null so that the interpreter's
+    last flush of the unwritten text does not report the pipe again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

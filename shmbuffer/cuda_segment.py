@@ -49,7 +49,7 @@ from typing import Any, Self
 import numpy as np
 import torch
 
-from shmbuffer.errors import OutOfSpaceError, SchemaError, SegmentError
+from shmbuffer.errors import OutOfSpaceError, PermissionDeniedError, SchemaError, SegmentError
 from shmbuffer.schema import Field, Key, Schema, key_str
 from shmbuffer.segment import (
     ALIGN,
@@ -204,7 +204,18 @@ def attach_segment(
     """Attach segment ``name`` wherever its rows live: a :class:`CudaSegment` when its
     manifest names a device, else a host :class:`Segment`, page-locked for this process with
     ``pin`` when the daemon was started with ``--pin-memory`` and CUDA is usable here (else
-    left pageable, and said so in the log)."""
+    left pageable, and said so in the log). How a Reader or Writer maps its daemon's rows: a
+    segment another user owns is refused saying how such a client still gets them."""
+    try:
+        return _attach_segment(name, storage_dir, pin)
+    except PermissionDeniedError as exc:
+        raise PermissionDeniedError(
+            f"{exc}. A Reader or Writer of another user's daemon (one any local user may "
+            "reach: loopback tcp) passes remote=True: its rows then travel over the socket"
+        ) from None
+
+
+def _attach_segment(name: str, storage_dir: str | Path | None, pin: bool) -> Segment:
     path, manifest = read_manifest(name, storage_dir)
     if "device" in manifest:
         return CudaSegment.open(name, path, manifest)

@@ -123,7 +123,8 @@ class SegmentNotFoundError(SegmentError, NotFoundError):
 
 
 class PermissionDeniedError(ShmBufferError, PermissionError):
-    """A client acted on a reservation or lease that belongs to another client."""
+    """Not this client's to use: a reservation or lease of another client, an admin op without
+    a credential, or another user's daemon socket or segment (the message says who may)."""
 
     code = "permission"
 

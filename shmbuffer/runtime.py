@@ -81,6 +81,26 @@ def check_private_dir(
     return st
 
 
+def access_refusal(path: str | Path, need: int = os.R_OK | os.W_OK) -> str | None:
+    """Why this process may not use ``path`` (a daemon's socket, a segment's folder or file)
+    where permissions are the reason: the first folder on the way it may not enter, or
+    ``path`` itself without ``need``, with its owner and mode. None where nothing refuses
+    (a missing path is another error, said by whoever opens it)."""
+    path = Path(path)
+    for step in [*reversed(path.parents), path]:
+        try:
+            st = os.stat(step)
+        except OSError:
+            return None
+        if not os.access(step, need if step == path else os.X_OK):
+            try:
+                owner = pwd.getpwuid(st.st_uid).pw_name
+            except KeyError:
+                owner = f"uid {st.st_uid}"
+            return f"{step} belongs to {owner} (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
 def runtime_dir() -> Path:
     """Where runtime files and ipc sockets live: ``$SHMBUFFER_RUNTIME_DIR``, else
     ``$XDG_RUNTIME_DIR/shmbuffer``, else a per-user folder in the temp dir. Created owner-only

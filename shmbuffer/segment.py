@@ -47,12 +47,13 @@ if TYPE_CHECKING:
 from shmbuffer import pages
 from shmbuffer.errors import (
     OutOfSpaceError,
+    PermissionDeniedError,
     SchemaError,
     SegmentError,
     SegmentNotFoundError,
 )
 from shmbuffer.names import validate_name
-from shmbuffer.runtime import check_private_dir
+from shmbuffer.runtime import access_refusal, check_private_dir
 from shmbuffer.schema import Field, Key, Schema, key_str
 
 FORMAT_VERSION = 1
@@ -231,10 +232,16 @@ def read_manifest(name: str, storage_dir: str | Path | None = None) -> tuple[Pat
     died, has no manifest yet."""
     path = segment_path(name, storage_dir)
     _check_default_root(storage_dir)
-    if not path.is_dir():
+    try:
+        found = path.is_dir()
+    except PermissionError:
+        raise _not_yours(name, path, os.R_OK | os.X_OK) from None
+    if not found:
         raise SegmentNotFoundError(f"no segment {name!r} at {path}")
     try:
         manifest = json.loads((path / MANIFEST).read_text())
+    except PermissionError:
+        raise _not_yours(name, path / MANIFEST, os.R_OK) from None
     except FileNotFoundError:
         raise SegmentError(
             f"segment {name!r} at {path} has no {MANIFEST}: still being created, or its "
@@ -267,8 +274,19 @@ def map_data(name: str, path: Path, manifest: Mapping[str, Any]) -> mmap.mmap:
             return mmap.mmap(fd, size, mmap.MAP_SHARED)
         finally:
             os.close(fd)
+    except PermissionError:
+        raise _not_yours(name, data, os.R_OK | os.W_OK) from None
     except OSError as e:
         raise SegmentError(f"segment {name!r}: cannot map {data}: {e}") from e
+
+
+def _not_yours(name: str, path: Path, need: int) -> PermissionDeniedError:
+    """A segment this process may not map, and whose permissions say so."""
+    why = access_refusal(path, need) or f"{path}: permission denied"
+    return PermissionDeniedError(
+        f"segment {name!r} is another user's to map: {why}; only its owner, or members of "
+        "the group its daemon was started with (--group), may map it"
+    )
 
 
 class _Columns:

@@ -16,6 +16,12 @@ MAX_CLIENT_ROWS = 20
 LAG_WARN_S = 5.0
 
 
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """``1 writer``, ``4 writers``, ``0 writers``: a count and its noun, as a person says it
+    (``nouns`` where the plural is not the noun and an s)."""
+    return f"{n:,} {noun if n == 1 else nouns or noun + 's'}"
+
+
 def rate(x: float) -> str:
     return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
 
@@ -31,9 +37,8 @@ def format_status(s: dict[str, Any]) -> str:
             f"fill {100 * s['fill']:.1f}%",
             f"rates       insert {rate(s['insert_rows_per_s'])} rows/s   "
             f"sample {rate(s['sample_rows_per_s'])} rows/s",
-            f"clients     {s['writers']} writers, {s['readers']} readers",
-            f"in flight   {s['reservations']} reservations ({s['reserved_rows']:,} rows), "
-            f"{s['leases']} leases",
+            f"clients     {_clients(s)}",
+            f"in flight   {_in_flight(s)}",
             *[f"stalled     {line}" for line in stalled_writers(s)],
             f"totals      {s['rows_committed']:,} rows / {s['episodes_committed']:,} episodes "
             f"committed, {s['samples']:,} samples, {s['errors']:,} refused requests",
@@ -58,6 +63,17 @@ def stalled_writers(s: dict[str, Any]) -> list[str]:
             f"{why}"
         )
     return lines
+
+
+def _clients(s: dict[str, Any]) -> str:
+    return f"{plural(s['writers'], 'writer')}, {plural(s['readers'], 'reader')}"
+
+
+def _in_flight(s: dict[str, Any]) -> str:
+    return (
+        f"{plural(s['reservations'], 'reservation')} "
+        f"({plural(s['reserved_rows'], 'row')}), {plural(s['leases'], 'lease')}"
+    )
 
 
 def _pairs(values: dict[str, Any]) -> str:
@@ -166,10 +182,7 @@ def _buffer_panel(s: dict[str, Any]) -> RenderableType:
     grid.add_row("capacity", f"{s['capacity']:,} rows  unit={s['unit']}  mode={s['mode']}")
     grid.add_row("stored", f"{s['rows']:,} rows, {s['episodes']:,} episodes")
     grid.add_row("fill", fill)
-    grid.add_row(
-        "in flight",
-        f"{s['reservations']} reservations ({s['reserved_rows']:,} rows), {s['leases']} leases",
-    )
+    grid.add_row("in flight", _in_flight(s))
     for line in stalled_writers(s):
         grid.add_row("[bold red]stalled[/]", line)
     grid.add_row("schema", "set" if s["schema"] else "(lazy: set by the first writer)")
@@ -239,7 +252,7 @@ def _clients_panel(
     from rich.panel import Panel
     from rich.table import Table
 
-    title = f"clients: {s['writers']} writers, {s['readers']} readers"
+    title = f"clients: {_clients(s)}"
     if clients is None:
         return Panel("(this daemon reports no per-client figures)", title=title)
     table = Table(

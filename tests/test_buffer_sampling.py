@@ -133,6 +133,23 @@ def test_update_priorities_skips_rows_overwritten_since_their_sample() -> None:
     assert np.array_equal(after[:4], before[:4])  # the new rows kept their (max) priority
     sampled = np.unique(info["index"].numpy())
     assert np.all(after[sampled[sampled >= 4]] == 7.0)
+
+
+def test_an_update_without_generation_takes_the_stamps_of_the_sample_it_answers() -> None:
+    """The buffer remembers its last samples' stamps: ``update_priorities(info["index"], p)``
+    skips the rows overwritten since as ``generation=info["generation"]`` would; an index
+    array that is no recent sample's is applied as given."""
+    buf = Buffer(16, sampler="prioritized", priority_exponent=1.0, priority_eps=0.0, seed=4)
+    buf.extend(rows(16))
+    _, info = buf.sample(64, return_info=True)
+    buf.extend(rows(4, first=16))  # overwrites rows 0..3: new data, new stamps
+    stale = int((info["index"] < 4).sum())
+    assert stale > 0
+    assert buf.update_priorities(info["index"], torch.full((64,), 7.0)) == 64 - stale
+    assert buf.stats()["priority_updates_stale"] == stale
+    leaves = np.frombuffer(buf.sampler.state_dict()["leaves"], dtype=np.float64)
+    assert not np.any(leaves[:4] == 7.0)  # the new rows kept their (max) priority
+    assert buf.update_priorities(np.arange(4), 2.0) == 4  # never one sample's index: applied
     # without generation every row is updated, the new data included
     assert buf.update_priorities(np.array([0, 1]), [0.5, 0.5]) == 2
 

@@ -20,11 +20,13 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "shmbuffer"
 #: Modules above both sides: the command line launches the daemon and is its client (cli.py
 #: the parser and entry point, cli_start.py the daemon it runs, cli_admin.py the commands that
-#: talk to it); the demo runs both; the package root only hands names on, lazily.
+#: talk to it); the demo runs both (cli_demo.py the command, demo.py its processes' loops);
+#: the package root only hands names on, lazily.
 ABOVE_BOTH = {
     "shmbuffer",
     "shmbuffer.cli",
     "shmbuffer.cli_admin",
+    "shmbuffer.cli_demo",
     "shmbuffer.cli_start",
     "shmbuffer.demo",
 }

@@ -39,19 +39,23 @@ def draw(view: LiveStatus, stats: dict[str, object]) -> str:
 def test_live_view_shows_fill_rates_clients_sampler_and_limiter(h: Harness) -> None:
     view = LiveStatus()
     h.now = 1.0
-    first = draw(view, h.service.stats(h.now))
+    before = h.service.stats(h.now)
+    first = draw(view, before)
     assert "rows committed      0" in first
 
     h.write(W, 10, 1.0)
     h(R, "sample", kind="rows", n=6)
     stats = h.service.stats(h.now)
-    stats["uptime_s"] += 2.0  # the view's per-client rates run on the daemon's clock
+    # the view's per-client rates run on the daemon's clock (its uptime, wall time): 2 s on
+    # it, however long this test took between the two replies
+    stats["uptime_s"] = before["uptime_s"] + 2.0
     text = draw(view, stats)
     assert "rows committed      10" in text
     assert "25.0%" in text  # fill: 10 of 40 rows
     assert "prioritized" in text and "min-size" in text
     assert "inserts blocked" in text and "0 waiting now" in text
-    lines = [line for line in text.splitlines() if " writer " in line or " reader " in line]
+    rows = [line for line in text.splitlines() if "clients:" not in line]  # not the title
+    lines = [line for line in rows if " writer " in line or " reader " in line]
     writer = next(line for line in lines if " writer " in line)
     reader = next(line for line in lines if " reader " in line)
     assert "10 (5/s)" in writer and "test-host" in writer  # 10 rows in 2 s
@@ -63,7 +67,7 @@ def test_live_view_of_a_daemon_without_per_client_figures(h: Harness) -> None:
     stats = h.service.stats(0.0)
     del stats["clients"]  # an older daemon's reply
     assert "no per-client figures" in draw(LiveStatus(), stats)
-    assert "1 writers, 1 readers" in format_status(stats)  # the plain text is unchanged
+    assert "1 writer, 1 reader" in format_status(stats)  # the plain text is unchanged
 
 
 def test_watch_on_a_terminal_without_rich_names_the_extra(

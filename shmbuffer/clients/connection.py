@@ -53,15 +53,17 @@ from shmbuffer.errors import (
     DaemonUnavailableError,
     ForkedClientError,
     LimitExceededError,
+    PermissionDeniedError,
     ProtocolError,
     ShmBufferError,
+    UnknownClientError,
     WaitTimeoutError,
     error_from_code,
 )
 from shmbuffer.protocol import check_version, decode, encode, request
 from shmbuffer.protocol_unix import lane_path, lane_wanted
 from shmbuffer.protocol_zmq import send_frames
-from shmbuffer.runtime import resolve_endpoint
+from shmbuffer.runtime import access_refusal, resolve_endpoint
 
 Reply = tuple[dict[str, Any], list[Any]]  # payload: zmq.Frame, or bytes off the lane
 
@@ -169,6 +171,7 @@ class Connection:
         started with ``--curve-clients`` checks. Both default to ``$SHMBUFFER_CURVE_SERVER_KEY``
         and ``$SHMBUFFER_CURVE_CLIENT_CERT``."""
         self.endpoint = resolve_endpoint(target)
+        _check_socket_access(self.endpoint)
         #: Rows travel over the socket (a daemon on another host, or asked for).
         self.remote = is_remote_target(self.endpoint) if remote is None else remote
         self.timeout = timeout
@@ -443,8 +446,22 @@ class Connection:
             raise ProtocolError(f"reply without a seq: {header!r}")
         if got in self._pings:  # a liveness ping: arriving was all it had to do
             self._pings.discard(got)
+            self._check_same_daemon(header)
             return
         self._early[got] = (header, frames[1:])
+
+    def _check_same_daemon(self, pong: dict[str, Any]) -> None:
+        """A ping answered proves the daemon alive only if it is the one this client said
+        hello to. A daemon started in a dead one's place on the same endpoint (a resume, a
+        host restarting it) answers pings, since they need no hello, but the requests in
+        flight died with the old one: waiting on would last to the end of the long wait."""
+        pid = pong.get("pid")
+        if pong.get("ok") and isinstance(pid, int) and pid != self.daemon_pid:
+            raise UnknownClientError(
+                f"the daemon at {self.endpoint} restarted: pid {pid} answers in place of pid "
+                f"{self.daemon_pid}, and the requests this client had in flight died with it; "
+                "reconnect (a new Writer/Reader)"
+            )
 
     def call(
         self, op: str, frames: Sequence[Any] = (), timeout: float | None = None, **fields: Any
@@ -475,6 +492,21 @@ class Connection:
         """Close the sockets now, in place of the finaliser (which then does nothing)."""
         if self._finalizer.detach() is not None:
             _close_sockets(self._pid, self._sockets)
+
+
+def _check_socket_access(endpoint: str) -> None:
+    """Refuse at once an ipc socket this user may not connect to (another user's daemon):
+    ZeroMQ would retry its connect quietly until the timeout, and then only guess why."""
+    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
+        return  # tcp, or an abstract socket (no file, no permissions)
+    why = access_refusal(endpoint[len("ipc://") :], os.W_OK)
+    if why is not None:
+        raise PermissionDeniedError(
+            f"the daemon at {endpoint} is another user's: {why}. Only that user, or members "
+            "of the group it was started with (--group), may connect: its user shares it by "
+            "starting it with --group naming a group you are in, or on loopback tcp, where a "
+            "client of another user passes remote=True (README, Access)"
+        )
 
 
 def is_remote_target(endpoint: str) -> bool:

@@ -222,8 +222,10 @@ class Reader(EpisodeReads):
         names = (*(_INFO if info else ()), *extra)
         return {name: _decode_item(name, reply[name]) for name in names}
 
-    @staticmethod
-    def _info(items: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def _info(self, items: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The info handed out with a sample; its rows and stamps are remembered for an
+        update sent back without them (:mod:`shmbuffer.recent`)."""
+        self._recent.remember(items["index"], items["generation"])
         return {
             "index": torch.from_numpy(items["index"]),
             "generation": torch.from_numpy(items["generation"]),
@@ -291,12 +293,17 @@ class Reader(EpisodeReads):
         generation: Any = None,
     ) -> int:
         """Set new priorities for sampled rows (``info["index"]``); returns how many were
-        applied. With ``generation`` (``info["generation"]``) rows overwritten since they were
-        sampled are skipped and counted in ``stats()["priority_updates_stale"]``, never
-        applied to the new data. Tensors (on any device), arrays and sequences are taken; a
-        priority may be one number for all. Checked here first and again by the daemon: a bad
-        index, priority or length raises InvalidArgumentError and applies nothing."""
+        applied. Rows overwritten since they were sampled are skipped and counted in
+        ``stats()["priority_updates_stale"]``, never applied to the new data: their stamps are
+        ``generation`` (``info["generation"]``) or, left out, those of the one of this
+        reader's last 8 samples whose ``info["index"]`` is ``index``, element for element
+        (:mod:`shmbuffer.recent`); any other rows are updated whatever they hold now. Tensors
+        (on any device), arrays and sequences are taken; a priority may be one number for
+        all. Checked here first and again by the daemon: a bad index, priority or length
+        raises InvalidArgumentError and applies nothing."""
         rows_, values, stamps = _check_update(index, priority, generation, self.capacity)
+        if stamps is None:
+            stamps = self._recent.generations_of(rows_)
         seqs = []
         for first in range(0, rows_.size, MAX_UPDATES):  # the header bounds one request
             part = slice(first, first + MAX_UPDATES)

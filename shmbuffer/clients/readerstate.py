@@ -35,6 +35,7 @@ from shmbuffer.errors import (
     UnknownClientError,
 )
 from shmbuffer.protocol import MAX_SAMPLE, MAX_SAMPLE_ROWS, encode_i64
+from shmbuffer.recent import RecentSamples
 from shmbuffer.rows import from_bytes, gather, nest
 from shmbuffer.samplers.base import check_beta
 from shmbuffer.schema import Schema
@@ -157,6 +158,7 @@ class ReaderState:
         self._parts: list[tuple[dict[str, Any], Any]] = []
         self._parts_key: Any = None
         self._fresh_only = 0  # calls left that fetch one batch (see STALE_BACKOFF)
+        self._recent = RecentSamples()  # stamps for updates sent back without generation=
         self.conn = Connection(
             target,
             "reader",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from typing import Any
 
 # Everything the scenarios reach, imported while the interpreter's files are still readable.
@@ -62,18 +63,22 @@ def create_segment(name: str, other_data: str) -> dict[str, Any]:
     return out
 
 
-def write_and_sample(target: str) -> dict[str, Any]:
-    """One episode through a Writer (the first one defines a lazy schema), one sample back."""
+def write_and_sample(target: str, remote: str = "") -> dict[str, Any]:
+    """One episode through a Writer (the first one defines a lazy schema), one sample back;
+    with ``remote`` (any text) both pass ``remote=True``. ``seconds``: how long it took."""
     out: dict[str, Any] = {}
+    began = time.monotonic()
+    options: dict[str, Any] = {"timeout": 10, "remote": True if remote else None}
     try:
-        with Writer(target, timeout=10) as writer:
+        with Writer(target, **options) as writer:
             writer.add_episode(shmbuffer.demo.make_episode(0, 0, 10, (2,)))
             writer.flush()
-        with Reader(target, timeout=10) as reader:
+        with Reader(target, **options) as reader:
             out["sampled"] = int(reader.sample(4).batch_size[0])
             out["segment"] = str(reader.segment.path) if reader.segment is not None else None
     except (ShmBufferError, OSError) as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
+    out["seconds"] = time.monotonic() - began
     return out
 
 

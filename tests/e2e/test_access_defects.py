@@ -187,6 +187,53 @@ def test_group_member_finds_the_daemon_by_name(daemon, e2e_env, nobody):
     assert mode(e2e_env.runtime_dir) == 0o750
 
 
+@pytest.mark.parametrize("refuses", ["folder", "socket"])
+def test_another_users_ipc_daemon_is_refused_at_once_naming_what_to_do(
+    daemon, e2e_env, nobody, refuses
+):
+    """A user who may not reach another user's ipc socket (its folder is private, or the
+    socket 0600) is told so at once with PermissionDeniedError, whose path refuses, and how
+    the daemon's user can share it; ZeroMQ alone retries quietly until the client's timeout
+    and ends in a DaemonUnavailableError asking whether the daemon runs."""
+    d = daemon()
+    write_one(d.name)
+    if refuses == "socket":
+        os.chmod(e2e_env.runtime_dir, 0o711)  # the folder may be passed, the socket is 0600
+    env = {**e2e_env.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    seen = run_as(nobody, env, "write", d.endpoint)
+    error = seen.get("error", "")
+    assert error.startswith("PermissionDeniedError: "), seen
+    blocker = e2e_env.runtime_dir if refuses == "folder" else d.endpoint[len("ipc://") :]
+    assert f"{blocker} belongs to root" in error, seen
+    assert "--group" in error and "remote=True" in error, seen
+    assert seen["seconds"] < 5, seen  # at once, not after its 10 s timeout
+    assert d.stats()["writers"] == 0  # it never got through
+
+
+def test_another_user_on_loopback_tcp_maps_no_segment_and_is_told_remote(
+    daemon, e2e_env, nobody, tmp_path
+):
+    """On loopback tcp without CURVE any local user may read and write, but the segment stays
+    its owner's (0700 folder, 0600 files): a client of another user that would map it is
+    refused with PermissionDeniedError naming remote=True, with which it works."""
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(Schema.from_batch(make_episode(0, 0, 1, (2,))).to_spec()))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    d = daemon(args=["--endpoint", endpoint, "--schema", str(schema)])
+    env = {**e2e_env.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    seen = run_as(nobody, env, "write", endpoint)
+    error = seen.get("error", "")
+    assert error.startswith("PermissionDeniedError: "), seen
+    assert f"{e2e_env.storage_dir} belongs to root" in error, seen
+    assert "passes remote=True" in error, seen
+    seen = run_as(nobody, env, "write", endpoint, "remote")
+    assert seen.get("sampled") == 4 and seen["segment"] is None, seen
+    assert d.stats()["episodes_committed"] == 1
+
+
 # -- item 9: runtime folders and files --------------------------------------------------------
 
 

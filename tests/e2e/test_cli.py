@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -228,4 +229,35 @@ def test_status_watch_needs_a_positive_interval(daemon, e2e_env):
     done = e2e_env.cli("status", "--name", d.name, "--watch", "-1")
     assert done.returncode == 2
     assert "--watch: must be a positive, finite number of seconds" in done.stderr
+    assert d.process.poll() is None
+
+
+# -- a closed stdout (`status | head -1`) -------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra", [[], ["--json"], ["--watch", "0.1"]])
+def test_status_into_a_closed_pipe_exits_quietly_as_unix_tools_do(daemon, e2e_env, extra):
+    """The reader of stdout gone (``| head -2`` that has read its lines) is not an error to
+    report: like a tool killed by SIGPIPE, the command ends at once, says nothing on stderr
+    and exits 128 + SIGPIPE (what a shell shows for ``yes | head -1`` under pipefail). The
+    pipe's read end is closed before the command starts, so every run hits it, not one in a
+    few."""
+    d = daemon()
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [*CLI, "status", "--name", d.name, *extra],
+            env=e2e_env.environ,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert done.stderr == ""
+    assert done.returncode == 128 + signal.SIGPIPE
     assert d.process.poll() is None

@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -382,6 +383,48 @@ def test_a_killed_shard_drops_out_and_rejoins_with_nothing_lost(sim: Sim, sharde
         with reader.sample_episodes(16) as episodes:
             for episode in episodes:
                 check_whole(episode)
+
+
+@pytest.mark.parametrize("victim", [2, 0], ids=["remote-shard", "local-shard"])
+def test_no_call_waits_past_its_timeout_when_a_shard_dies_under_it(
+    sim: Sim, sharded: Any, victim: int
+) -> None:
+    """``timeout`` bounds every call, the one in flight when a shard's daemon dies included.
+    The daemon is stopped, then killed under a sample whose request it had received, and
+    its host resumes a new one on the same endpoint, which answers the reader's liveness
+    pings (regression: they were taken for the dead daemon's, and the call waited out
+    ``sample_timeout + timeout``). Shard 0 is on this process's node (the lane), shard 2 on
+    another (tcp)."""
+    timeout = 3.0
+    buf = sharded(2000, "episode")
+    ray.get(
+        [
+            work.write_episodes.options(scheduling_strategy=on(buf, node)).remote(buf, i, 10)
+            for i, node in enumerate(buf.nodes)
+        ],
+        timeout=300,
+    )
+    pid = buf.shards()[victim]["pid"]
+    with buf.reader(seed=4, timeout=timeout, rejoin_interval=60.0) as reader:
+        reader.sample(32)
+        reader.sample(32)  # every shard has answered a sample: its stats are known
+        os.kill(pid, signal.SIGSTOP)  # what it is sent now, it will never answer
+        killer = threading.Timer(0.5, os.kill, (pid, signal.SIGKILL))
+        killer.start()
+        took = []
+        try:
+            with pytest.warns(ShardUnavailableWarning, match=f"shard {victim}"):
+                while victim in reader.shards_up and len(took) < 20:
+                    began = time.monotonic()
+                    batch = reader.sample(32)
+                    took.append(time.monotonic() - began)
+                    assert batch.batch_size == torch.Size([32])
+        finally:
+            killer.join()
+        assert victim not in reader.shards_up, took
+        # beyond the wait on the dead shard a call's work is milliseconds: the margin is the
+        # machine's scheduling
+        assert max(took) <= timeout + 1.0, took
 
 
 def test_shutdown_leaves_no_process_segment_or_file(sim: Sim) -> None:

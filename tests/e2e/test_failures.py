@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import signal
+import socket
+import threading
+import time
 
 from shmbuffer import Reader, Writer
 from shmbuffer.demo import make_episode
@@ -51,3 +55,55 @@ def test_flush_close_and_dead_daemon(daemon):
     assert took < 2 + 1.5
     exc, took = run_with_watchdog(r.close, 10)
     assert exc is None and took < 2 + 1.5
+
+
+def test_a_wait_ends_within_timeout_when_another_daemon_answers_in_the_dead_ones_place(
+    daemon, e2e_env
+):
+    """A long wait (a consume-once sample parked in the daemon) pings the daemon so that its
+    death shows within ``timeout``. A daemon started in the dead one's place on the same
+    endpoint (a host resuming it) answers those pings, but the request died with the old
+    one: its answer must end the wait at once, not count as the old daemon being alive
+    until ``sample_timeout + timeout`` runs out."""
+    port = _free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    args = ["--endpoint", endpoint, "--sampler", "fifo", "--schema", _schema(e2e_env)]
+    first = daemon(capacity=100, unit="transition", args=args)
+    timeout, sample_timeout = 4.0, 30.0
+    reader = Reader(endpoint, timeout=timeout, sample_timeout=sample_timeout)
+    try:
+        box = {}
+
+        def parked_sample():
+            started = time.monotonic()
+            try:
+                reader.sample(1)  # nothing to consume: parked up to sample_timeout
+            except BaseException as exc:
+                box["exc"] = exc
+            box["took"] = time.monotonic() - started
+
+        thread = threading.Thread(target=parked_sample, daemon=True)
+        thread.start()
+        time.sleep(0.5)
+        first.process.send_signal(signal.SIGKILL)
+        first.process.wait(10)
+        second = daemon(name=first.name, capacity=100, unit="transition", args=args)
+        thread.join(sample_timeout + timeout + 5)
+        assert not thread.is_alive(), "the sample still waits"
+        assert isinstance(box.get("exc"), DaemonUnavailableError), box
+        assert f"pid {second.pid}" in str(box["exc"]) and f"pid {first.pid}" in str(box["exc"])
+        assert box["took"] < timeout + 2.0, box
+    finally:
+        reader.close()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _schema(e2e_env):
+    path = e2e_env.runtime_dir / "schema.json"
+    path.write_text(json.dumps({"x": {"dtype": "float32", "shape": []}}))
+    return str(path)

@@ -18,7 +18,7 @@ import torch
 
 from shmbuffer import Reader, Writer
 from shmbuffer.demo import check_episode, make_episode
-from shmbuffer.errors import LeaseExpiredError, NotFoundError, ProtocolError
+from shmbuffer.errors import LeaseExpiredError, LimitExceededError, NotFoundError
 from shmbuffer.protocol import REQUESTS
 from tests.e2e._watchdog import run_with_watchdog
 from tests.e2e.conftest import wait_for
@@ -174,7 +174,7 @@ def test_largest_call_hands_over_at_once(daemon):
             check_episode(episodes[0])
             check_episode(episodes[-1])
             assert len(episodes[1000:1010]) == 10
-        with pytest.raises(ProtocolError, match="'n'"), reader.sample_episodes(n + 1):
+        with pytest.raises(LimitExceededError, match="n=1,048,577"), reader.sample_episodes(n + 1):
             pass
         assert d.stats()["leases"] == 0
     finally:

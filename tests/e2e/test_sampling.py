@@ -125,6 +125,30 @@ def test_stale_priority_updates_are_skipped_and_counted(daemon: Any) -> None:
         assert writer.rows_committed == 12
 
 
+def test_an_update_without_generation_is_checked_with_the_stamps_its_sample_had(
+    daemon: Any,
+) -> None:
+    """``update_priorities(info["index"], p)`` without ``generation=``: the reader already
+    holds the stamps of the rows it handed out, so rows overwritten since are skipped as
+    stale all the same; an index array it never handed out is applied to the rows as they
+    are, and so is any update once the sample is no longer among the last ones."""
+    d = _prioritized(daemon, capacity=8)
+    with Writer(d.name) as writer, Reader(d.name) as reader:
+        writer.extend(_ids(8))
+        writer.flush()
+        _, info = reader.sample(8, return_info=True)
+        _, later = reader.sample(8, return_info=True)  # a pipeline: updates one batch late
+        writer.extend(_ids(4, first=100))  # the ring overwrites rows 0..3
+        writer.flush()
+        fresh = info["index"] >= 4
+        assert reader.update_priorities(info["index"], 5.0) == int(fresh.sum())
+        stats = reader.stats()
+        assert stats["priority_updates_stale"] == int((~fresh).sum())
+        assert reader.update_priorities(later["index"], 5.0) == int((later["index"] >= 4).sum())
+        # rows this reader never handed out as one sample: no stamps to check, applied
+        assert reader.update_priorities(torch.arange(8), 1.0) == 8
+
+
 # -- slices ------------------------------------------------------------------------------------
 
 

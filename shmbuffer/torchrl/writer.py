@@ -122,7 +122,7 @@ def _as_batch(data: Any) -> Any:
     if isinstance(data, list):
         if not data:
             return {TENSOR_KEY: torch.zeros(0)}
-        data = torch.stack(data)  # TensorDicts or tensors, one per row
+        data = _stack_rows(data, ())  # TensorDicts, mappings or tensors, one per row
     if isinstance(data, torch.Tensor):
         return {TENSOR_KEY: data}
     if isinstance(data, TensorDictBase):
@@ -134,6 +134,26 @@ def _as_batch(data: Any) -> Any:
         f"DaemonWriter writes TensorDicts, mappings of tensors or tensors, got "
         f"{type(data).__name__}"
     )
+
+
+def _stack_rows(rows: list[Any], key: tuple[str, ...]) -> Any:
+    """A list of rows as one batch: TensorDicts and tensors stacked, mappings key by key."""
+    first = rows[0]
+    if is_tensorclass(first):
+        rows = [row.to_tensordict() for row in rows]
+        first = rows[0]
+    if isinstance(first, TensorDictBase | torch.Tensor):
+        return torch.stack(rows)
+    if isinstance(first, Mapping):
+        return {name: _stack_rows([row[name] for row in rows], (*key, str(name))) for name in first}
+    if isinstance(first, list | tuple):
+        what = f"key {'.'.join(key)!r}" if key else "each row"
+        raise SchemaError(
+            f"{what}: a {type(first).__name__}; DaemonStorage columns are tensors, in "
+            "TensorDicts or nested mappings (TorchRL pytrees with lists or tuples are not "
+            "stored: give each element a key of its own)"
+        )
+    return torch.stack([torch.as_tensor(row) for row in rows])
 
 
 def _refuse_sequences(data: Mapping[Any, Any], prefix: tuple[str, ...]) -> None:

@@ -339,6 +339,13 @@ def test_rows_missing_keys_or_holding_pytrees_are_refused_naming_the_key(daemon:
         batch = {"a": torch.zeros(3, 1), "next": {"reward": [torch.zeros(3, 1)] * 2}}
         with pytest.raises(SchemaError, match=r"key 'next\.reward': a list"):
             rb.extend(batch)
-        assert len(rb) == 2  # nothing of a refused batch was stored
+        rows = [{"a": torch.zeros(1), "next": {"reward": (torch.zeros(1),)}}] * 2
+        with pytest.raises(SchemaError, match=r"key 'next\.reward': a tuple"):
+            rb.extend(rows)
+        with pytest.raises(SchemaError, match="each row: a tuple"):
+            rb.extend([(torch.zeros(1), torch.zeros(1))] * 2)
+        rb.extend([{"a": torch.ones(1), "next": {"reward": torch.ones(1)}}] * 2)  # stacked
+        assert storage[2:]["a"].tolist() == [[1.0], [1.0]]
+        assert len(rb) == 4  # nothing of a refused batch was stored
     finally:
         storage.close()

@@ -48,6 +48,10 @@ __all__ = ["DaemonStorage", "daemon_storage_of"]
 #: The key a batch that is one bare tensor is stored under (TorchRL's StoreStorage does the
 #: same); a storage whose schema has only this key reads back bare tensors.
 TENSOR_KEY = "_tensor"
+#: A column of zero bytes a row whose shape is the rows' own batch size, present when the
+#: rows are TensorDicts of a batch size other than ``[]`` (TorchRL's storages keep it): the
+#: schema every process shares then carries that size, at no cost in shared memory.
+ROW_BATCH_KEY = "_row_batch_size"
 #: Rounds of copying again the rows a writer reached during the copy, then TornReadError.
 MAX_RECOPIES = 8
 #: Arguments DaemonStorage sets itself, so the options may not carry them.
@@ -291,9 +295,17 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
         return self._unwrap(data)
 
     def _unwrap(self, data: TensorDict) -> Any:
+        """Rows as they were written: a bare tensor, or TensorDicts of their own batch size."""
         schema = self.reader.schema
-        if schema is not None and [f.key for f in schema.fields] == [(TENSOR_KEY,)]:
+        if schema is None:
+            return data
+        keys = [f.key for f in schema.fields]
+        if keys == [(TENSOR_KEY,)]:
             return data[TENSOR_KEY]
+        if (ROW_BATCH_KEY,) in keys:
+            row_batch = schema[ROW_BATCH_KEY].shape[:-1]
+            data = data.exclude(ROW_BATCH_KEY)
+            data.batch_size = torch.Size([*data.batch_size, *row_batch])
         return data
 
     def _physical(self, index: Any) -> tuple[np.ndarray, tuple[int, ...]]:
@@ -418,6 +430,18 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
             "DaemonStorage is written through DaemonWriter: pass "
             "writer=shmbuffer.torchrl.DaemonWriter() to the ReplayBuffer (the daemon, not "
             "this process's cursor, decides where rows go; rows are never set in place)"
+        )
+
+    def _bump_mutation_revision(self) -> None:
+        """TorchRL calls this after changing rows in place; here the change was made to a
+        copy (``rb.set_at_``, ``set_`` and ``update_`` edit what ``storage[:]`` returned), so
+        it is refused rather than lost. The daemon's rows are only ever written whole, by a
+        writer it places, so that a reader copying a row never sees it half changed."""
+        raise TypeError(
+            "DaemonStorage rows are not changed in place (rb.set_at_, rb.set_, rb.update_ "
+            "and rb[i] = x would change this process's copy only; nothing was written): "
+            "write new rows through DaemonWriter (rb.extend), and change what is sampled "
+            "with rb.update_priority on a DaemonSampler"
         )
 
     def _empty(self) -> None:

@@ -22,7 +22,15 @@ import torch
 from tensordict import TensorDictBase, is_tensorclass
 from torchrl.data.replay_buffers.writers import Writer as TorchRLWriter
 
-from shmbuffer.torchrl.storage import _NOT_HERE, TENSOR_KEY, DaemonStorage, daemon_storage_of
+from shmbuffer.errors import SchemaError
+from shmbuffer.schema import Schema
+from shmbuffer.torchrl.storage import (
+    _NOT_HERE,
+    ROW_BATCH_KEY,
+    TENSOR_KEY,
+    DaemonStorage,
+    daemon_storage_of,
+)
 
 __all__ = ["DaemonWriter"]
 
@@ -79,6 +87,7 @@ class DaemonWriter(TorchRLWriter):  # type: ignore[misc]  # TorchRL has no type 
             priority = _priority_of(batch, self.priority_key, num_rows)
             batch = _without(batch, self.priority_key)
         writer = self._daemon().writer
+        batch = _with_row_batch_size(batch, writer.schema)
         writer.extend(batch, priority=priority)
         if self.flush:
             writer.flush()
@@ -113,10 +122,13 @@ def _as_batch(data: Any) -> Any:
     if isinstance(data, list):
         if not data:
             return {TENSOR_KEY: torch.zeros(0)}
-        data = torch.stack(data)  # TensorDicts or tensors, one per row
+        data = _stack_rows(data, ())  # TensorDicts, mappings or tensors, one per row
     if isinstance(data, torch.Tensor):
         return {TENSOR_KEY: data}
-    if isinstance(data, TensorDictBase | Mapping):
+    if isinstance(data, TensorDictBase):
+        return data
+    if isinstance(data, Mapping):
+        _refuse_sequences(data, ())
         return data
     raise TypeError(
         f"DaemonWriter writes TensorDicts, mappings of tensors or tensors, got "
@@ -124,15 +136,71 @@ def _as_batch(data: Any) -> Any:
     )
 
 
-def _one_row(data: Any) -> Any:
+def _stack_rows(rows: list[Any], key: tuple[str, ...]) -> Any:
+    """A list of rows as one batch: TensorDicts and tensors stacked, mappings key by key."""
+    first = rows[0]
+    if is_tensorclass(first):
+        rows = [row.to_tensordict() for row in rows]
+        first = rows[0]
+    if isinstance(first, TensorDictBase | torch.Tensor):
+        return torch.stack(rows)
+    if isinstance(first, Mapping):
+        return {name: _stack_rows([row[name] for row in rows], (*key, str(name))) for name in first}
+    if isinstance(first, list | tuple):
+        what = f"key {'.'.join(key)!r}" if key else "each row"
+        raise SchemaError(
+            f"{what}: a {type(first).__name__}; DaemonStorage columns are tensors, in "
+            "TensorDicts or nested mappings (TorchRL pytrees with lists or tuples are not "
+            "stored: give each element a key of its own)"
+        )
+    return torch.stack([torch.as_tensor(row) for row in rows])
+
+
+def _refuse_sequences(data: Mapping[Any, Any], prefix: tuple[str, ...]) -> None:
+    """A SchemaError naming the first key whose value is a list or tuple: a TorchRL pytree
+    node, not a column (read back, it could not be told from a tensor)."""
+    for name, value in data.items():
+        key = (*prefix, str(name))
+        if isinstance(value, Mapping):
+            _refuse_sequences(value, key)
+        elif isinstance(value, list | tuple):
+            raise SchemaError(
+                f"key {'.'.join(key)!r}: a {type(value).__name__}; DaemonStorage columns are "
+                "tensors, in TensorDicts or nested mappings (TorchRL pytrees with lists or "
+                "tuples are not stored: give each element a key of its own)"
+            )
+
+
+def _one_row(data: Any, prefix: tuple[str, ...] = ()) -> Any:
     """One row as a batch of one."""
     if is_tensorclass(data):
         data = data.to_tensordict()
     if isinstance(data, TensorDictBase | torch.Tensor):
         return data.unsqueeze(0)
     if isinstance(data, Mapping):
-        return {key: _one_row(value) for key, value in data.items()}
+        return {key: _one_row(value, (*prefix, str(key))) for key, value in data.items()}
+    if isinstance(data, list | tuple):
+        _refuse_sequences({prefix[-1] if prefix else "": data}, prefix[:-1])
     return torch.as_tensor(data).unsqueeze(0)
+
+
+def _with_row_batch_size(batch: Any, schema: Schema | None) -> Any:
+    """``batch`` with the zero-byte column that records its rows' own batch size (a
+    TensorDict of batch size ``[n, *row]`` with ``row`` not empty), checked against the size
+    the buffer's rows already have."""
+    row = tuple(batch.batch_size[1:]) if isinstance(batch, TensorDictBase) else ()
+    if schema is not None and (TENSOR_KEY,) not in schema:
+        held = tuple(schema[ROW_BATCH_KEY].shape[:-1]) if (ROW_BATCH_KEY,) in schema else ()
+        if held != row:
+            raise SchemaError(
+                f"this buffer's rows are TensorDicts of batch size {list(held)}, got rows of "
+                f"batch size {list(row)}"
+            )
+    if not row:
+        return batch
+    marked = batch.copy()  # shallow: the caller's TensorDict is left as it was
+    marked.set(ROW_BATCH_KEY, torch.empty((*batch.batch_size, 0), dtype=torch.uint8))
+    return marked
 
 
 def _num_rows(batch: Any) -> int:

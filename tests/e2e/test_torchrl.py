@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing as mp
+import pickle
 import queue
 import sys
 import time
@@ -40,6 +41,7 @@ from torchrl.data import (
     TensorDictReplayBuffer,
 )
 
+from shmbuffer.errors import SchemaError
 from shmbuffer.torchrl import DaemonSampler, DaemonStorage, DaemonWriter
 from tests.e2e import _torchrl_workers as workers
 from tests.e2e.conftest import Children, Env
@@ -266,5 +268,84 @@ def test_remote_storage_priority_column_bare_tensors_and_episode_unit_refused(
     try:
         with pytest.raises(ValueError, match="--unit transition"):
             len(storage)
+    finally:
+        storage.close()
+
+
+def test_in_place_writes_are_refused_and_change_nothing(daemon: Any) -> None:
+    """``rb.set_at_``/``set_``/``update_`` would mutate a copy of the rows (``storage[:]``):
+    they raise, like ``rb[i] = x``, and the daemon's rows stay as written."""
+    storage = DaemonStorage(daemon(capacity=16, unit="transition").name)
+    try:
+        rb = ReplayBuffer(storage=storage, writer=DaemonWriter(), batch_size=2)
+        rb.extend(TensorDict({"a": torch.arange(4.0)[:, None]}, [4]))
+        for name, write in [
+            ("set_at_", lambda: rb.set_at_("a", torch.full((2, 1), 9.0), [0, 1])),
+            ("set_", lambda: rb.set_("a", torch.full((4, 1), 9.0))),
+            ("update_", lambda: rb.update_({"a": torch.full((4, 1), 9.0)})),
+        ]:
+            with pytest.raises(TypeError, match=r"in place.*DaemonWriter"):
+                write()
+            assert storage[:]["a"].flatten().tolist() == [0.0, 1.0, 2.0, 3.0], name
+        with pytest.raises(TypeError, match="DaemonWriter"):
+            rb[0] = TensorDict({"a": torch.ones(1)}, [])
+        # The refusals left the storage picklable (settings only) and usable.
+        assert len(pickle.loads(pickle.dumps(rb))) == 4
+    finally:
+        storage.close()
+
+
+def test_tensordict_rows_keep_their_own_batch_size(daemon: Any) -> None:
+    """A row that is a TensorDict of batch size ``[2]`` reads back as one, by index, slice
+    and through either sampler, in this process and any other (the size is in the schema)."""
+    name = daemon(capacity=16, unit="transition", args=["--sampler", "prioritized"]).name
+    storage = DaemonStorage(name)
+    try:
+        rb = ReplayBuffer(storage=storage, writer=DaemonWriter(), batch_size=3)
+        rows = TensorDict({"a": torch.arange(6.0).reshape(3, 2), "b": torch.zeros(3, 2, 4)}, [3, 2])
+        rb.extend([rows[0]])  # a list of rows is stacked: batch size [1, 2]
+        with pytest.warns(UserWarning, match="add"):  # TorchRL's, for a row of batch size [2]
+            rb.add(rows[1])
+        rb.extend(rows[2:])
+        assert storage[0].batch_size == (2,)
+        assert storage[:].batch_size == (3, 2)
+        assert torch.equal(storage[:]["a"], rows["a"])
+        assert rb.sample().batch_size == (3, 2)
+        rb.set_sampler(DaemonSampler())
+        assert rb.sample().batch_size == (3, 2)
+        other = DaemonStorage(name)  # a second client learns the size from the daemon
+        try:
+            assert other[[2, 1]].batch_size == (2, 2)
+        finally:
+            other.close()
+        with pytest.raises(SchemaError, match=r"batch size \[2\].*\[3\]"):
+            rb.extend(TensorDict({"a": torch.zeros(1, 3), "b": torch.zeros(1, 3, 4)}, [1, 3]))
+    finally:
+        storage.close()
+
+
+def test_rows_missing_keys_or_holding_pytrees_are_refused_naming_the_key(daemon: Any) -> None:
+    storage = DaemonStorage(daemon(capacity=16, unit="transition").name)
+    try:
+        rb = ReplayBuffer(storage=storage, writer=DaemonWriter(), batch_size=2)
+        rb.extend({"a": torch.zeros(2, 1), "next": {"reward": torch.zeros(2, 1)}})
+        # A shared schema has no value to fill a missing key with: refused, naming it.
+        with pytest.raises(SchemaError, match=r"missing keys: \['next\.reward'\]"):
+            rb.extend(TensorDict({"a": torch.zeros(2, 1)}, [2]))
+        # TorchRL pytrees hold lists and tuples, which are not columns: the key is named.
+        tree = {"a": torch.zeros(1), "next": {"reward": [torch.zeros(1), (torch.ones(1),)]}}
+        with pytest.raises(SchemaError, match=r"key 'next\.reward': a list"):
+            rb.add(tree)
+        batch = {"a": torch.zeros(3, 1), "next": {"reward": [torch.zeros(3, 1)] * 2}}
+        with pytest.raises(SchemaError, match=r"key 'next\.reward': a list"):
+            rb.extend(batch)
+        rows = [{"a": torch.zeros(1), "next": {"reward": (torch.zeros(1),)}}] * 2
+        with pytest.raises(SchemaError, match=r"key 'next\.reward': a tuple"):
+            rb.extend(rows)
+        with pytest.raises(SchemaError, match="each row: a tuple"):
+            rb.extend([(torch.zeros(1), torch.zeros(1))] * 2)
+        rb.extend([{"a": torch.ones(1), "next": {"reward": torch.ones(1)}}] * 2)  # stacked
+        assert storage[2:]["a"].tolist() == [[1.0], [1.0]]
+        assert len(rb) == 4  # nothing of a refused batch was stored
     finally:
         storage.close()

@@ -1,0 +1,164 @@
+"""TorchRL's own replay-buffer tests, run with ``shmbuffer.torchrl`` substituted.
+
+TorchRL's wheel does not ship its tests: fetch ``test/rb/`` of ``pytorch/rl`` at the commit
+closest to the installed torchrl and point ``SHMBUFFER_TORCHRL_TESTS`` at that folder. Then
+
+    SHMBUFFER_TORCHRL_TESTS=/path/to/rl/test/rb pytest -m peers tests/peers -s
+
+runs the files in ``FILES`` (``SHMBUFFER_TORCHRL_FILES``, comma-separated, picks others) in a
+pytest of their own with :mod:`tests.peers._torchrl_swap` loaded, which swaps TorchRL's
+storages, writers and prioritized sampler for the adapters, one daemon per storage. Without
+the folder the test skips (CI has no copy); with it, it is still behind ``-m peers``: it
+starts a daemon for each of about a thousand tests.
+
+It prints the counts, and fails if a test that ran on a daemon storage failed in a way no
+entry of ``DIFFERENCES`` accounts for: each entry is a difference ``docs/torchrl.md`` states
+(its ``doc`` phrase must be in that file), so a new kind of failure is either a defect of the
+adapters or a difference to document.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchrl", reason="the harness needs the [torchrl] extra")
+
+ROOT = Path(__file__).resolve().parents[2]
+FILES = [
+    "test_rb_core.py",
+    "test_storages.py",
+    "test_writers.py",
+    "test_samplers.py",
+    "test_prioritized.py",
+]
+DOCS = ROOT / "docs" / "torchrl.md"
+
+#: (doc phrase, pattern): a failure whose message (or node id, for assertions that say
+#: nothing) matches ``pattern`` is the documented difference under the heading holding
+#: ``doc`` in docs/torchrl.md.
+DIFFERENCES: list[tuple[str, str]] = [
+    ("**Missing keys.**", r"missing keys"),
+    ("**Pytrees.**", r"a (list|tuple); DaemonStorage columns"),
+    ("**A batch with no keys.**", r"a batch with no keys"),
+    (
+        "**In-place writes.**",
+        r"not changed in place|Conditional updates|update_at_|UpdateIfPresent",
+    ),
+    (
+        "**Emptying and saving.**",
+        r"emptying is not|a state_dict is not|(dump|load)ing is not|"
+        r"prefetch_state_dict",
+    ),
+    ("**ConsumingSampler.**", r"ConsumingSampler|TestReplayBufferConsumption"),
+    ("**More than one dimension.**", r"one-dimensional"),
+    (
+        "**TorchRL's writers.**",
+        r"written through DaemonWriter|no attribute '(_cursor|write_at|"
+        r"_generation)'|index_generation|TestWriterGeneration",
+    ),
+    (
+        "**TorchRL's prioritized samplers.**",
+        r"_total_shape|'(Prioritized|Daemon)Sampler' object "
+        r"has no attribute|does not have an attribute alpha|test_prb\[|test_prb_rng|"
+        r"anchor_distribution_unchanged",
+    ),
+    (
+        "**Features of TorchRL's storage classes.**",
+        r"Sequence requires a TensorDict-backed|"
+        r"MemmapStorageCleanup|no attribute '(_backend|_rand_given_ndim_impl)'|existsok|lazystack",
+    ),
+    ("**Mutation revision.**", r"mutation_revision"),
+    ("**Write notifications.**", r"PromptGroupSampler::test_(shared_storage_update|plain_list)"),
+    ("**Autograd.**", r"prefetch_autograd"),
+    ("**TorchRL's process sharing.**", r"TestMultiProc::"),
+]
+
+pytestmark = [pytest.mark.peers, pytest.mark.timeout(4 * 3600)]
+
+
+def _tests_dir() -> Path:
+    where = os.environ.get("SHMBUFFER_TORCHRL_TESTS")
+    if not where:
+        pytest.skip("SHMBUFFER_TORCHRL_TESTS is not set (a copy of pytorch/rl's test/rb)")
+    folder = Path(where)
+    if not (folder / "_rb_common.py").exists():
+        pytest.skip(f"{folder} holds no copy of pytorch/rl's test/rb (no _rb_common.py)")
+    return folder
+
+
+def classify(record: dict[str, str]) -> str | None:
+    """The doc phrase of the difference a failure is, or None."""
+    text = f"{record['message']}\n{record['test']}"
+    for doc, pattern in DIFFERENCES:
+        if re.search(pattern, text):
+            return doc
+    return None
+
+
+def run_suite(folder: Path, files: list[str], report: Path) -> None:
+    runtime = Path(tempfile.mkdtemp(prefix="sbtrl-", dir="/tmp"))
+    storage = Path(f"/dev/shm/shmbuffer-trl-{uuid.uuid4().hex[:10]}")
+    env = dict(os.environ)
+    env.update(
+        SHMBUFFER_RUNTIME_DIR=str(runtime),
+        SHMBUFFER_TORCHRL_STORAGE_DIR=str(storage),
+        SHMBUFFER_TORCHRL_REPORT=str(report),
+        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        RL_WARNINGS="0",
+    )
+    try:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                *files,
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-p",
+                "tests.peers._torchrl_swap",
+                "-o",
+                "addopts=",
+                "--timeout",
+                "120",
+            ],
+            cwd=folder,
+            env=env,
+            timeout=4 * 3600,
+            check=False,
+            stdout=subprocess.DEVNULL,
+        )
+    finally:
+        subprocess.run(["rm", "-rf", str(runtime), str(storage)], check=False)
+
+
+def test_torchrl_replay_buffer_suite_on_the_adapters(tmp_path: Path) -> None:
+    folder = _tests_dir()
+    files = os.environ.get("SHMBUFFER_TORCHRL_FILES", ",".join(FILES)).split(",")
+    files = [name for name in files if (folder / name).exists()]
+    report = tmp_path / "report.jsonl"
+    run_suite(folder, files, report)
+    records = [json.loads(line) for line in report.read_text().splitlines()]
+    on_daemon = [r for r in records if r["daemon"]]
+    counts = collections.Counter(r["outcome"] for r in on_daemon)
+    failed = [r for r in on_daemon if r["outcome"] == "failed"]
+    by_difference = collections.Counter(classify(r) for r in failed)
+    print(f"\nTorchRL tests run: {len(records)}; on a daemon storage: {len(on_daemon)}")
+    print(f"  passed {counts['passed']}, failed {counts['failed']}, skipped {counts['skipped']}")
+    for doc, count in by_difference.most_common():
+        print(f"  {count:5d}  {doc or 'NOT A DOCUMENTED DIFFERENCE'}")
+    docs = DOCS.read_text()
+    assert [doc for doc, _ in DIFFERENCES if doc not in docs] == []
+    unexplained = [f"{r['test']}: {r['message']}" for r in failed if classify(r) is None]
+    assert not unexplained, "\n".join(unexplained)

@@ -73,7 +73,10 @@ COUNTERS = {
     "samples": "Sample requests served.",
     "messages": "Requests handled.",
     "errors": "Error replies sent.",
-    "reservations_expired": "Reservations aborted by reservation_ttl.",
+    "reservations_expired": (
+        "Reservations aborted uncommitted: by reservation_ttl, or pinned to a writer that "
+        "exited after its connection went."
+    ),
     "leases_expired": "Leases ended by lease_ttl.",
     "clients_reaped": "Local clients forgotten because their process died.",
     "clients_expired": "Clients forgotten after client_idle_ttl of silence.",

@@ -102,7 +102,7 @@ def _container(layout: Layout, sampler_name: str) -> Any:
     lengths = layout.lengths.tolist()
     for i in range(0, len(lengths), 2000):  # one reservation per 2,000 episodes: a fast fill
         part = lengths[i : i + 2000]
-        container.commit(container.reserve(sum(part), part).id)
+        container.commit(container.reserve_rows(sum(part), part).id)
     return container
 
 

@@ -254,7 +254,7 @@ class Buffer:
                 _host(priority), first_row, num_rows, num_sub_episodes, kept
             )
             container.check_priority(num_rows, kept, priority)
-        reservation = container.reserve(num_rows, kept)
+        reservation = container.reserve_rows(num_rows, kept)
         if self.segment is None:
             try:
                 self._allocate(schema)

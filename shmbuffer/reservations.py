@@ -36,6 +36,7 @@ from shmbuffer.errors import CapacityError, NotFoundError, WaitTimeoutError
 from shmbuffer.registry import Episode
 from shmbuffer.ringstate import (
     F64,
+    Plan,
     PriorityUpdate,
     Range,
     Reservation,
@@ -49,13 +50,25 @@ from shmbuffer.samplers.index import rows_of
 class ReservationOps(RingState):
     """The write side of the container: plan, reserve, commit, abort, restore, clear."""
 
-    def plan(
-        self, num_rows: int, episodes: int | Sequence[int] = 1
-    ) -> tuple[list[Range], list[Range]]:
-        """The physical ranges a reservation of ``num_rows`` would get, and the ranges it would
-        evict, without changing anything (the daemon checks leases against them first)."""
-        episode_lengths(num_rows, episodes)  # validates the split
-        return self._plan(num_rows)
+    def plan(self, num_rows: int, episodes: int | Sequence[int] = 1) -> Plan:
+        """Decide a reservation of ``num_rows`` for ``episodes`` (a count of equal
+        sub-episodes, or their lengths: a writer that batches several small episodes into one
+        round trip) without changing anything: its rows, its evictions, the writers it would
+        lap and whether flow control holds it back. An owner checks its own rules against it
+        (the daemon: leases on the evicted rows) and then hands it to :meth:`reserve`.
+        CapacityError/ValueError for a request that can never fit."""
+        lengths = episode_lengths(num_rows, episodes)
+        ranges, evict = self._plan(num_rows)
+        busy = self.conflicts(evict) if self.reservations else []
+        return Plan(
+            num_rows,
+            lengths,
+            ranges,
+            evict,
+            busy,
+            self._insert_blocker(num_rows, evict),
+            (self.pointer, self.rows_written),
+        )
 
     def _plan(self, num_rows: int) -> tuple[list[Range], list[Range]]:
         if num_rows > self.capacity:
@@ -73,45 +86,51 @@ class ReservationOps(RingState):
         wrapped = [(start, self.capacity), (0, end - self.capacity)]
         return wrapped, wrapped
 
-    def reserve(
-        self, num_rows: int, episodes: int | Sequence[int] = 1, owner: object = None
-    ) -> Reservation:
-        """Rows for ``episodes``: a count of equal sub-episodes, or their lengths (a writer
-        that batches several small episodes into one round trip)."""
-        lengths = episode_lengths(num_rows, episodes)  # validates the split, as plan() does
-        ranges, evict = self._plan(num_rows)
-        busy = self.conflicts(evict) if self.reservations else None
-        if busy:
+    def reserve(self, plan: Plan, owner: object = None) -> Reservation:
+        """Carry out ``plan`` (made by :meth:`plan` since the ring last moved): evict, move the
+        ring, open the reservation. CapacityError if it would lap a writer still copying,
+        WaitTimeoutError if flow control holds it back (an owner that waits asked the plan
+        first), ValueError for a plan the ring has moved past."""
+        if plan.at != (self.pointer, self.rows_written):
+            raise ValueError(f"a plan made at {plan.at}: the ring has moved since")
+        if plan.busy:
             raise CapacityError(
-                f"rows {evict} are still reserved by an uncommitted writer (reservation "
-                f"{busy[0].id}); the ring is smaller than the data in flight"
+                f"rows {plan.evict} are still reserved by an uncommitted writer (reservation "
+                f"{plan.busy[0].id}); the ring is smaller than the data in flight"
             )
-        blocked = self._insert_blocker(num_rows, evict)
-        if blocked is not None:  # the daemon asked insert_blocker first and parked it
-            raise WaitTimeoutError(f"cannot reserve {num_rows} rows now: {blocked}")
+        if plan.blocked is not None:
+            raise WaitTimeoutError(f"cannot reserve {plan.num_rows} rows now: {plan.blocked}")
         before = (self.pointer, self.rows_written, self.travelled)
         trimmed: list[Episode] = []
-        evicted = self._evict_ranges(evict, trimmed)
+        evicted = self._evict_ranges(plan.evict, trimmed)
+        ranges = plan.ranges
         # A full fixed-mode ring keeps pointer == capacity, so nothing fits any more.
         end = ranges[-1][1]
         self.pointer = end if self.mode == "fixed" else end % self.capacity
-        self.rows_written += num_rows
-        for start, stop in evict:  # the evicted span is where the pointer moved
+        self.rows_written += plan.num_rows
+        for start, stop in plan.evict:  # the evicted span is where the pointer moved
             self.travelled += stop - start
         reservation = Reservation(
             self._next_reservation,
             ranges,
-            _episode_bounds(ranges, lengths),
+            _episode_bounds(ranges, plan.lengths),
             owner,
             evicted,
             trimmed=trimmed,
             before=before,
             travelled=self.travelled,
-            num_episodes=len(lengths),
+            num_episodes=plan.episodes,
         )
         self._next_reservation += 1
         self.reservations[reservation.id] = reservation
         return reservation
+
+    def reserve_rows(
+        self, num_rows: int, episodes: int | Sequence[int] = 1, owner: object = None
+    ) -> Reservation:
+        """:meth:`plan` and :meth:`reserve` in one, for an owner with nothing to check in
+        between (the in-process Buffer)."""
+        return self.reserve(self.plan(num_rows, episodes), owner)
 
     def hold(
         self, reservation_id: int, ranges: Sequence[Range], episodes: int | Sequence[int]
@@ -134,14 +153,6 @@ class ReservationOps(RingState):
         )
         self.reservations[reservation_id] = reservation
         return reservation
-
-    def insert_blocker(self, num_rows: int, episodes: int | Sequence[int] = 1) -> str | None:
-        """Why a reservation of ``num_rows`` must wait now, or None if it may go: the rate
-        limiter refuses it, or (FIFO with ``max_times_sampled``) rows it would overwrite were
-        not consumed yet. CapacityError/ValueError as :meth:`plan` for a request that can
-        never fit."""
-        _, evict = self.plan(num_rows, episodes)
-        return self._insert_blocker(num_rows, evict)
 
     def _insert_blocker(self, num_rows: int, evict: list[Range]) -> str | None:
         # Rows reserved and not yet committed count as inserted already: the limiter counts

@@ -89,6 +89,29 @@ class Reservation:
 
 
 @dataclass(frozen=True, slots=True)
+class Plan:
+    """What a reservation of ``num_rows`` would do, decided once against the ring as it
+    stands (``Container.plan``) and consumed by ``Container.reserve``: its rows, what it
+    evicts, and why it must wait if it must. Valid only while the ring has not moved."""
+
+    num_rows: int
+    #: Each episode's length, validated (a count of equal ones, or the lengths given).
+    lengths: list[int]
+    ranges: list[Range]
+    evict: list[Range]
+    #: Open reservations holding rows it would evict: writers still copying there.
+    busy: list[Reservation]
+    #: Why flow control holds it back (the rate limiter, unconsumed FIFO rows), or None.
+    blocked: str | None
+    #: ``(pointer, rows_written)`` it was made at.
+    at: tuple[int, int]
+
+    @property
+    def episodes(self) -> int:
+        return len(self.lengths)
+
+
+@dataclass(frozen=True, slots=True)
 class PriorityUpdate:
     """A validated priority update: the rows to set (stale ones left out), their priorities,
     and how many stale rows were left out (a commit's priorities travel as one too)."""

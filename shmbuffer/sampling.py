@@ -6,12 +6,12 @@ The container owns the :class:`~shmbuffer.samplers.Sampler`, the
 the same code. Every draw is counted in the per-row use counters and told to the limiter. A
 request the limiter (or a FIFO sampler holding unconsumed rows) refuses raises
 :class:`~shmbuffer.errors.WaitTimeoutError`; the daemon asks :meth:`SamplingOps.sample_blocker`
-(and, for writes, ``insert_blocker``) first and parks the request instead. Bad arguments (a
-negative or NaN priority, an index out of range, a call the sampler does not serve in this
-unit) raise :class:`~shmbuffer.errors.InvalidArgumentError` with nothing changed; a sample over
-the protocol's limits (``MAX_SAMPLE`` items, ``MAX_SAMPLE_ROWS`` rows: ``protocol.py``, their
-one home) raises :class:`~shmbuffer.errors.LimitExceededError` before anything is drawn, in
-process as in a daemon.
+(and, for writes, the ``blocked`` of a ``plan``) first and parks the request instead. Bad
+arguments (a negative or NaN priority, an index out of range, a call the sampler does not serve
+in this unit) raise :class:`~shmbuffer.errors.InvalidArgumentError` with nothing changed; a
+sample over the protocol's limits (``MAX_SAMPLE`` items, ``MAX_SAMPLE_ROWS`` rows:
+``protocol.py``, their one home) raises :class:`~shmbuffer.errors.LimitExceededError` before
+anything is drawn, in process as in a daemon.
 
 With a :class:`~shmbuffer.ringstate.SampleLog` (the daemon's journal) every draw is told to it
 before the caller hands the rows out: the call, its size and the rows counted by the limiter

@@ -48,13 +48,17 @@ def storage() -> Iterator[str]:
 
 
 def start_deferred(service: BufferService, to: Path) -> dict[str, Any]:
-    """Send ``checkpoint`` as the server does: parked (Deferred) while its thread copies."""
+    """Send ``checkpoint`` as the server does: parked (Deferred) while its thread copies; the
+    request the server parks is the one the Deferred names, which holds the job started."""
     service.defer_checkpoints = True
     fields = validate_request(request("checkpoint", 1, to=str(to)))
-    with pytest.raises(Deferred):
+    with pytest.raises(Deferred) as waited:
         service.handle(ADMIN, "checkpoint", fields, [], 0.0)
     service.defer_checkpoints = False  # later calls wait in place again
-    return fields
+    assert "_job" not in fields  # the request itself is never changed
+    retry = waited.value.retry
+    assert retry is not None and "_job" in retry
+    return retry
 
 
 def finish(service: BufferService, fields: dict[str, Any]) -> dict[str, Any]:

@@ -109,7 +109,7 @@ def test_rows_are_uniform_over_the_live_rows(way: str) -> None:
 
 def test_use_counts_count_repeats_and_refuse_rows_out_of_range(way: str) -> None:
     container = Container(10, unit="transition")
-    container.commit(container.reserve(10, [10]).id)
+    container.commit(container.reserve_rows(10, [10]).id)
     before = container.use_counts.copy()
     container.count_use(np.array([3, 3, 0, 9], dtype=np.int64))
     assert (container.use_counts - before).tolist() == [1, 0, 0, 2, 0, 0, 0, 0, 0, 1]

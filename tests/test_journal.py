@@ -102,8 +102,8 @@ def _drive(
             sub = int(rng.integers(1, 3))
             n = sub * int(rng.integers(1, 6))
             try:
-                _, evict = container.plan(n, sub)
-                r = container.reserve(n, sub)
+                evict = container.plan(n, sub).evict
+                r = container.reserve_rows(n, sub)
             except CapacityError:
                 continue
             journal.append_reserve(
@@ -159,14 +159,14 @@ def test_open_reservations_are_never_published(folder: Path) -> None:
     container = Container(10, unit="episode")
     journal = Journal(folder)
     journal.start(container_state(container))
-    _, evict = container.plan(4)
-    container.reserve(4)
+    evict = container.plan(4).evict
+    container.reserve_rows(4)
     journal.append_reserve(evict, container.pointer, container.rows_written, 2)
     r1 = container.reservations[1]
     ids = container.commit(1)
     journal.append_commit([(ids[0], *r1.episodes[0])], 4, 1)
-    _, evict = container.plan(10)  # laps the ring: evicts episode 0; never committed
-    container.reserve(10)
+    evict = container.plan(10).evict  # laps the ring: evicts episode 0; never committed
+    container.reserve_rows(10)
     journal.append_reserve(evict, container.pointer, container.rows_written, 3)
     loaded = restore_container(Journal(folder).load())
     assert len(loaded.registry) == 0
@@ -180,8 +180,8 @@ def test_crash_between_snapshot_and_truncate_does_not_replay_twice(folder: Path)
     journal = Journal(folder)
     journal.start(container_state(container))
     for _ in range(3):
-        _, evict = container.plan(2)
-        r = container.reserve(2)
+        evict = container.plan(2).evict
+        r = container.reserve_rows(2)
         journal.append_reserve(evict, container.pointer, container.rows_written, r.id + 1)
         bounds = r.episodes
         ids = container.commit(r.id)
@@ -198,8 +198,8 @@ def test_torn_tail_in_the_file_is_ignored_and_reported(folder: Path) -> None:
     container = Container(16)
     journal = Journal(folder)
     journal.start(container_state(container))
-    _, evict = container.plan(4)
-    r = container.reserve(4)
+    evict = container.plan(4).evict
+    r = container.reserve_rows(4)
     journal.append_reserve(evict, container.pointer, container.rows_written, 2)
     ids = container.commit(r.id)
     journal.append_commit([(ids[0], 0, 4)], 4, 1)
@@ -255,8 +255,8 @@ def test_aborts_that_give_back_evictions_replay_to_the_live_state(folder: Path, 
     restores = 0
     for _ in range(400):
         n = int(rng.integers(1, 7))
-        _, evict = container.plan(n)
-        r = container.reserve(n)
+        evict = container.plan(n).evict
+        r = container.reserve_rows(n)
         journal.append_reserve(
             evict, container.pointer, container.rows_written, container.next_reservation
         )
@@ -311,9 +311,9 @@ def fill(folder: Path, leave: int = 0) -> Path:
 
 def commit_one(container: Container, journal: Journal, counters: dict[str, int]) -> None:
     """Reserve + commit one 2-row episode the way the service does: room first."""
-    _, evict = container.plan(2)
+    evict = container.plan(2).evict
     journal.reserve(record_bytes(4 + 2 * len(evict)) + record_bytes(6))
-    r = container.reserve(2)
+    r = container.reserve_rows(2)
     journal.append_reserve(
         evict, container.pointer, container.rows_written, container.next_reservation
     )
@@ -394,8 +394,8 @@ def test_priorities_survive_replay_exactly(folder: Path, unit: str) -> None:
     updates = 0
     for step in range(400):
         n = int(rng.integers(1, 7))
-        _, evict = container.plan(n)
-        r = container.reserve(n)
+        evict = container.plan(n).evict
+        r = container.reserve_rows(n)
         journal.append_reserve(
             evict, container.pointer, container.rows_written, container.next_reservation
         )
@@ -484,9 +484,9 @@ def test_samples_replay_to_the_live_sampler_state(
     for step in range(600):
         action = rng.random()
         n = int(rng.integers(1, 5)) * int(rng.integers(1, 3))
-        if action < 0.35 and not container.insert_blocker(n):  # a FIFO waits for readers
-            _, evict = container.plan(n, 1)
-            r = container.reserve(n)
+        if action < 0.35 and not container.plan(n).blocked:  # a FIFO waits for readers
+            evict = container.plan(n, 1).evict
+            r = container.reserve_rows(n)
             journal.append_reserve(
                 evict, container.pointer, container.rows_written, container.next_reservation
             )
@@ -521,8 +521,8 @@ def test_draws_that_change_nothing_are_not_journaled(folder: Path, sampler: str)
     journal.start(container_state(container))
     counters = {"rows_committed": 0, "episodes_committed": 0}
     for _ in range(4):
-        _, evict = container.plan(5)
-        r = container.reserve(5)
+        evict = container.plan(5).evict
+        r = container.reserve_rows(5)
         journal.append_reserve(
             evict, container.pointer, container.rows_written, container.next_reservation
         )
@@ -546,8 +546,8 @@ def test_fifo_consumed_before_a_crash_is_never_handed_out_again(folder: Path) ->
     journal.start(container_state(container))
     counters = {"rows_committed": 0, "episodes_committed": 0}
     for _ in range(6):
-        _, evict = container.plan(5)
-        r = container.reserve(5)
+        evict = container.plan(5).evict
+        r = container.reserve_rows(5)
         journal.append_reserve(
             evict, container.pointer, container.rows_written, container.next_reservation
         )
@@ -576,8 +576,8 @@ def test_a_refused_fifo_draw_that_dropped_rows_is_journaled(folder: Path) -> Non
     journal.start(container_state(container))
     counters = {"rows_committed": 0, "episodes_committed": 0}
     for n in (3, 3):
-        _, evict = container.plan(n)
-        r = container.reserve(n)
+        evict = container.plan(n).evict
+        r = container.reserve_rows(n)
         journal.append_reserve(
             evict, container.pointer, container.rows_written, container.next_reservation
         )
@@ -599,8 +599,8 @@ def test_the_generator_is_journaled_where_a_refused_draw_moved_it(folder: Path) 
     journal.start(container_state(container))
     counters = {"rows_committed": 0, "episodes_committed": 0}
     for _ in range(3):
-        _, evict = container.plan(5)
-        r = container.reserve(5)
+        evict = container.plan(5).evict
+        r = container.reserve_rows(5)
         journal.append_reserve(
             evict, container.pointer, container.rows_written, container.next_reservation
         )
@@ -638,13 +638,13 @@ def test_use_counts_live_in_a_file_beside_the_journal(folder: Path) -> None:
     journal.track(container)
     journal.start(container_state(container))
     counters = {"rows_committed": 0, "episodes_committed": 0}
-    _, evict = container.plan(8)
-    r = container.reserve(8)
+    evict = container.plan(8).evict
+    r = container.reserve_rows(8)
     journal.append_reserve(evict, container.pointer, container.rows_written, 2)
     _commit_journaled(container, journal, r.id, None, counters)
     container.count_use(np.array([1, 1, 5]))  # iterate counts uses without a SAMPLE
-    _, evict = container.plan(4)
-    container.reserve(4)  # open at the crash: its rows were never committed
+    evict = container.plan(4).evict
+    container.reserve_rows(4)  # open at the crash: its rows were never committed
     saved = np.fromfile(folder / USE_COUNTS_FILE, dtype="<i4")
     assert np.array_equal(saved, container.use_counts)  # the file is the live array
     restored = restore_container(Journal(folder).load())
@@ -738,8 +738,8 @@ def test_pins_are_journaled_until_their_commit_or_abort(folder: Path) -> None:
     writer = Process(os.getpid(), 12345)
 
     def reserve(rows: int, split: int | list[int]) -> int:
-        _, evict = container.plan(rows, split)
-        r = container.reserve(rows, split)
+        evict = container.plan(rows, split).evict
+        r = container.reserve_rows(rows, split)
         pin = Pin(r.id, writer, r.ranges, split)
         pins.add(pin)
         journal.append_reserve(

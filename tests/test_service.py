@@ -469,13 +469,18 @@ def test_deferred_piggyback_commits_once(h: Harness) -> None:
     fields = validate_request(
         make_request("reserve", 1, rows=4, commit=first["reservation"], timeout_ms=1000)
     )
-    with pytest.raises(Deferred):
+    sent = dict(fields)
+    with pytest.raises(Deferred) as waited:
         h.service.handle(W, "reserve", fields, [], h.now)
     assert h.service.container.num_episodes == 2  # the commit happened
-    with pytest.raises(Deferred):  # the server retries with the same dict
-        h.service.handle(W, "reserve", fields, [], h.now)
+    assert fields == sent  # the request is never changed: the retry is a new one
+    retry = waited.value.retry
+    assert retry is not None and "commit" not in retry
+    with pytest.raises(Deferred) as again:  # the server retries what the Deferred named
+        h.service.handle(W, "reserve", retry, [], h.now)
+    assert again.value.retry is None  # nothing more done: that same request stays parked
     h(R, "release", lease=lease)
-    rep, _ = h.service.handle(W, "reserve", fields, [], h.now)
+    rep, _ = h.service.handle(W, "reserve", retry, [], h.now)
     assert rep["committed"] == [1]
     assert h.service.counters.episodes_committed == 2
 

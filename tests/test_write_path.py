@@ -112,7 +112,7 @@ def test_use_counts_mark_exactly_the_rows_no_live_episode_holds(unit: str, seed:
     for _ in range(300):
         num_sub = int(rng.integers(1, 4))
         length = int(rng.integers(1, 9))  # three in flight, early wrap too, fit the ring
-        reservation = c.reserve(num_sub * length, num_sub)
+        reservation = c.reserve_rows(num_sub * length, num_sub)
         in_flight.append(reservation.id)
         # Up to three open at once, committed in a random order (so out of order now and
         # then); none stays open long enough for the ring to lap it.

@@ -39,19 +39,22 @@ class SampleOps(DaemonState):
     def op_sample(
         self, client: Client, fields: dict[str, Any], frames: Frames, now: float
     ) -> Reply:
-        if "release" in fields:  # applied once, even if the sample is then deferred
-            self.leases.release(fields.pop("release"), client.id)
+        # A lease to release first is released once: a retry is parked without it.
+        rest = None
+        if "release" in fields:
+            self.leases.release(fields["release"], client.id)
+            rest = {k: v for k, v in fields.items() if k != "release"}
         deadline = now + fields.get("timeout_ms", 30_000) / 1000
         try:
             return self._sample(client, fields, now)
         except WaitTimeoutError as exc:  # the rate limiter refuses it now: wait in the daemon
-            raise Deferred(str(exc), deadline, "sample") from None
+            raise Deferred(str(exc), deadline, "sample", rest) from None
         except EmptyBufferError as exc:
             # A FIFO or consume-once sampler with nothing to hand out waits for writers; an
             # empty buffer under any other sampler is an error at once, as it always was.
             if not self._waits_for_data():
                 raise
-            raise Deferred(f"nothing to consume yet: {exc}", deadline, "sample") from None
+            raise Deferred(f"nothing to consume yet: {exc}", deadline, "sample", rest) from None
 
     def _waits_for_data(self) -> bool:
         sampler = self.container.sampler

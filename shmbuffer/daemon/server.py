@@ -250,8 +250,9 @@ class Server:
             queue = self._inserts if header["op"] in INSERT_OPS else self._samples
             if header["op"] in BACKGROUND_OPS:
                 queue = self._background
+            parked = fields if wait.retry is None else wait.retry
             queue.append(
-                Parked(identity, header, fields, payload, wait.deadline, now, str(wait), None)
+                Parked(identity, header, parked, payload, wait.deadline, now, str(wait), None)
             )
             self._note_wait(queue[-1], wait)
             self._count_waiting()
@@ -308,6 +309,8 @@ class Server:
     def _note_wait(item: Parked, wait: Deferred) -> None:
         item.reason = str(wait)
         item.blocked = item.blocked or wait.blocked
+        if wait.retry is not None:  # part of it was done by this attempt
+            item.fields = wait.retry
 
     def _retry_parked(self, now: float) -> None:
         """Retry parked inserts, then parked samples, and again while either got through."""
@@ -324,7 +327,9 @@ class Server:
             )
             if wait is None:
                 self._background.remove(item)
-            elif now >= item.deadline:
+                continue
+            self._note_wait(item, wait)
+            if now >= item.deadline:
                 self._background.remove(item)
                 self._time_out(item, now)
 

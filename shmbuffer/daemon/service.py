@@ -9,8 +9,9 @@ handler either returns reply fields (plus payload frames for remote clients), ra
 :class:`Deferred` when the request must wait (a reservation that would evict leased episodes,
 or that the rate limiter or a FIFO sampler's unconsumed rows hold back; a sample the limiter
 holds back, or one with nothing to consume yet), in which case the server retries it later. A
-handler that defers has changed nothing, or only what it took out of ``fields`` so that a retry
-does not do it twice (a piggybacked commit, a lease released first).
+handler that defers has changed nothing, or names in ``Deferred.retry`` the request to retry
+instead, without what it did already (a piggybacked commit, a lease released first, a
+checkpoint started); a request is never changed in place.
 """
 
 from __future__ import annotations
@@ -273,11 +274,12 @@ class BufferService(WriteOps, SampleOps):
         job = fields.get("_job")  # a retry: the job this request started
         if job is None:
             self._require_admin(client, "checkpoint the buffer")
-            job = fields["_job"] = self.begin_checkpoint(fields["to"])
+            job = self.begin_checkpoint(fields["to"])
             if not self.defer_checkpoints:
                 job.wait()
-        if not job.done:
-            raise Deferred(f"checkpoint to {job.dest}: {job.progress()}", math.inf)
+        if not job.done:  # parked with its job, so a retry does not start another
+            reason = f"checkpoint to {job.dest}: {job.progress()}"
+            raise Deferred(reason, math.inf, None, {**fields, "_job": job})
         return job.reply(), []
 
     def tick(self, now: float) -> None:

@@ -53,12 +53,26 @@ class Deferred(Exception):
 
     ``blocked``: ``"insert"`` or ``"sample"`` when flow control holds it back (the rate
     limiter, or a FIFO sampler), so the time it waits counts in the limiter's figures; None
-    for a wait on leases or on another writer."""
+    for a wait on leases or on another writer. ``retry``: the request to park and retry
+    instead of the one that came, when the handler did part of it already (a piggybacked
+    commit, a lease released, a checkpoint started) — a new map, the request is never
+    changed; None: retry the request as it came."""
 
-    def __init__(self, reason: str, deadline: float, blocked: str | None = None) -> None:
+    def __init__(
+        self,
+        reason: str,
+        deadline: float,
+        blocked: str | None = None,
+        retry: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(reason)
         self.deadline = deadline
         self.blocked = blocked
+        self.retry = retry
+
+    def retrying(self, fields: dict[str, Any]) -> Deferred:
+        """The same wait, with ``fields`` as the request to retry."""
+        return Deferred(str(self), self.deadline, self.blocked, fields)
 
 
 class DaemonState:

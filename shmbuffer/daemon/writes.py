@@ -3,14 +3,16 @@ remote writer's ``write``.
 
 A reservation bumps the generation stamp of its rows *before* the writer learns which rows it
 got, and is journaled before the reply hands them out; a commit is journaled before the reply
-acknowledges it. While a checkpoint is being written, a reserve first has the checkpoint save
-the rows of its cut it is about to hand out (``checkpoint.py``). A local writer's reservation is
-pinned to its process (``pins.py``): kept past its TTL and past its connection while that
-process lives, and committed or aborted by any connection of that process. A reserve that would
-evict leased episodes, lap a writer still copying (one stalled included, named), whose rows that
-checkpoint cannot save yet, or that flow control holds back raises
-:class:`~shmbuffer.daemon.state.Deferred` having changed nothing (a piggybacked commit is taken
-out of ``fields`` first, so a retry does not redo it).
+acknowledges it. A reserve is decided once (``Container.plan``: its rows, evictions, the writers
+it would lap and flow control's say), checked against leases and the checkpoint, and carried out
+from that one plan (``Container.reserve``). While a checkpoint is being written, a reserve first
+has the checkpoint save the rows of its cut it is about to hand out (``checkpoint.py``). A local
+writer's reservation is pinned to its process (``pins.py``): kept past its TTL and past its
+connection while that process lives, and committed or aborted by any connection of that process.
+A reserve that would evict leased episodes, lap a writer still copying (one stalled included,
+named), whose rows that checkpoint cannot save yet, or that flow control holds back raises
+:class:`~shmbuffer.daemon.state.Deferred` having changed nothing but its piggybacked commits,
+which are done at once and left out of the request it parks (``Deferred.retry``).
 A reserve sent ``ahead`` (a streaming writer's next reservation, asked for before it copies the
 current one) is never deferred: where it would be, it is answered with reservation 0. It is
 also answered with 0 where it would evict episodes of a registry holding more than
@@ -28,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from shmbuffer import rows
-from shmbuffer.container import Reservation
+from shmbuffer.container import Plan, Reservation
 from shmbuffer.daemon.clients import Client
 from shmbuffer.daemon.journal import record_bytes, reserve_bytes
 from shmbuffer.daemon.pins import Pin
@@ -70,52 +72,63 @@ class WriteOps(DaemonState):
     def op_reserve(
         self, client: Client, fields: dict[str, Any], frames: Frames, now: float
     ) -> Reply:
-        commits = [fields.pop("commit")] if "commit" in fields else []
-        commits += fields.pop("commits", [])
-        if commits:  # commit earlier writes in the same round trip; kept out of ``fields``
-            # so a deferred retry does not commit twice
-            self._checked_priority(fields)  # a bad one refuses the request whole, commits too
+        """Commit what it piggybacks, then reserve. Should the reserve wait, what is parked is
+        the request without its commits (``Deferred.retry``, their episodes kept for the
+        reply), so a retry does not commit twice; the request itself is never changed."""
+        commits = [fields["commit"]] if "commit" in fields else []
+        commits += fields.get("commits", [])
+        committed: list[int] | None = fields.get("_committed")  # a retry: done before it
+        split = episode_split(fields)
+        if commits:
+            self._checked_priority(fields, split)  # a bad one refuses the request whole
             owned = [self._owned(client, r) for r in commits]
             # Room for every record first, so a full disk refuses them all, not some.
             self._journal_room(sum(_commit_bytes(r) for r in owned) + _RESERVE_BYTES)
-            fields["_committed"] = [ep for r in commits for ep in self._commit(client, r)]
+            committed = [ep for r in commits for ep in self._commit(client, r)]
         # Reservation 0 says "not now": the writer reserves again, waiting, when its write comes.
         reply: dict[str, Any] = {"reservation": 0, "ranges": []}
         ahead = bool(fields.get("ahead"))
         try:
-            if not ahead or self._ahead_cheap_to_return(fields):
-                reservation = self._reserve(client, fields, now)
+            plan = self.container.plan(fields["rows"], split)
+            if not ahead or self._ahead_cheap_to_return(plan):
+                reservation = self._reserve(client, fields, plan, now)
                 reply = {
                     "reservation": reservation.id,
                     "ranges": [list(r) for r in reservation.ranges],
                 }
                 if fields.get("count", 1) > 1:
-                    reply["more"] = self._more_ahead(client, fields, now)
-        except Deferred:
+                    reply["more"] = self._more_ahead(client, fields, split, now)
+        except Deferred as wait:
             if not ahead:
-                raise
+                if not commits:
+                    raise
+                rest = {k: v for k, v in fields.items() if k not in ("commit", "commits")}
+                raise wait.retrying({**rest, "_committed": committed}) from None
             # Asked for ahead of the write that fills it: never parked (it would hold up the
             # writes queued behind it for a write that may never come).
-        if "_committed" in fields:
-            reply["committed"] = fields["_committed"]
+        if committed is not None:
+            reply["committed"] = committed
         return reply, []
 
-    def _more_ahead(self, client: Client, fields: dict[str, Any], now: float) -> list[Any]:
+    def _more_ahead(
+        self, client: Client, fields: dict[str, Any], split: int | list[int], now: float
+    ) -> list[Any]:
         """``[id, ranges]`` of up to ``count - 1`` more reservations of the same shape, each
         an ordinary one, granted while nothing would hold them back: one writer's next writes
         reserved with one message (protocol 1.5). The first that cannot be had ends them."""
         more: list[Any] = []
         for _ in range(fields["count"] - 1):
             try:
-                if not self._ahead_cheap_to_return(fields):
+                plan = self.container.plan(fields["rows"], split)  # where the ring is now
+                if not self._ahead_cheap_to_return(plan):
                     break
-                reservation = self._reserve(client, fields, now)
+                reservation = self._reserve(client, fields, plan, now)
             except (Deferred, LimitExceededError, OutOfSpaceError):
                 break
             more.append([reservation.id, [list(r) for r in reservation.ranges]])
         return more
 
-    def _ahead_cheap_to_return(self, fields: dict[str, Any]) -> bool:
+    def _ahead_cheap_to_return(self, plan: Plan) -> bool:
         """Whether a reserve ``ahead`` may be granted: not if it would evict episodes of a
         registry of more than AHEAD_MAX_LIVE, whose abort (should it go unused) would stall
         the loop rebuilding the registry. One that evicts nothing (a ring not yet full) costs
@@ -123,14 +136,14 @@ class WriteOps(DaemonState):
         registry = self.container.registry
         if len(registry) <= AHEAD_MAX_LIVE:
             return True
-        _, evict = self.container.plan(fields["rows"], episode_split(fields))
-        return not any(registry.overlapping(start, stop) for start, stop in evict)
+        return not any(registry.overlapping(start, stop) for start, stop in plan.evict)
 
     def _reserve(
-        self, client: Client, fields: dict[str, Any], now: float, pin: bool = True
+        self, client: Client, fields: dict[str, Any], plan: Plan, now: float, pin: bool = True
     ) -> Reservation:
-        """Reserve rows for ``client``; ``pin``: pinned to its process where the transport
-        vouches for one (False: the daemon copies the rows itself, a remote write)."""
+        """Carry out ``plan`` (``fields``' rows, planned against the ring as it is) for
+        ``client``, or raise Deferred having changed nothing; ``pin``: pinned to its process
+        where the transport vouches for one (False: the daemon copies the rows itself)."""
         if self.segment is None:
             raise SchemaError("the buffer has no schema yet: send 'define_schema' first")
         if len(client.reservations) >= self.config.max_reservations_per_client:
@@ -138,34 +151,35 @@ class WriteOps(DaemonState):
                 f"client {client.id} holds {len(client.reservations)} open reservations "
                 f"(limit {self.config.max_reservations_per_client}); commit or abort some"
             )
-        num_rows, num_sub = fields["rows"], episode_split(fields)
-        priority = self._checked_priority(fields)  # refused before anything is evicted
-        ranges, evict = self.container.plan(num_rows, num_sub)
+        priority = self._checked_priority(fields, plan.lengths)  # before anything is evicted
         deadline = now + fields.get("timeout_ms", 30_000) / 1000
+        evict = plan.evict
         leased = len(self.leases) and self.leases.pinned(  # no lease, no lookup: the hot path
             ep.id for s, e in evict for ep in self.container.registry.overlapping(s, e)
         )
         if leased:
             raise Deferred(f"rows are leased by readers (episodes {leased[:5]})", deadline)
-        busy = self.container.conflicts(evict) if self.container.reservations else None
-        if busy:  # the ring lapped a writer that is still copying (or stalled: pins.py)
-            raise Deferred(f"rows are still being written by {self._writers(busy, now)}", deadline)
-        # The rate limiter, or a FIFO sampler whose rows are not consumed yet: wait for readers.
-        blocked = self.container.insert_blocker(num_rows, num_sub)
-        if blocked is not None:
-            raise Deferred(f"cannot reserve {num_rows} rows now: {blocked}", deadline, "insert")
-        self._save_for_checkpoint(ranges, deadline)  # a running checkpoint's rows, saved first
+        if plan.busy:  # the ring lapped a writer that is still copying (or stalled: pins.py)
+            raise Deferred(
+                f"rows are still being written by {self._writers(plan.busy, now)}", deadline
+            )
+        if plan.blocked is not None:  # the rate limiter, or unconsumed FIFO rows: wait
+            raise Deferred(
+                f"cannot reserve {plan.num_rows} rows now: {plan.blocked}", deadline, "insert"
+            )
+        self._save_for_checkpoint(plan.ranges, deadline)  # a running checkpoint's rows first
         process = client.process if pin and not client.remote else None
+        split = plan.lengths if plan.episodes > 1 and len(set(plan.lengths)) > 1 else None
         room = reserve_bytes(len(evict))
         if process is not None:  # the pin's fields too: its ranges and split
-            room += 8 * (5 + 2 * len(ranges) + (0 if isinstance(num_sub, int) else len(num_sub)))
+            room += 8 * (5 + 2 * len(plan.ranges) + (0 if split is None else len(split)))
         self._journal_room(room)  # OutOfSpaceError: nothing done
-        reservation = self.container.reserve(num_rows, num_sub, owner=client.id)
+        reservation = self.container.reserve(plan, owner=client.id)
         if priority is not None:
             self._priorities[reservation.id] = priority
         held = None
         if process is not None:
-            held = Pin(reservation.id, process, reservation.ranges, num_sub)
+            held = Pin(reservation.id, process, reservation.ranges, split or plan.episodes)
             self.pins.add(held)
         self._journal_reserve(evict, held)  # before the reply hands out the rows
         for start, stop in reservation.ranges:
@@ -174,14 +188,14 @@ class WriteOps(DaemonState):
         client.reservations.add(reservation.id)
         return reservation
 
-    def _checked_priority(self, fields: dict[str, Any]) -> Any:
+    def _checked_priority(self, fields: dict[str, Any], split: int | list[int]) -> Any:
         """A reserve's or write's ``priority`` as the commit will store it (None: none given);
         InvalidArgumentError if negative, NaN, of the wrong length or for a sampler without
         priorities."""
         if "priority" not in fields:
             return None
         return self.container.check_priority(
-            fields["rows"], episode_split(fields), wire_priority(fields["priority"])
+            fields["rows"], split, wire_priority(fields["priority"])
         )
 
     def _writers(self, busy: list[Reservation], now: float) -> str:
@@ -292,14 +306,13 @@ class WriteOps(DaemonState):
                 "write fewer rows per call"
             )
         leaves = self._leaves_from_frames(fields["rows"], frames)
-        num_sub = episode_split(fields)
-        episodes = num_sub if isinstance(num_sub, int) else len(num_sub)
+        plan = self.container.plan(fields["rows"], episode_split(fields))
         # Room for both records first (a sub-episode across the wrap is two), and for its
         # priorities (at most one per row): a full disk refuses the write whole, never after
         # its rows were copied.
         extra = record_bytes(1 + 2 * fields["rows"]) if "priority" in fields else 0
-        self._journal_room(_RESERVE_BYTES + record_bytes(3 + 3 * (episodes + 1)) + extra)
-        reservation = self._reserve(client, fields, now, pin=False)
+        self._journal_room(_RESERVE_BYTES + record_bytes(3 + 3 * (plan.episodes + 1)) + extra)
+        reservation = self._reserve(client, fields, plan, now, pin=False)
         assert self.segment is not None
         with rows.Progress(functools.partial(self._abort, client, reservation)) as progress:
             rows.write(

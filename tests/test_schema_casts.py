@@ -10,12 +10,14 @@ what is wrong.
 from __future__ import annotations
 
 import warnings
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+import shmbuffer.schema as schema_module
 from shmbuffer import Buffer
 from shmbuffer.errors import SchemaError
 from shmbuffer.schema import Schema
@@ -138,11 +140,28 @@ def test_the_overflow_threshold_is_exact(dtype: str) -> None:
         buf.extend({"x": np.array([0.0, -limit])})
 
 
-def test_same_dtype_values_are_not_scanned() -> None:
-    # The hot path (a batch already in the column's dtype) pays no data pass: a NaN-free
-    # float32 batch and an int64 batch of any values go straight through.
-    schema = Schema.from_spec({"x": {"dtype": "int64", "shape": []}})
-    schema.validate({"x": np.array([2**62, -(2**62)])})
+def test_same_dtype_values_are_not_scanned(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The hot path (a batch already in the column's dtype) pays no data pass: only a narrowing
+    # cast needs the values' range, on the one-pass check of a plain dict and on the full one.
+    scanned: list[Any] = []
+    extremes = schema_module._extremes
+
+    def spy(value: Any) -> Any:
+        scanned.append(value)
+        return extremes(value)
+
+    monkeypatch.setattr(schema_module, "_extremes", spy)
+    schema = Schema.from_spec(
+        {"x": {"dtype": "int64", "shape": []}, "y": {"dtype": "float32", "shape": []}}
+    )
+    same = {"x": np.array([2**62, -(2**62)]), "y": np.array([1.0, np.nan], dtype=np.float32)}
+    schema.validate(same)  # a plain dict: the one-pass check
+    schema.validate(MappingProxyType(same))  # any other mapping: the full check
+    schema.validate({"x": torch.tensor([2**62, 1]), "y": torch.tensor([1.0, np.inf])})
+    assert scanned == []
+    # The spy sees the scan when there is one: float64 values into the float32 column.
+    schema.validate({"x": np.array([1, 2]), "y": np.array([1.0, 2.0])})
+    assert [value.dtype for value in scanned] == [np.float64]
 
 
 # -- clear errors (issue 7, item 12) ---------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Validation decides every cast before a row is reserved (issue 7, items 1, 2 and 12).
+"""Validation decides every cast before a row is reserved.
 
 A value is stored in a column of another dtype only when the cast is of the same kind *and*
 the value fits: integers in the column's range, floats that stay finite. Everything else is a
@@ -59,7 +59,7 @@ def snapshot(buf: Buffer) -> tuple[Any, ...]:
 @pytest.mark.parametrize(
     ("key", "value"),
     [
-        ("u8", np.array([300, -1])),  # the issue's repro: int64 into uint8
+        ("u8", np.array([300, -1])),  # int64 into uint8, wrapped: [44, 255]
         ("u8", torch.tensor([300, -1])),
         ("u8", np.array([-1, 3], dtype=np.int8)),
         ("i32", np.array([2**40 + 5, 2**31])),  # would be stored as [5, -2**31]
@@ -85,7 +85,7 @@ def test_a_value_that_does_not_fit_is_refused_before_anything_is_evicted(
 @pytest.mark.parametrize(
     ("key", "value", "stored"),
     [
-        # numpy's own same_kind rule refused these in the middle of the copy (issue 7, item 1)
+        # numpy's same_kind rule refuses these casts; values that fit are stored all the same
         ("u8", np.array([255, 0]), [255, 0]),
         ("u8", torch.tensor([3, 4]), [3, 4]),
         ("u8", np.array([5, 6], dtype=np.int8), [5, 6]),
@@ -164,7 +164,7 @@ def test_same_dtype_values_are_not_scanned(monkeypatch: pytest.MonkeyPatch) -> N
     assert [value.dtype for value in scanned] == [np.float64]
 
 
-# -- clear errors (issue 7, item 12) ---------------------------------------------------------
+# -- odd inputs: an error that says what is wrong ----------------------------------------------
 
 
 def nested_buffer() -> Buffer:

@@ -112,7 +112,7 @@ class Shmbuffer(Adapter):
             capacity, unit=unit, mode="circular", name=self.seg, schema=schema(spec)
         )
         self.row_sampler = self.buf
-        self._episode_out: dict[int, Any] = {}  # sample_episodes(n)'s reused out= (issue 10)
+        self._episode_out: dict[int, Any] = {}  # sample_episodes(n)'s reused out=, by n
         self._recent: deque[Any] = deque()
         self._recent_rows = 0
 

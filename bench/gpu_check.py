@@ -1,4 +1,4 @@
-"""The CUDA tier on a GPU machine, in one run (issue 14): correctness first, then timings.
+"""The CUDA tier on a GPU machine, in one run: correctness first, then timings.
 
 Run it on the device machine (one H200; Python 3.12 with torch 2.11, numpy, msgpack, no
 network) with one call of the device tool's ``run``, the wheels it lacks carried from the

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         "--create-gb",
         type=float,
         default=4.0,
-        help="GB (1e9 B) of the buffer core.create makes, default 4; the issue's 10 GB figure: "
+        help="GB (1e9 B) of the buffer core.create makes, default 4; for the 10 GB target: "
         "`python -m bench core.create --create-gb 10 --repeat 1`, with nothing else big running",
     )
     args = parser.parse_args(argv)

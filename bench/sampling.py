@@ -419,9 +419,10 @@ def scaling(ctx: Context) -> list[Row]:
 
 
 def _targets(ctx: Context, per_op: dict[tuple[str, str, int], list[float]], sizes: Any) -> None:
-    """The issue's targets as notes, met or missed (never adjusted), judged on the medians and,
-    after ``|``, on the fastest repetitions: on a shared machine other processes only ever add
-    time, so the fastest repetition is the better estimate of the code's own cost."""
+    """The sampling targets (listed in ``docs/sampling.md``) as notes, met or missed (never
+    adjusted), judged on the medians and, after ``|``, on the fastest repetitions: on a shared
+    machine other processes only ever add time, so the fastest repetition is the better
+    estimate of the code's own cost."""
 
     def pick(impl: str, op: str, size: int, stat: Any) -> float | None:
         us = per_op.get((impl, op, size))

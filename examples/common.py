@@ -484,7 +484,7 @@ def replay_updates(
             time.sleep(0.05)
             continue
         # Hold the replay ratio: workers may step this far ahead of the updates.
-        # TODO(issue 9): `--rate-limiter sample-to-insert` in the daemon instead.
+        # TODO: the daemon's `--rate-limiter sample-to-insert` (it has one now) instead.
         rollout.set_budget(learning_starts + int(updates * env_steps_per_update))
         for _ in range(chunk):
             yield updates + 1

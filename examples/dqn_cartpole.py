@@ -142,7 +142,7 @@ def update(
 ) -> None:
     """One double-DQN step with the Huber loss; with prioritized replay, importance weights on
     the loss and the new |TD errors| back to the daemon's sum tree."""
-    if prioritized:  # TODO(issue 9): the only path once the samplers have landed
+    if prioritized:  # TODO: the only path (uniform's return_info has weight 1)
         batch, info = reader.sample(args.batch_size, return_info=True)  # type: ignore[call-arg]
         weight = info["weight"].float()
     else:

@@ -542,7 +542,7 @@ class Buffer:
 
     def _check_open(self) -> None:
         # Without it a closed buffer read as empty and a write allocated fresh, zeroed memory
-        # under the old rows' registry entries (issue 7).
+        # under the old rows' registry entries.
         if self._closed:
             raise ClosedError("this Buffer is closed (close() was called); create a new one")
 

@@ -16,45 +16,28 @@ daemon's service is split the same way):
 - :mod:`shmbuffer.persistence`: ``state()`` / ``from_state()`` and the ``replay_*`` methods
   the journal calls, running the same code as live requests.
 
-This module keeps every name it always had (importers need not know the split).
+This module also hands on the few names of those parts that its importers use (they need not
+know the split).
 
 Not thread-safe: the owner (buffer or daemon loop) serialises calls.
 """
 
 from __future__ import annotations
 
-from shmbuffer.persistence import PersistenceOps, decode_state, encode_state
-from shmbuffer.reservations import episode_lengths
-from shmbuffer.ringstate import (
-    F64,
-    I64,
-    Mask,
-    Plan,
-    PriorityUpdate,
-    Range,
-    Reservation,
-    as_invalid_argument,
-    raise_invalid,
-)
+from shmbuffer.persistence import PersistenceOps, decode_state
+from shmbuffer.ringstate import Plan, Range, Reservation, as_invalid_argument
 from shmbuffer.sampling import EpisodeSample, RowSample, SliceSample
 
 __all__ = [
-    "F64",
-    "I64",
     "Container",
     "EpisodeSample",
-    "Mask",
     "Plan",
-    "PriorityUpdate",
     "Range",
     "Reservation",
     "RowSample",
     "SliceSample",
     "as_invalid_argument",
     "decode_state",
-    "encode_state",
-    "episode_lengths",
-    "raise_invalid",
 ]
 
 

@@ -365,10 +365,6 @@ def episode_lengths(num_rows: int, episodes: int | Sequence[int]) -> list[int]:
     return lengths
 
 
-def _id(episode: Episode) -> int:
-    return episode.id
-
-
 def _split(ranges: Sequence[Range], n: int) -> list[Range]:
     """The parts of ``ranges`` (filled in order) holding their first ``n`` rows."""
     out: list[Range] = []

@@ -7,7 +7,7 @@ stream too (``streamcopy.gather_into`` / ``copy_out``, rows of 4 KiB or more, 25
 once a process of such rows has loaded the loop): 256 random u8[4,84,84] rows in 760-830 us
 against 1,220-1,290 for ``np.take``, and a learner that converts the batch to float right
 after still came out ~0.7 ms ahead (12-04, ``/tmp`` script, median of 7 rounds). Other
-gathers go through numpy, chosen per column by what was fastest here (issue 10: CPU time, one
+gathers go through numpy, chosen per column by what was fastest here (CPU time, one
 thread, 256 rows drawn at random from 1M f32[64] rows or 50k u8[4,84,84] rows, with the other
 columns beside them):
 

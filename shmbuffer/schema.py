@@ -481,7 +481,7 @@ class Schema:
         self, batch: dict[Any, Any]
     ) -> tuple[tuple[int, ...], dict[Key, Any]] | None:
         """:meth:`validate` of the common write in one pass, at a fraction of the full
-        check's cost (issue 10: per-call work is what small-row writes lose to): a plain dict
+        check's cost (per-call work is what small-row writes lose to): a plain dict
         with exactly the schema's keys, all flat, of arrays or tensors whose dtype the column
         takes as it is (castable, no value check) and whose shapes agree. The result is what
         the full check returns for it; None sends anything else, a bad batch included, to the

@@ -3,7 +3,7 @@
 :func:`copy_into` is ``np.copyto(dst, src, casting="unsafe")``, except that a large copy of
 one dtype between contiguous arrays goes through streaming (non-temporal) stores when the
 ``fast`` extra (numba) is installed: see ``_copy_jit.py``. Measured here (2 cores, 4 KB
-tmpfs pages, issue 10): a 5.6 MB image episode into a ring in 0.6-0.85 ms instead of
+tmpfs pages): a 5.6 MB image episode into a ring in 0.6-0.85 ms instead of
 np.copyto's 1.0-1.2 ms, and the writer's next small steps on warm caches. glibc's ``memcpy``
 streams only above a cut-off derived from the cache sizes (above this episode here), and
 cannot know that rows written into a ring are read laps later, if at all, from another

@@ -213,8 +213,9 @@ def test_named_buffer_is_shared_memory_another_mapping_sees() -> None:
 
 
 def test_signed_ints_into_a_uint8_column_never_destroy_stored_rows() -> None:
-    # Issue 7, item 1: validation let int64 into uint8 through, numpy's copy refused it after
-    # the reservation had evicted two episodes: 6 rows became 4, with a raw numpy TypeError.
+    # Validation refuses what the copy would, before the reservation evicts anything: when it
+    # let int64 into uint8 through, numpy's copy refused it after two episodes were evicted
+    # (6 rows became 4, with a raw numpy TypeError).
     buf = Buffer(6, unit="episode", schema={"x": {"dtype": "uint8", "shape": []}})
     for v in range(3):
         buf.add_episode({"x": np.full(2, v, dtype=np.uint8)})

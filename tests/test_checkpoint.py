@@ -315,7 +315,7 @@ def test_restore_refuses_conflicting_settings(storage: str, tmp_path: Path) -> N
         restore_service(config, tmp_path)
 
 
-# -- sampler state (issue 9) ------------------------------------------------------------------
+# -- priorities and sampler state survive journal and checkpoint -------------------------------
 
 
 @pytest.mark.parametrize("unit", ["transition", "episode"])

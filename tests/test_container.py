@@ -272,7 +272,7 @@ def test_episode_unit_sub_episodes_never_wrap() -> None:
     assert r.episodes == [(0, 3), (3, 6)]
 
 
-# -- aborts give back what they evicted (issue 7, item 1) ------------------------------------
+# -- an abort gives back what its reservation evicted and left untouched -----------------------
 
 
 def _state(c: Container) -> tuple[object, ...]:
@@ -357,7 +357,7 @@ def test_restore_refuses_an_overlapping_episode() -> None:
         c.restore([type(ghost)(0, 2, 4)])
 
 
-# -- sampler, limiter, state (issue 9) ------------------------------------------------------
+# -- sampler and limiter: counts follow the rows, state round-trips, blockers agree ------------
 
 
 @pytest.mark.parametrize("unit", ["transition", "episode"])

@@ -7,8 +7,8 @@ would change state: every generator below produces something the daemon must ref
 random bytes and truncated msgpack to well-formed requests on another client's reservation or
 lease. A frame that gets an ``ok`` reply fails the test, as does a missing reply.
 
-The default run sends 20,000 frames (about 7 s here); the 100,000-frame run the issue asks
-for (about 30 s on 2 cores) is marked slow: ``pytest -m slow tests/test_fuzz.py``.
+The default run sends 20,000 frames (about 7 s here); the 100,000-frame run (about 30 s on
+2 cores) is marked slow: ``pytest -m slow tests/test_fuzz.py``.
 ``SHMBUFFER_FUZZ_FRAMES`` overrides the count, ``SHMBUFFER_FUZZ_SEED`` the seed.
 """
 

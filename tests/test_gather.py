@@ -1,4 +1,4 @@
-"""The read-side copies (issue 10): ``rows.gather_columns`` picks numpy's fastest gather per
+"""The read-side copies: ``rows.gather_columns`` picks numpy's fastest gather per
 column and copies runs of consecutive rows run by run, and ``Buffer.sample_episodes(out=)``
 copies into a caller's reused tensors. Every path must give exactly what
 ``torch.index_select`` gives, for every dtype (bfloat16 and bool included) and nested keys."""

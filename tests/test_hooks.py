@@ -205,8 +205,8 @@ def test_resolve_preprocess() -> None:
 
 
 def test_custom_preprocess_gets_every_lower_level_fn_as_the_seed_passes_them() -> None:
-    """Issue 7 item 11: a custom preprocess_fn with env_ret/policy_resp fns was refused; the
-    seed passes all four fns to it as arguments, in this order, sync and async alike."""
+    """A custom preprocess_fn with env_ret/policy_resp fns is accepted (it was refused) and gets
+    all four fns as arguments, in the seed's order, sync and async alike."""
     fns = (lambda o: o, lambda r: r, lambda e: e.to_dict(), lambda p: p.to_dict())
     seen: list[tuple[Any, ...]] = []
 

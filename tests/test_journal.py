@@ -245,7 +245,7 @@ def test_epochs_keep_increasing_across_restarts(folder: Path) -> None:
 
 @pytest.mark.parametrize("unit", ["transition", "episode"])
 def test_aborts_that_give_back_evictions_replay_to_the_live_state(folder: Path, unit: str) -> None:
-    # Issue 7, item 1: a reservation whose copy failed publishes again what it evicted; the
+    # A reservation whose copy failed publishes again what it evicted; the
     # RESTORE record makes a resumed daemon agree (ids, bounds, ring pointer).
     rng = np.random.default_rng(7)
     container = Container(24, unit=unit)
@@ -278,7 +278,7 @@ def test_aborts_that_give_back_evictions_replay_to_the_live_state(folder: Path, 
     journal.close()
 
 
-# -- space reserved ahead (issue 7, item 3) ---------------------------------------------------
+# -- space reserved ahead: a full file system refuses before anything changes ------------------
 
 
 @pytest.fixture
@@ -365,7 +365,7 @@ def test_a_full_file_system_is_met_with_a_snapshot_that_rewinds_the_journal(
     journal.close()
 
 
-# -- sampler state (issue 9): priorities replayed, sample-side state from the snapshot --------
+# -- sampler state: priorities replayed, sample-side state from the snapshot -------------------
 
 
 def _commit_journaled(
@@ -422,7 +422,7 @@ def test_priorities_survive_replay_exactly(folder: Path, unit: str) -> None:
     journal.close()
 
 
-# -- what samples change (issue 13, item 2): SAMPLE records drawn again on replay ----------
+# -- what samples change: SAMPLE records drawn again on replay ---------------------------------
 
 #: Samplers whose draws change their state; and, journaled because a sample-to-insert limiter
 #: decides by the sampled count, two whose draws do not.
@@ -652,7 +652,7 @@ def test_use_counts_live_in_a_file_beside_the_journal(folder: Path) -> None:
     journal.close()
 
 
-# -- leases (issue 13, item 2) ------------------------------------------------------------
+# -- leases: grants, renewals, releases replayed; expiries by wall clock -----------------------
 
 
 def test_leases_replay_with_wall_clock_expiries(folder: Path) -> None:

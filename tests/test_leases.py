@@ -106,7 +106,7 @@ def test_renew_errors_and_no_resurrection() -> None:
         table.renew(42, owner=1, now=0.0)
 
 
-# -- across a daemon restart (issue 13, item 2) --------------------------------------------
+# -- across a daemon restart: the journal hears every change but expiry ------------------------
 
 
 class RecordingLog:

@@ -1,4 +1,4 @@
-"""Validation decides every cast before a row is reserved (issue 7, items 1, 2 and 12).
+"""Validation decides every cast before a row is reserved.
 
 A value is stored in a column of another dtype only when the cast is of the same kind *and*
 the value fits: integers in the column's range, floats that stay finite. Everything else is a
@@ -10,12 +10,14 @@ what is wrong.
 from __future__ import annotations
 
 import warnings
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+import shmbuffer.schema as schema_module
 from shmbuffer import Buffer
 from shmbuffer.errors import SchemaError
 from shmbuffer.schema import Schema
@@ -57,7 +59,7 @@ def snapshot(buf: Buffer) -> tuple[Any, ...]:
 @pytest.mark.parametrize(
     ("key", "value"),
     [
-        ("u8", np.array([300, -1])),  # the issue's repro: int64 into uint8
+        ("u8", np.array([300, -1])),  # int64 into uint8, wrapped: [44, 255]
         ("u8", torch.tensor([300, -1])),
         ("u8", np.array([-1, 3], dtype=np.int8)),
         ("i32", np.array([2**40 + 5, 2**31])),  # would be stored as [5, -2**31]
@@ -83,7 +85,7 @@ def test_a_value_that_does_not_fit_is_refused_before_anything_is_evicted(
 @pytest.mark.parametrize(
     ("key", "value", "stored"),
     [
-        # numpy's own same_kind rule refused these in the middle of the copy (issue 7, item 1)
+        # numpy's same_kind rule refuses these casts; values that fit are stored all the same
         ("u8", np.array([255, 0]), [255, 0]),
         ("u8", torch.tensor([3, 4]), [3, 4]),
         ("u8", np.array([5, 6], dtype=np.int8), [5, 6]),
@@ -138,14 +140,31 @@ def test_the_overflow_threshold_is_exact(dtype: str) -> None:
         buf.extend({"x": np.array([0.0, -limit])})
 
 
-def test_same_dtype_values_are_not_scanned() -> None:
-    # The hot path (a batch already in the column's dtype) pays no data pass: a NaN-free
-    # float32 batch and an int64 batch of any values go straight through.
-    schema = Schema.from_spec({"x": {"dtype": "int64", "shape": []}})
-    schema.validate({"x": np.array([2**62, -(2**62)])})
+def test_same_dtype_values_are_not_scanned(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The hot path (a batch already in the column's dtype) pays no data pass: only a narrowing
+    # cast needs the values' range, on the one-pass check of a plain dict and on the full one.
+    scanned: list[Any] = []
+    extremes = schema_module._extremes
+
+    def spy(value: Any) -> Any:
+        scanned.append(value)
+        return extremes(value)
+
+    monkeypatch.setattr(schema_module, "_extremes", spy)
+    schema = Schema.from_spec(
+        {"x": {"dtype": "int64", "shape": []}, "y": {"dtype": "float32", "shape": []}}
+    )
+    same = {"x": np.array([2**62, -(2**62)]), "y": np.array([1.0, np.nan], dtype=np.float32)}
+    schema.validate(same)  # a plain dict: the one-pass check
+    schema.validate(MappingProxyType(same))  # any other mapping: the full check
+    schema.validate({"x": torch.tensor([2**62, 1]), "y": torch.tensor([1.0, np.inf])})
+    assert scanned == []
+    # The spy sees the scan when there is one: float64 values into the float32 column.
+    schema.validate({"x": np.array([1, 2]), "y": np.array([1.0, 2.0])})
+    assert [value.dtype for value in scanned] == [np.float64]
 
 
-# -- clear errors (issue 7, item 12) ---------------------------------------------------------
+# -- odd inputs: an error that says what is wrong ----------------------------------------------
 
 
 def nested_buffer() -> Buffer:

@@ -259,7 +259,7 @@ def test_start_refuses_names_that_escape_the_storage_dir(name, tmp_path, capsys)
     assert list(tmp_path.iterdir()) == []  # nothing was created
 
 
-# -- runtime folders and files (issue 7, item 9) -----------------------------------------------
+# -- runtime folders and files others could write or plant are refused -------------------------
 
 
 OTHER_UID = 65534  # `nobody`; chown needs root
@@ -323,7 +323,7 @@ def test_untrusted_runtime_files_are_refused(tmp_path, monkeypatch):
     assert runtime.live_daemons() == []  # listing skips what it cannot trust
 
 
-# -- admin requests over tcp (item 10) ---------------------------------------------------------
+# -- admin requests over tcp need CURVE or --insecure-tcp-admin --------------------------------
 
 
 @pytest.mark.parametrize(
@@ -349,7 +349,7 @@ def test_insecure_tcp_admin_is_a_loud_warning():
     assert not any("INSECURE" in w for w in check_daemon_access(DaemonConfig()))
 
 
-# -- settings (item 13) ------------------------------------------------------------------------
+# -- settings: bad endpoints, TTLs and flags are refused up front ------------------------------
 
 
 @pytest.mark.parametrize(

@@ -216,8 +216,8 @@ def test_custom_preprocess_fn_is_used() -> None:
 
 
 def test_constructed_as_rlightning_constructs_it_with_every_hook() -> None:
-    """Issue 7 item 11: the seed's positional constructor with all six hooks was refused at
-    construction. The seed calls ``preprocess_fn(transition_buffer, env_ret, policy_resp,
+    """The seed's positional constructor with all six hooks is accepted (it was refused at
+    construction). The seed calls ``preprocess_fn(transition_buffer, env_ret, policy_resp,
     obs_preprocessor, reward_preprocessor, env_ret_preprocess_fn, policy_resp_preprocess_fn)``;
     a preprocess_fn of one's own decides how to use the other four."""
     calls: list[tuple[Any, ...]] = []
@@ -605,7 +605,7 @@ def test_print_timing_summary(caplog: pytest.LogCaptureFixture) -> None:
     stats = s.timing_raw["add_transition"]
     with caplog.at_level(logging.DEBUG, logger="shmbuffer.clients.storage"):
         s.print_timing_summary(reset=True)
-    # Issue 7 item 11: the seed's header and line format, which log scrapers match on.
+    # The seed's header and line format, which log scrapers match on.
     lines = caplog.messages
     assert lines[0] == "Buffer storage timing:"
     assert lines[1] == (
@@ -682,8 +682,8 @@ def test_daemon_backend_writes_through_a_writer_and_refuses_reads(
 def test_daemon_backend_refuses_settings_the_daemon_does_not_have(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Issue 7 item 14: a capacity/unit/mode the daemon does not have ran on silently with the
-    daemon's; now each difference is named, and the Writer is closed, not leaked."""
+    """A capacity/unit/mode the daemon does not have is refused naming each difference (it
+    ran on silently with the daemon's), and the Writer is closed, not leaked."""
     monkeypatch.setattr(storage_module, "Writer", FakeWriter)  # 64 rows, episode, circular
     with pytest.raises(ValueError) as info:
         Storage(capacity=10**6, mode="fixed", unit="transition", daemon="mybuf")
@@ -722,7 +722,7 @@ def _steps(episode: int, length: int) -> dict[str, torch.Tensor]:
 
 
 def test_transition_unit_keeps_fragments_as_the_readme_says() -> None:
-    """Issue 7 item 15, the issue's own example: three 10-row episodes in 25 rows. Transition
+    """Three 10-row episodes in 25 rows, the README's case. Transition
     unit overwrites row by row, so the oldest episode keeps its last 5 rows and the third one,
     which wrapped around the ring's end, is two 5-row entries; ``sample_episodes`` returns
     these entries. Episode unit keeps whole episodes only (README: "Units")."""

@@ -1,4 +1,4 @@
-"""The write path's shortcuts give the results of the long way (issue 10's per-call work).
+"""The write path's shortcuts give the results of the long way.
 
 * ``Schema.validate`` checks a plain flat dict in one pass; anything else takes the full check.
   Both must agree: the same batch shape and leaves, and the same SchemaError for a bad batch.

@@ -20,7 +20,7 @@ connection's timeout, if shorter) for its answer, and is skipped on a lane that 
 ``zmq_ctx_term`` blocks until every socket of its context is closed; a context per connection,
 collected in a reference cycle, was finalised before its socket (the garbage's weak
 references are cleared first, so pyzmq's ``Context.__del__`` found no socket to close) and
-``gc.collect()`` blocked forever (issue 7). A connection is bound to the process
+``gc.collect()`` blocked forever. A connection is bound to the process
 that made it: used after ``os.fork()`` it raises :class:`ForkedClientError` (the inherited
 socket's I/O thread does not exist in the child, so a poll on it spun forever), and closing
 it there touches nothing of the parent's.

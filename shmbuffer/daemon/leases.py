@@ -6,7 +6,7 @@ dies cannot stall writers for longer than the TTL. A live reader keeps its lease
 that comes too late fails and the reader learns that its views may have been overwritten. The
 daemon asks :meth:`LeaseTable.pinned` before it lets a reservation evict episodes.
 
-Across a daemon restart (``start --resume``, issue 13): the table tells a :class:`LeaseLog` (the
+Across a daemon restart (``start --resume``): the table tells a :class:`LeaseLog` (the
 journal) every grant and renewal, before the reply that hands the lease out or extends it, and
 every release; expiry needs no record. Expiries are journaled as wall-clock time, so a resumed
 daemon converts them to its own monotonic clock (:meth:`LeaseTable.restore`): a learner that

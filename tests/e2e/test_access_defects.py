@@ -1,5 +1,5 @@
-"""Regressions for issue 7's access and command-line defects (items 8, 9, 10 and 16) against
-real daemons, sockets and shared memory. Another user is played by ``nobody`` through
+"""Access between users and what the command line says and leaves behind, against real
+daemons, sockets and shared memory. Another user is played by ``nobody`` through
 ``tests/e2e/_as_user.py`` (a child that drops root after its imports)."""
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ def first_user_segment(monkeypatch: pytest.MonkeyPatch) -> Iterator[Segment]:
 
 
 def test_second_user_gets_its_own_default_storage(first_user_segment, nobody, nobody_env):
-    """Item 8: the first user's owner-only root no longer locks the second one out."""
+    """A second user gets a default storage root of its own: the first user's owner-only root
+    does not lock it out."""
     seen = run_as(nobody, nobody_env, "segment", "nobody-seg", str(first_user_segment.path))
     root = Path(f"/dev/shm/shmbuffer-{nobody.pw_uid}")
     assert seen["root"] == str(root)
@@ -141,7 +142,7 @@ def test_default_storage_root_planted_by_another_user_is_refused(nobody, nobody_
 
 
 def test_second_user_daemon_with_a_lazy_schema(first_user_segment, nobody, nobody_env):
-    """Item 8 through the daemon: the writer's first episode allocates the segment in the
+    """The same through the daemon: the writer's first episode allocates the segment in the
     second user's own root (it used to get `internal error: PermissionError`)."""
     name = f"nob-{uuid.uuid4().hex[:8]}"
     runtime = Path(nobody_env["SHMBUFFER_RUNTIME_DIR"])
@@ -174,8 +175,9 @@ def test_second_user_daemon_with_a_lazy_schema(first_user_segment, nobody, nobod
 
 
 def test_group_member_finds_the_daemon_by_name(daemon, e2e_env, nobody):
-    """Item 9 must keep ``--group`` working: a member reads the runtime folder (another user's,
-    0750) through SHMBUFFER_RUNTIME_DIR, connects and maps the segment."""
+    """Refusing untrusted runtime folders keeps ``--group`` working: a member reads the
+    runtime folder (another user's, 0750) through SHMBUFFER_RUNTIME_DIR, connects and maps the
+    segment."""
     try:
         gid = grp.getgrnam("nogroup").gr_gid
     except KeyError:
@@ -234,7 +236,7 @@ def test_another_user_on_loopback_tcp_maps_no_segment_and_is_told_remote(
     assert d.stats()["episodes_committed"] == 1
 
 
-# -- item 9: runtime folders and files --------------------------------------------------------
+# -- runtime folders and files others could write or plant are refused -------------------------
 
 
 @pytest.fixture
@@ -301,7 +303,7 @@ def test_runtime_file_others_may_write_is_refused(daemon, e2e_env):
     write_one(d.name)  # as before once the file is private again
 
 
-# -- item 10: admin over tcp without CURVE ----------------------------------------------------
+# -- admin over tcp needs CURVE or --insecure-tcp-admin ----------------------------------------
 
 
 def test_admin_ops_need_a_credential_on_tcp(daemon, e2e_env, tmp_path):
@@ -343,7 +345,7 @@ def test_insecure_tcp_admin_allows_them(daemon, e2e_env):
         assert conn.call("stats")["stats"]["episodes"] == 0
     finally:
         conn.close()
-    stop = subprocess.Popen(  # item 16: `stop` takes an endpoint, as `status` does
+    stop = subprocess.Popen(  # `stop` takes an endpoint, as `status` does
         [*CLI, "stop", "--name", d.endpoint], env=e2e_env.environ, stderr=subprocess.PIPE
     )
     try:
@@ -354,7 +356,7 @@ def test_insecure_tcp_admin_allows_them(daemon, e2e_env):
     assert stop.returncode == 0, err
 
 
-# -- item 16: what the command line says and leaves behind ------------------------------------
+# -- what the command line says and leaves behind ----------------------------------------------
 
 
 def test_stop_by_ipc_endpoint(daemon, e2e_env):

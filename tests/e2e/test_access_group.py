@@ -1,4 +1,4 @@
-"""``--group`` discovery (issue 13, item 3): members of a daemon's group find it by name with
+"""``--group`` discovery: members of a daemon's group find it by name with
 nothing set, through its record in ``/tmp/shmbuffer-g<gid>/<uid>/`` (``shmbuffer/runtime.py``);
 users outside the group are refused with a clear error.
 

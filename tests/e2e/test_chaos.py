@@ -75,7 +75,7 @@ Every scenario runs under three samplers (``SAMPLERS``, all under ``-m chaos``):
   draw is journaled before its reply (``docs/sampling.md``), so an episode consumed from the
   daemon that died is not handed out by a later one. Such repeats are counted apart
   (``redelivered_after_daemon_kill``) and must be 0 while ``FIFO_EXACTLY_ONCE_ACROSS_RESUME``
-  is True (issue 13, item 2; it was at least once before).
+  is True (before draws were journaled, a resumed daemon handed them out again).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ FIFO_WAIT = 0.5  # seconds a consume call waits in the daemon for data
 #: Seconds a consumer rests between calls: consumers are the bottleneck, so the ring is full of
 #: unconsumed episodes and writers wait for consumption (what must never lose one).
 FIFO_PAUSE = 0.02
-#: Whether consumed marks survive a daemon SIGKILL and ``--resume`` (issue 13, item 2).
+#: Whether consumed marks survive a daemon SIGKILL and ``--resume``.
 FIFO_EXACTLY_ONCE_ACROSS_RESUME = True
 PRIORITY_SAMPLES = 20  # sample(256) calls checked against the sum tree after the run
 RESERVATION_TTL = 0.3  # seconds: far shorter than the stalls, so stalled writers outlive it

@@ -81,9 +81,9 @@ KINDS = ["writer", "writer-ticking", "writer-staged", "reader", "reader-leased"]
 
 @pytest.mark.parametrize("state", ["alive", "dead"])
 def test_collecting_an_unclosed_client_never_hangs(daemon, e2e_env, state):
-    """Issue 7 item 4: ``gc.collect()`` blocked forever in ``zmq_ctx_term`` on a client in a
-    reference cycle (daemon alive or dead); a writer's commit thread kept it from ever being
-    collected."""
+    """Collecting an unclosed client in a reference cycle returns, daemon alive or dead
+    (``gc.collect()`` blocked forever in ``zmq_ctx_term``; a writer's commit thread kept it from
+    ever being collected)."""
     d = daemon(capacity=100, unit="episode")
     with Writer(d.name, timeout=5) as w:  # something for the leased reader to sample
         w.add_episode(make_episode(1, 0, LENGTH, OBS))
@@ -149,8 +149,9 @@ FORK_SCRIPT = """
 
 
 def test_client_used_after_fork_fails_fast(daemon, e2e_env):
-    """Issue 7 item 5: the child's ``flush()`` on the parent's ``Writer(timeout=5)`` ran
-    >= 55 s at 100% CPU, an inherited ``Reader.sample`` >= 20 s."""
+    """A client inherited through ``fork`` fails at once in the child, naming the fork, and
+    the parent's keeps working (the child's ``flush()`` on the parent's ``Writer(timeout=5)``
+    spun at 100% CPU for far longer than its timeout, an inherited ``Reader.sample`` too)."""
     d = daemon(capacity=200, unit="episode")
     code = FORK_SCRIPT.format(length=LENGTH, obs=OBS)
     out = run_script(
@@ -167,8 +168,8 @@ def test_client_used_after_fork_fails_fast(daemon, e2e_env):
 
 
 def test_writer_and_reader_used_after_close(daemon):
-    """Issue 7 item 6: a closed Writer stored nothing silently (then a bare AssertionError at
-    flush), a closed Reader raised ZMQError."""
+    """A closed Writer or Reader raises ClosedError on every call (the Writer stored nothing
+    silently, then a bare AssertionError at flush; the Reader raised ZMQError)."""
     d = daemon(capacity=200, unit="episode")
     writer = Writer(d.name, timeout=5)
     writer.add_episode(make_episode(0, 0, LENGTH, OBS))
@@ -200,8 +201,8 @@ def test_writer_and_reader_used_after_close(daemon):
 
 @pytest.mark.parametrize("name", [None, "shared"])
 def test_buffer_used_after_close(name, e2e_env):
-    """Issue 7 item 6: a closed Buffer sampled an empty TensorDict and wrote into fresh
-    zeroed memory (earlier rows then read back as zeros)."""
+    """A closed Buffer raises ClosedError on every call (it sampled an empty TensorDict and
+    wrote into fresh zeroed memory, earlier rows then read back as zeros)."""
     buf = Buffer(100, unit="episode", name=name and f"lifecycle-{e2e_env.runtime_dir.name}")
     buf.add_episode(make_episode(0, 0, LENGTH, OBS))
     check_episode(buf[0])

@@ -1,4 +1,4 @@
-"""Issue 7's data-loss defects through a real daemon: writes that fail (validation, a copy that
+"""No data lost, through a real daemon: writes that fail (validation, a copy that
 breaks after the reservation, a full journal file system) lose nothing that was stored or
 acknowledged, fail in their own call, and survive ``--resume``."""
 
@@ -44,7 +44,7 @@ def sigkill(d: Any) -> None:
 
 
 def test_a_write_that_does_not_fit_fails_in_its_own_call_and_drops_no_neighbour(daemon):
-    # Items 1 and 2: int64 [300, -1] into uint8 passed validation and broke the copy later,
+    # int64 [300, -1] into uint8 passed validation and broke the copy later,
     # on another call: two committed episodes evicted and a batched neighbour never stored.
     # 2**40 + 5 into int32 was stored as 5.
     d = daemon(capacity=CAPACITY, unit="episode")
@@ -78,7 +78,8 @@ class LostDevice(torch.Tensor):
 
 
 def test_a_copy_that_fails_after_reserve_gives_back_what_it_evicted_across_resume(daemon):
-    # Item 1: the rows a reservation evicted were gone when its copy failed.
+    # The rows a reservation evicted were gone when its copy failed; now its abort gives them
+    # back, and the journal's RESTORE record keeps them across --resume.
     schema = {"x": np.zeros(2, dtype=np.float32), "n": np.zeros(2, dtype=np.int32)}
     d = daemon(capacity=CAPACITY, unit="episode")
     with Writer(d.name, timeout=5, batch_bytes=0) as writer:
@@ -131,8 +132,8 @@ def fill(folder: Path) -> Path:
 
 
 def test_acknowledged_commits_survive_a_full_journal_file_system_and_resume(small_fs, daemon):
-    # Item 3: ENOSPC surfaced as `internal`, a torn journal record was left in the middle, and
-    # --resume dropped every episode acknowledged after it (62 in the issue's run).
+    # ENOSPC surfaced as `internal`, a torn journal record was left in the middle, and
+    # --resume dropped every episode acknowledged after it.
     args = ["--storage-dir", str(small_fs)]
     d = daemon(capacity=4000, unit="episode", args=args)
     acked = 0
@@ -167,7 +168,7 @@ def test_acknowledged_commits_survive_a_full_journal_file_system_and_resume(smal
 
 
 def test_reader_sample_takes_numpy_integers(daemon):
-    # Item 12: np.int64(4) failed to serialise; Buffer takes it.
+    # Reader.sample takes numpy integers, as Buffer does (np.int64(4) failed to serialise).
     d = daemon(capacity=100, unit="episode")
     with Writer(d.name, timeout=5) as writer:
         for n in range(3):

@@ -1,4 +1,4 @@
-"""Leased views and the lease TTL (issue 7 item 7): a reader inside ``sample_episodes`` keeps
+"""Leased views and the lease TTL: a reader inside ``sample_episodes`` keeps
 its lease past the TTL (renewed by its thread, or by its own heartbeat); a lease that lapses is
 detected (``valid()``, an error building a view and at the block's exit) instead of the views
 silently changing; one call of the largest documented size hands its views over at once.

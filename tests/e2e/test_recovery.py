@@ -239,7 +239,7 @@ def test_restore_refuses_a_corrupted_checkpoint_naming_the_chunk(daemon, e2e_env
     assert not d.segment_path.exists()
 
 
-# -- what samples and leases changed survives --resume too (issue 13, item 2) ----------------
+# -- what samples and leases changed survives --resume too -------------------------------------
 
 RING = 4  # episodes of LENGTH rows: a writer of RING more laps the ring
 

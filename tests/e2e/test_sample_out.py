@@ -1,4 +1,4 @@
-"""Large samples and copies into a caller's ``out`` through a real daemon (issue 10).
+"""Large samples and copies into a caller's ``out`` through a real daemon.
 
 ``sample_episodes(32)`` of 400-step episodes, and samples of 12,800 rows whose stamps make a
 reply header of 200 KiB (over the 64 KiB request cap, which replies do not have: the arrays

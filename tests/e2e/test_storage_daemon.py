@@ -1,5 +1,5 @@
 """``Storage(daemon=...)`` against a real daemon: its settings are the daemon's, and a setting
-asked for that the daemon does not have is refused (issue 7 item 14)."""
+asked for that the daemon does not have is refused."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ def _episode(length: int) -> dict[str, torch.Tensor]:
 
 
 def test_storage_refuses_a_daemon_configured_otherwise(daemon):
-    """The issue's case: a million rows in episode unit asked of a 200-row transition-unit
-    daemon ran on silently with the daemon's settings (an INFO log only)."""
+    """A million rows in episode unit asked of a 200-row transition-unit daemon is refused
+    (it ran on silently with the daemon's settings, an INFO log only)."""
     d = daemon(capacity=200, unit="transition")
     with pytest.raises(ValueError) as info:
         Storage(capacity=10**6, unit="episode", daemon=d.name)

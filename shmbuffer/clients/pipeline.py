@@ -112,7 +112,7 @@ class WritePipeline:
             self.segment = attach_segment(seg["name"], seg["storage_dir"])
             if self.segment.device != "cpu":
                 self._write_rows = DeviceWriter(self.segment.device).write
-            else:  # here, not at the first write: its ~0.9 s must not stall a stream
+            else:  # here, not at the first write: its compile must not stall a stream
                 streamcopy.warm(self.schema.row_nbytes)
 
     # -- staging small writes -----------------------------------------------------------------

@@ -45,7 +45,7 @@ __all__ = [
 #: Smallest copy that streams (about 9 image rows of 28 KB).
 STREAM_MIN_BYTES = 256 * 1024
 #: Rows of at least this size are worth loading the loop for (:func:`warm`): any episode of
-#: them is a large copy. Small rows were no faster streamed, within this machine's noise
+#: them is a large copy. Small rows were no faster streamed, within the noise
 #: (their staged batches come from a staging area still in the cache).
 STREAM_ROW_BYTES = 4096
 _PAGE = 4096

@@ -4,9 +4,8 @@ Writes go through numpy (``np.copyto`` reaches libc memcpy speed, torch's single
 ``copy_`` does not), large ones through streaming stores (``streamcopy.py``: faster than
 ``np.copyto`` for an image episode). Gathers and range copies of large rows stream too
 (``streamcopy.gather_into`` / ``copy_out``, rows of 4 KiB or more, 256 KiB in all, once a
-process of such rows has loaded the loop): faster than ``np.take`` for random image rows,
-even for a learner that converts the batch to float right
-after. Other
+process of such rows has loaded the loop): faster than ``np.take`` for random image rows, even
+for a learner that converts the batch to float right after. Other
 gathers go through numpy, chosen per column by what was fastest here (issue 10: CPU time, one
 thread, 256 rows drawn at random from 1M f32[64] rows or 50k u8[4,84,84] rows, with the other
 columns beside them):

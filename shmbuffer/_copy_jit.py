@@ -1,7 +1,8 @@
 """The streaming copy's loop, compiled by numba (the optional ``fast`` extra).
 
 Imported only through :func:`shmbuffer.streamcopy.kernels`, where a Writer or Buffer of large
-rows attaches: numba costs ~0.4 s and ~50 MB to import, which a writer of small rows never pays.
+rows attaches: numba is costly to import (CPU and memory), which a writer of small rows never
+pays.
 
 :func:`stream` copies a cache line (64 bytes) a step with non-temporal stores (``!nontemporal``
 on two aligned vector stores: ``vmovntps`` on x86-64). They go to memory through
@@ -9,15 +10,16 @@ write-combining buffers instead of reading each destination line into the cache 
 evicting it later: less memory traffic for a copy into rows that nobody reads soon (a ring's
 rows are read laps later). The source is prefetched :data:`AHEAD` bytes ahead with no temporal
 locality (``prefetchnta``), so it passes through the caches without evicting the rest: a small
-request sent right after a 5.6 MB copy took ~20-40 us instead of ~60-90 us (the copy itself
-0.6-0.7 ms against 0.75-0.85 without the prefetch and 1.0-1.2 for ``np.copyto``). The stores
+request sent right after an image episode's copy then runs on warm caches, and the copy
+itself is faster than without the prefetch and than ``np.copyto`` (figures in
+``docs/architecture.md``). The stores
 are weakly ordered, so the loop ends with a full fence: rows are in memory before the commit
 that publishes them is sent.
 
 Direction: a load from ``src + x`` that follows a store to ``dst + y`` with the same address
 bits 11..0 waits on it (4K aliasing). Copying forward with ``dst - src`` a little above a
-multiple of 4096 makes every load alias the store just before it (3.5 GB/s here, against
-6-7 GB/s for the same copy backward), so such a copy runs backward; glibc's ``memmove`` makes
+multiple of 4096 makes every load alias the store just before it (about half the speed of
+the same copy backward), so such a copy runs backward; glibc's ``memmove`` makes
 the same choice.
 
 Thread safety: a pure function of its arguments; it releases the GIL.

@@ -1,10 +1,10 @@
 """The uniform row draw and the use count, compiled by numba (the optional ``fast`` extra).
 
 Imported only through :func:`shmbuffer.spans.compiled_draws` (``jit.load``). A uniform
-``sample(256)`` is a handful of numpy calls of ~2-5 us each, whatever their size: raw words,
-their largest (the rejection check), a 64-bit modulo (~4 us of division alone), a search over
-the spans, an addition, and ``np.add.at`` for the use counts. Here the draw is one call and the
-count another, ~1.5 us each beside the raw words.
+``sample(256)`` is a handful of numpy calls, each with a fixed cost whatever their size: raw
+words, their largest (the rejection check), a 64-bit modulo (mostly division), a search over the
+spans, an addition, and ``np.add.at`` for the use counts. Here the draw is one call and the
+count another, each a fraction of those calls (figures in ``docs/sampling.md``).
 
 * :func:`span_rows`: ``w mod high`` for each raw word ``w``, the words at or above the largest
   multiple of ``high`` below ``2**64`` rejected (a share below ``high / 2**64``), exactly as
@@ -12,7 +12,7 @@ count another, ~1.5 us each beside the raw words.
   and a process may switch to this loop at any time. The modulo is a multiplication: the
   quotient from the upper half of ``w * floor((2**64 - 1) / high)`` (a 128-bit product of
   32-bit halves) is at most two short, so the remainder needs at most two subtractions (a
-  hardware 64-bit division here was ~4 of the loop's ~5 us for 256 words; this ~1). The row is
+  hardware 64-bit division was most of the loop's time; this a fraction of it). The row is
   then mapped through the spans' running totals by binary search, as ``LiveSpans`` does with
   ``searchsorted``.
 * :func:`add_one`: ``counts[rows] += 1`` with repeats counted, as ``np.add.at``, bounds checked.
@@ -38,8 +38,8 @@ def span_rows(
     the index ``i`` of the first word rejected: ``out[:i]`` is done, the caller draws the
     rejected words of ``words[i:]`` again (``spans.redraw_rejected``) and calls again for the
     rest. ``out`` may be ``words`` itself (each word is read first). (The two constants are
-    worked out here: passed from Python as numbers above ``2**63``, each call spent ~2 us
-    making them numpy scalars, and ~190 us typing them as plain ints.)"""
+    worked out here: passed from Python as numbers above ``2**63``, each call spent time
+    making them numpy scalars, and far more typing them as plain ints.)"""
     h = np.uint64(high)
     ones = np.uint64(0xFFFFFFFFFFFFFFFF)
     magic = ones // h  # floor((2**64 - 1) / high)

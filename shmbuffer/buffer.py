@@ -374,9 +374,9 @@ class Buffer:
         list.
 
         ``out``: a preallocated TensorDict (or nested dict of tensors) to copy into, reused
-        across calls, so the copy lands in warm pages instead of fresh ones (32 x 200 rows of
-        u8[4,84,84], 180 MB: 47 ms into fresh memory, 29 ms into ``out``, the copy limit's
-        speed; small batches gain nothing: the allocator recycles their pages warm anyway).
+        across calls, so the copy lands in warm pages instead of fresh ones (for large batches of
+        image rows a clear gain, at the copy limit's speed: ``docs/architecture.md``; small batches
+        gain nothing: the allocator recycles their pages warm anyway).
         Each schema key needs a contiguous CPU tensor of the column's dtype shaped
         ``[*lead, *row_shape]`` whose leading dims hold at least the rows drawn: ``[n, L]`` for
         episodes of ``L`` steps, or ``[n * longest]``; other keys are left alone. The result is
@@ -593,7 +593,7 @@ def normalize_index(index: Index, size: int) -> tuple[np.ndarray, bool]:
     if not positions.size:
         return positions, False
     # Two reductions decide the usual case, all in [0, size): nothing to check or wrap
-    # (the four comparisons and the modulo of a mask-and-wrap took ~20 us at 1,000 rows).
+    # (the four comparisons and the modulo of a mask-and-wrap cost more than these two).
     lowest, highest = int(np.minimum.reduce(positions)), int(np.maximum.reduce(positions))
     if lowest >= 0 and highest < size:
         return positions, False

@@ -7,7 +7,7 @@ commands that need no daemon; the others live by job, and keep their names here:
 :mod:`shmbuffer.cli_admin` talks to a running one (``stop``, ``status``, ``configure``,
 ``checkpoint``), :mod:`shmbuffer.cli_demo` runs a daemon and its demo processes.
 
-Only ``start`` (and the processes ``demo`` starts) import torch, about 3 s of CPU:
+Only ``start`` (and the processes ``demo`` starts) import torch, seconds of CPU:
 ``status``, ``stop``, ``configure`` and ``keygen`` answer in a fraction of a second
 (tests/test_import_cost.py pins it).
 """

@@ -2,9 +2,9 @@
 every kernel module (``_copy_jit``, ``_draw_jit``, ``samplers/_jit``).
 
 A kernel module imports numba at its top, so it is imported only through :func:`load`, never at
-package import: numba and LLVM cost ~0.8 s and ~20 MB of private memory in a process that
-already holds torch, paid only where a loop is worth it. ``SHMBUFFER_JIT=0`` keeps every loop
-on its numpy path (the result is the same; tests compare the two).
+package import: numba and LLVM cost CPU and private memory even in a process that already
+holds torch (``docs/sampling.md``), paid only where a loop is worth it. ``SHMBUFFER_JIT=0``
+keeps every loop on its numpy path (the result is the same; tests compare the two).
 """
 
 from __future__ import annotations

@@ -4,13 +4,12 @@
 populate takes (``mmap.madvise`` holds it, and Python 3.11's mmap module lacks the name
 ``MADV_POPULATE_WRITE``).
 
-Which page size is faster to populate depends on the machine, by a wide margin either way.
-Measured in private memory: on an AMD EPYC VM (2026-12-04) 2 MiB pages populated 5x *slower*
-than 4 KiB ones (1.1 GB: 2.0-2.5 s against 0.36-0.40 s); on an Intel Xeon VM (2026-12-05)
-about 1.9x *faster* (4 GB: 0.82-0.96 s against 1.52-1.73 s). So :func:`populate_private`
+Which page size is faster to populate depends on the machine, by a wide margin either way:
+in private memory 2 MiB pages populated several times *slower* than 4 KiB ones on one VM and
+clearly *faster* on another (figures in ``docs/architecture.md``). So :func:`populate_private`
 measures: it populates slices with each page size and gives the rest huge pages unless they
 were clearly slower. Huge pages also spare the learner's gathers TLB misses (a small-row
-``sample(256)`` 171 -> 157 us on the AMD VM). Only private memory is probed: tmpfs takes huge
+``sample(256)`` got faster with them). Only private memory is probed: tmpfs takes huge
 pages only when mounted so (``huge=within_size``), which the kernel decides, not ``madvise``.
 """
 
@@ -26,8 +25,8 @@ __all__ = ["POPULATE_WRITE", "madvise", "populate", "populate_private", "prefer_
 POPULATE_WRITE = 23  # MADV_POPULATE_WRITE, Linux >= 5.14
 _HUGEPAGE = 14  # MADV_HUGEPAGE
 _HUGE = 2 * 2**20
-#: Bytes populated with each page size by the probe (~10 ms each at 2-5 GB/s: noise at
-#: that size is far below the 2-5x between the two ways).
+#: Bytes populated with each page size by the probe: a few milliseconds each, yet large
+#: enough that the noise stays far below the margin between the two ways.
 PROBE_BYTES = 32 * 2**20
 #: Mappings smaller than this are populated without a probe (it would be most of the work).
 PROBE_MIN_BYTES = 8 * PROBE_BYTES
@@ -66,8 +65,8 @@ def populate_private(address: int, size: int) -> bool:
     mapping is large; else a plain :func:`populate`. OSError as :func:`populate`.
 
     The probe populates four slices of :data:`PROBE_BYTES` at the start, small and huge pages
-    in turn, and compares the faster of each pair (one slice alone once took 1.3x its usual
-    time); the probed pages are the mapping's own, so the probe costs nothing but a decision.
+    in turn, and compares the faster of each pair (one slice alone was once well off its
+    usual time); the probed pages are the mapping's own, so the probe costs nothing but a decision.
     """
     if size < PROBE_MIN_BYTES or _thp_setting() != "madvise":
         populate(address, size)

@@ -2,7 +2,7 @@
 
 A ZeroMQ request between two processes crosses four threads (the client's, its I/O thread, the
 daemon's I/O thread, the daemon's loop) and each crossing is a wake-up: a ping's round trip
-measured 0.21 ms on this 2-core machine, against 0.025 ms on a plain unix socket. A daemon on
+took several times a plain unix socket's (``docs/architecture.md``). A daemon on
 an ``ipc://`` endpoint without CURVE therefore also listens on ``<ipc path>.lane`` (same
 folder, same mode and group), and local clients use it when it answers; tcp, CURVE, and
 ``SHMBUFFER_LANE=0`` keep ZeroMQ. The messages and their meaning are the same on both; only the

@@ -10,8 +10,8 @@ import zmq
 
 def send_frames(socket: zmq.Socket[Any], small: Sequence[bytes], payload: Sequence[Any]) -> None:
     """Send ``small`` frames (identity, msgpack header) by copy and ``payload`` frames (row
-    bytes) zero-copy. Zero-copy sends of small frames cost ~150 us each in pyzmq (a tracked
-    ``Frame`` per part); copying a few hundred bytes costs ~2 us."""
+    bytes) zero-copy. Zero-copy sends of small frames cost far more in pyzmq (a tracked
+    ``Frame`` per part) than copying a few hundred bytes."""
     last = len(small) - 1 if not payload else -1
     for i, frame in enumerate(small):
         socket.send(frame, zmq.SNDMORE if i != last else 0, copy=True)

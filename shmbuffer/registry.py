@@ -161,8 +161,8 @@ class EpisodeRegistry(SlotTable):
         they do not overlap each other, passes before anything changes (ValueError if not).
 
         One overlap query per run of adjacent episodes and one vectorised append to the slot
-        arrays, instead of :meth:`add` per episode (measured: a commit of 19 chunks of 200
-        rows into a full ring, ~55 us of per-episode calls)."""
+        arrays, instead of :meth:`add` per episode (per-episode calls were much of a commit of many
+        chunks into a full ring)."""
         k = len(bounds)
         if k <= 1:
             return self.add(*bounds[0]) if k else self._next_id

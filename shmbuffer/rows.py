@@ -1,27 +1,27 @@
 """Copying rows in and out of a segment's columns: the only code that touches row bytes.
 
-Writes go through numpy (``np.copyto`` reached libc memcpy speed here, torch's single-thread
-``copy_`` about two thirds of it), large ones through streaming stores (``streamcopy.py``: a
-third faster than ``np.copyto`` for an image episode). Gathers and range copies of large rows
-stream too (``streamcopy.gather_into`` / ``copy_out``, rows of 4 KiB or more, 256 KiB in all,
-once a process of such rows has loaded the loop): 256 random u8[4,84,84] rows in 760-830 us
-against 1,220-1,290 for ``np.take``, and a learner that converts the batch to float right
-after still came out ~0.7 ms ahead (12-04, ``/tmp`` script, median of 7 rounds). Other
+Writes go through numpy (``np.copyto`` reaches libc memcpy speed, torch's single-thread
+``copy_`` does not), large ones through streaming stores (``streamcopy.py``: faster than
+``np.copyto`` for an image episode). Gathers and range copies of large rows stream too
+(``streamcopy.gather_into`` / ``copy_out``, rows of 4 KiB or more, 256 KiB in all, once a
+process of such rows has loaded the loop): faster than ``np.take`` for random image rows, even
+for a learner that converts the batch to float right after. Other
 gathers go through numpy, chosen per column by what was fastest here (CPU time, one
 thread, 256 rows drawn at random from 1M f32[64] rows or 50k u8[4,84,84] rows, with the other
 columns beside them):
 
-* a column of one value per row: fancy indexing ``a[rows]``, numpy's 1-D fast path (~1 us;
-  ``np.take`` ~2.5 us, ``torch.index_select`` 4-6 us);
-* wider rows: ``np.take(a, rows, axis=0, out=np.empty(...), mode="clip")`` (f32[64]: 17 us,
-  ``torch.index_select`` 24 us, fancy indexing 45 us; the whole f32[64] + scalars gather 40 us
-  against 52 us for index_select into ``torch.empty`` and 68 us for cpprb's fancy indexing).
+* a column of one value per row: fancy indexing ``a[rows]``, numpy's 1-D fast path (ahead
+  of ``np.take`` and ``torch.index_select``);
+* wider rows: ``np.take(a, rows, axis=0, out=np.empty(...), mode="clip")`` (ahead of
+  ``torch.index_select`` and fancy indexing, alone and for the whole gather beside scalars).
   On u8[4,84,84] rows every numpy and torch way is memory bound and within noise of the others.
+
+The figures are in ``docs/architecture.md`` (Figures behind the code's choices).
 
 Not worth it, measured: sorting the rows first (the sort and the reorder cost more than the
 locality gains), one allocation for all columns (slower than one per column), and copying runs
 of consecutive rows (episodes, slices) one ``np.copyto`` per run (no faster than ``np.take``
-over their rows, which streams them; 3x slower for 16-row runs of small rows). Results are
+over their rows, which streams them; slower for short runs of small rows). Results are
 tensors over numpy memory (``torch.from_numpy``: such a tensor cannot ``resize_``); a caller's
 ``out`` (:func:`out_arrays`) takes the copy instead, in pages that are warm by the second call.
 Everything works on plain ``{key: tensor}`` dicts, not TensorDicts, to keep per-call overhead
@@ -51,8 +51,8 @@ Range = tuple[int, int]
 
 @functools.cache
 def tensordict_class() -> type[TensorDict]:
-    """``tensordict.TensorDict``, imported on first use: the import costs a process about 3 s
-    of CPU here (it loads torch._dynamo); the daemon imports this module but never makes one."""
+    """``tensordict.TensorDict``, imported on first use: the import costs a process seconds
+    of CPU (it loads torch._dynamo); the daemon imports this module but never makes one."""
     from tensordict import TensorDict
 
     return cast("type[TensorDict]", TensorDict)
@@ -63,7 +63,7 @@ def as_numpy(value: Any) -> np.ndarray | None:
     if isinstance(value, np.ndarray):
         return value
     if isinstance(value, torch.Tensor):
-        # is_cpu, not device.type: the latter builds a device object (~0.3 us a leaf).
+        # is_cpu, not device.type: the latter builds a device object for every leaf.
         if not value.is_cpu or value.dtype == torch.bfloat16 or value.requires_grad:
             return None
         return value.numpy()
@@ -175,7 +175,7 @@ def nest(flat: Mapping[Key, torch.Tensor], batch_size: Sequence[int]) -> TensorD
             node = node.setdefault(part, {})
         node[key[-1]] = tensor
     # The columns are ours and already consistent, so skip TensorDict's per-key validation
-    # (9 us -> 2 us a call, which matters at 256-row samples).
+    # (most of a call's cost, which matters at 256-row samples).
     return tensordict_class()._new_unsafe(nested, batch_size=torch.Size(batch_size))
 
 
@@ -215,8 +215,8 @@ def gather_columns(
     row shape and dtype (checked by :func:`out_arrays`); the result is then views of them.
     A row out of range raises IndexError before anything is copied.
 
-    Written for per-call overhead (this runs once per ``sample``): at 256 small rows each
-    microsecond here is 2% of the call.
+    Written for per-call overhead (this runs once per ``sample``): at 256 small rows a
+    microsecond of Python is a visible share of the call.
     """
     if arrays:
         sources = arrays
@@ -240,7 +240,7 @@ def gather_columns(
         if out is None and src.ndim == 1:
             got = torch.from_numpy(src[index])  # numpy's 1-D fast path
         else:
-            # the method, not np.take: its Python wrapper was ~0.7 us a column; large rows
+            # the method, not np.take: its Python wrapper costs a call per column; large rows
             # stream (streamcopy.gather_into)
             dst = None if out is None else out[key][:n]
             got = torch.from_numpy(gather_into(src, index, dst))  # in range: checked above
@@ -292,7 +292,7 @@ def out_arrays(schema: Schema, out: Any, what: str = "out") -> OutArrays:
             problem = f"shape {list(tensor.shape)} but not contiguous"
         if problem is not None:
             raise InvalidArgumentError(f"{what}[{name!r}] does not fit: {problem}")
-        rows = math.prod(lead)  # np.prod of a torch.Size took 25 us
+        rows = math.prod(lead)  # np.prod converts a torch.Size to an array first
         if held is not None and rows != held:
             raise InvalidArgumentError(
                 f"{what}[{name!r}] holds {rows} rows, other keys {held}: give every key the "
@@ -337,9 +337,8 @@ def copy_columns(
     arrays: Mapping[Key, np.ndarray] | None = None,
 ) -> dict[Key, torch.Tensor]:
     """Copy one contiguous range of rows (memcpy speed, no index tensor). Through numpy when
-    ``arrays`` are given: ``ndarray.copy`` took 485 us for 200 u8[4,84,84] rows and 23 us for
-    1,000 f32[64] rows, ``Tensor.clone`` 1,037 and 75 us; a large range streams
-    (``streamcopy.copy_out``: 200 image rows in 674 us against 1,049 for ``copy``, 12-04)."""
+    ``arrays`` are given (``ndarray.copy`` beat ``Tensor.clone``); a large range streams
+    (``streamcopy.copy_out``, faster than ``copy`` for image rows)."""
     if arrays is None:
         return {k: c[start:stop].clone() for k, c in columns.items()}
     flat = {}
@@ -370,8 +369,8 @@ def read_columns(
     arrays: Mapping[Key, np.ndarray] | None = None,
 ) -> dict[Key, torch.Tensor]:
     """Copy rows out, using a plain range copy when they are contiguous and ascending."""
-    # n strictly increasing rows whose ends are n - 1 apart are consecutive (one comparison:
-    # np.all(np.diff(rows) == 1) took ~18 us at 1,000 rows, this ~5)
+    # n strictly increasing rows whose ends are n - 1 apart are consecutive (one comparison,
+    # no temporary of differences as np.all(np.diff(rows) == 1) makes)
     if len(rows) and rows[-1] - rows[0] == len(rows) - 1 and (rows[1:] > rows[:-1]).all():
         return copy_columns(columns, int(rows[0]), int(rows[-1]) + 1, arrays)
     return gather_columns(columns, rows, arrays)
@@ -391,7 +390,7 @@ def episodes(
 ) -> TensorDict | list[TensorDict]:
     """Copied episodes (their rows one after another in ``flat``) as ``[n, L]`` if their
     lengths agree, else a list of ``[L_i]``. Each tensor is viewed as ``[n, L, ...]`` before
-    the TensorDict is made: ``TensorDict.reshape`` cost 70-90 us a call."""
+    the TensorDict is made: ``TensorDict.reshape`` costs far more a call."""
     if len(lengths) == 0:
         return []
     if np.all(lengths == lengths[0]):

@@ -54,8 +54,8 @@ _U64 = (1 << 64) - 1
 
 def rng_words(rng: np.random.Generator) -> list[int] | None:
     """The generator's state as six int64 words (PCG64's state and increment, 128 bits each,
-    and its buffered 32-bit half); None for another bit generator. ~7 us: taken only when a
-    refused draw may have moved it."""
+    and its buffered 32-bit half); None for another bit generator. Not cheap next to a
+    draw: taken only when a refused draw may have moved it."""
     state = rng.bit_generator.state
     if state.get("bit_generator") != "PCG64":
         return None
@@ -123,9 +123,9 @@ class SamplingOps(RingState):
     def count_use(self, rows: np.ndarray) -> None:
         """Count one read of each row, duplicates included (an accumulating scatter, not
         ``+=``, which counts a repeated index once). ``np.add.at`` with an int32 one takes
-        numpy's fast path (~3.5 us for 256 rows of 10k); with a Python ``1`` it is the slow
-        generic one (~30 us), and torch's ``index_add_`` with its tensor wrapping ~8 us. The
-        compiled loop, once the draws are (``spans.compiled_draws``), ~1.5 us."""
+        numpy's fast path; with a Python ``1`` it is the slow generic one, and torch's
+        ``index_add_`` with its tensor wrapping is slower too. The compiled loop, once the draws
+        are (``spans.compiled_draws``), is faster still (figures in ``docs/sampling.md``)."""
         kernels = loaded_draws()
         if kernels is None or rows.dtype != np.int64 or not rows.flags.c_contiguous:
             np.add.at(self.use_counts, rows, _ONE_USE)  # (another layout: not compiled for it)
@@ -153,7 +153,7 @@ class SamplingOps(RingState):
         if self.sampler.has_priorities:
             return self.sampler.weights(probability, beta)
         # What every other sampler returns: ones, kept read-only and reused (a fresh array
-        # per call measured ~3 us of a ~110 us uniform Buffer.sample(256)).
+        # per call was a visible share of a uniform Buffer.sample(256)).
         ones = self._ones
         if ones.size != probability.size:
             ones = self._ones = np.ones(probability.size)
@@ -167,7 +167,7 @@ class SamplingOps(RingState):
         EmptyBufferError when the sampler has nothing to hand out, WaitTimeoutError when the
         limiter refuses, InvalidArgumentError for bad arguments; nothing is counted then."""
         # try/except, not ``with as_invalid_argument``: free on this hot path (Python 3.11's
-        # zero-cost exceptions), where the ``with`` measured ~2 us of a ~110 us sample.
+        # zero-cost exceptions), where the ``with`` was a visible share of a sample.
         log = self.sample_log
         limiter = self.rate_limiter
         try:

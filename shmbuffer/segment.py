@@ -6,11 +6,11 @@ creation with :class:`OutOfSpaceError`, not later with SIGBUS). ``manifest.json`
 atomically, so an attacher never sees a half-made segment. Any process that knows the name maps
 the same file (``MAP_SHARED``) and sees the same memory.
 
-Creation costs per page, not per byte: on the 2-core VM measured, about 1 us of kernel time per
-4 KiB page to reserve it (``posix_fallocate``) and as much to map it (``MADV_POPULATE_WRITE``);
-zeroing is cheap next to that. A tmpfs mounted with ``huge=within_size`` gives named segments
-2 MiB pages, about 8x cheaper. Populating from several threads was slower there (the faults
-contend in the kernel), so each mapping is populated by one ``madvise`` call, made through
+Creation costs per page, not per byte: kernel time per 4 KiB page to reserve it
+(``posix_fallocate``) and as much to map it (``MADV_POPULATE_WRITE``); zeroing is cheap next to
+that (figures in ``docs/architecture.md``). A tmpfs mounted with ``huge=within_size`` gives
+named segments 2 MiB pages, far cheaper. Populating from several threads was slower there (the
+faults contend in the kernel), so each mapping is populated by one ``madvise`` call, made through
 ctypes so that it releases the GIL.
 
 Lifetime of a mapping: ``torch.frombuffer`` keeps a reference to the ``mmap`` object but holds no
@@ -311,7 +311,7 @@ class _Columns:
     @property
     def data(self) -> TensorDict:
         """The columns as one TensorDict of batch size ``[capacity]``, made on first use:
-        importing tensordict costs a process about 3 s of CPU here (it loads torch._dynamo),
+        importing tensordict costs a process seconds of CPU (it loads torch._dynamo),
         which the daemon and the command line, working on ``columns`` and ``arrays``, never need."""
         if self._data is None:
             from tensordict import TensorDict
@@ -519,7 +519,7 @@ class LocalSegment(_Columns):
     full speed and a buffer larger than the free memory is refused here with
     :class:`OutOfSpaceError`; ``False`` leaves the pages to be faulted in on first touch.
     A large prefaulted mapping takes 2 MiB pages where a probe finds them faster to populate on
-    this machine (:func:`pages.populate_private`: 1.9x faster on one VM measured, 5x slower on
+    this machine (:func:`pages.populate_private`: faster on one VM measured, slower on
     another); ``huge_pages`` says whether it did.
     """
 

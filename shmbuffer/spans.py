@@ -3,12 +3,11 @@
 :func:`uniform_integers`, exact uniform draws from raw generator words.
 
 Where numba is installed (the ``fast`` extra) a draw over the spans is one compiled call
-(``_draw_jit.py``, loaded by :func:`compiled_draws` once a process has drawn
-:data:`LOAD_AFTER` times): a uniform ``sample(256)`` at 1M rows took
-~22 us in the registry with numpy, ~7 us so. Both ways turn the same raw words into the same
-rows by the same rule (a modulo, rejecting the words past the last whole multiple:
-:func:`uniform_integers`), so which one runs never changes a seeded draw: the compiled one can
-be loaded whenever it is ready.
+(``_draw_jit.py``, loaded by :func:`compiled_draws` once a process has drawn :data:`LOAD_AFTER`
+times), a fraction of the numpy draw's time (``docs/sampling.md``). Both ways turn the same raw
+words into the same rows by the same rule (a modulo, rejecting the words past the last whole
+multiple: :func:`uniform_integers`), so which one runs never changes a seeded draw: the compiled one
+can be loaded whenever it is ready.
 
 Thread safety: not thread-safe; the registry's owner serialises calls.
 """
@@ -31,12 +30,12 @@ I64 = npt.NDArray[np.int64]
 log = logging.getLogger(__name__)
 
 
-#: Draws a process makes with numpy before it loads the compiled loop. The load costs ~0.8 s
-#: of CPU (numba and LLVM) and saves ~10 us a draw, so it is repaid after some 80,000 draws:
-#: loading once this many were made (the rent-or-buy rule) never costs more than twice the
-#: best choice in hindsight. A process that samples a little (a test, a short benchmark) never
-#: pays it; a training run pays it once, in the draw that crosses this count, or on a thread
-#: (:func:`load_on_a_thread`). ``load_compiled_draws`` loads at once.
+#: Draws a process makes with numpy before it loads the compiled loop. The load's CPU (numba and
+#: LLVM) is repaid after its cost over the time it saves a draw (the figures in ``docs/sampling.md``
+#: put that near this count): loading once this many were made (the rent-or-buy rule) never costs
+#: more than twice the best choice in hindsight. A process that samples a little (a test, a short
+#: benchmark) never pays it; a training run pays it once, in the draw that crosses this count, or on
+#: a thread (:func:`load_on_a_thread`). ``load_compiled_draws`` loads at once.
 LOAD_AFTER = 50_000
 
 
@@ -51,7 +50,7 @@ class _Draws:
 
 def load_on_a_thread() -> None:
     """Load the compiled draws on a thread of their own when the time comes, not in the draw
-    that crosses :data:`LOAD_AFTER`: for a server whose loop must not pause for 0.8 s (the
+    that crosses :data:`LOAD_AFTER`: for a server whose loop must not pause for the load (the
     daemon; its draws stay on numpy until the loops are ready, with the same results). Not
     for a process that may fork: a fork while the thread imports can leave the child's import
     locks held."""
@@ -110,8 +109,8 @@ def _load() -> ModuleType | None:
 def uniform_integers(rng: np.random.Generator, high: int, n: int) -> I64:
     """``n`` integers drawn uniformly from ``[0, high)``, exactly (``1 <= high < 2**63``).
 
-    ``rng.integers`` does the same in ~7.5 us for 256 of them, most of it argument handling
-    (a Python ``np.prod`` of the size); this takes ~5: raw 64-bit words modulo ``high``, where
+    ``rng.integers`` does the same, but much of its time goes to argument handling (a Python
+    ``np.prod`` of the size); this skips it: raw 64-bit words modulo ``high``, where
     the few words at or above the largest multiple of ``high`` (a share below
     ``high / 2**64``) are drawn again (:func:`redraw_rejected`), so every residue is equally
     likely. The compiled loop (``_draw_jit.span_rows``) gives the same values from the same

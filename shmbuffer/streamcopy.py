@@ -5,15 +5,15 @@ one dtype between contiguous arrays goes through streaming (non-temporal) stores
 ``fast`` extra (numba) is installed: see ``_copy_jit.py``. Measured here (2 cores, 4 KB
 tmpfs pages): a 5.6 MB image episode into a ring in 0.6-0.85 ms instead of
 np.copyto's 1.0-1.2 ms, and the writer's next small steps on warm caches. glibc's ``memcpy``
-streams only above a cut-off derived from the cache sizes (above this episode here), and
+streams only above a cut-off derived from the cache sizes (above such an episode), and
 cannot know that rows written into a ring are read laps later, if at all, from another
 process.
 
 Below :data:`STREAM_MIN_BYTES` plain stores win (the destination's lines may still be in the
 cache, and the call costs a few microseconds). A learner's batch of large rows streams too
 (:func:`gather_into`, :func:`copy_out`): it is read right after, but at 7 MB for 256 image rows
-it does not stay in the caches anyway, and streamed it was ready ~0.45 ms sooner, which a
-float conversion right after did not take back (``rows.py`` has the figures).
+it does not stay in the caches anyway, and streamed it was ready sooner, which a float
+conversion right after did not take back (figures in ``docs/architecture.md``).
 ``SHMBUFFER_JIT=0`` turns every compiled kernel off, this one too.
 """
 
@@ -45,7 +45,7 @@ __all__ = [
 #: Smallest copy that streams (about 9 image rows of 28 KB).
 STREAM_MIN_BYTES = 256 * 1024
 #: Rows of at least this size are worth loading the loop for (:func:`warm`): any episode of
-#: them is a large copy. Small rows were no faster streamed, within this machine's noise
+#: them is a large copy. Small rows were no faster streamed, within the noise
 #: (their staged batches come from a staging area still in the cache).
 STREAM_ROW_BYTES = 4096
 _PAGE = 4096
@@ -70,9 +70,9 @@ def kernels() -> ModuleType | None:
 def warm(row_nbytes: int | None = None) -> bool:
     """Load the compiled loop and run it once, so that :func:`copy_into` streams from now
     on in this process; with ``row_nbytes``, only for rows of :data:`STREAM_ROW_BYTES` or
-    more. Writers call it where they attach (~0.9 s the first time in a process, its machine
-    code cached on disk after the first compile), not on their first write. Returns whether
-    copies stream."""
+    more. Writers call it where they attach (a noticeable pause the first time in a process,
+    its machine code cached on disk after the first compile), not on their first write.
+    Returns whether copies stream."""
     if _Loop.compiled is None and _Loop.failed is None:
         if row_nbytes is not None and row_nbytes < STREAM_ROW_BYTES:
             return False
@@ -118,9 +118,9 @@ def copy_into(dst: np.ndarray, src: Any) -> None:
 class GatherTrial:
     """Whether a large gather streams in this process, decided from its first
     :data:`TRIAL_CALLS` large gathers, made each way in turn and timed per byte: the faster
-    way's median wins (a tie streams). Measured: streamed gathers of 256 image rows ran at
-    1.5x ``np.take``'s speed on an AMD EPYC VM, at 0.7x on an Intel Xeon VM (5.7 against
-    8.2 GB/s, 2026-12-05); the trial runs on the process's own rows, from memory as they are.
+    way's median wins (a tie streams). Streamed gathers of image rows beat ``np.take`` on one
+    VM and lost to it on another (``docs/architecture.md``), so the trial runs on the
+    process's own rows, from memory as they are.
     """
 
     TRIAL_CALLS = 16

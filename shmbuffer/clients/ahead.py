@@ -16,10 +16,9 @@ Since protocol 1.5 one such reserve asks for the next :data:`AHEAD_BATCH` writes
 the writer fills them one per write, sending the next batch's reserve when one of them is left
 (its reply then has two copies' time to come back, not one); that send carries the commits of
 the writes before it (``commits``). A stream of equal writes then costs one message and one
-reply per batch instead of per write (a writer of 5.6 MB image episodes spent ~47 us of its
-~440 us per episode sending and taking them on one machine; ~250 us of its ~1.5 ms on another,
-whose round trip alone was ~250 us). Commits wait at most a batch and a write, or
-``commit_delay`` (the writer's ticker).
+reply per batch instead of per write (a writer of image episodes spent a tenth of its time or more
+sending and taking reserves, most where a round trip is slow: ``docs/architecture.md``). Commits
+wait at most a batch and a write, or ``commit_delay`` (the writer's ticker).
 
 Its cost: rows reserved ahead are evicted before their writes come, so while a writer streams,
 readers (and a checkpoint's cut) see the ring less its copy in progress *and* the rows reserved

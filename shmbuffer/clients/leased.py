@@ -6,8 +6,8 @@ renewed within ``lease_ttl`` seconds (a dead reader must not stall writers). Thr
 a live reader's views safe and a lapsed one detectable:
 
 * **Views cost O(1) per call.** :class:`EpisodeViews` builds each episode's view when it is
-  accessed (one slice per column, ~2 µs), not all of them before the block starts: building
-  2**20 TensorDict views up front took 33 s, longer than the TTL.
+  accessed (one slice per column), not all of them before the block starts: building
+  2**20 TensorDict views up front took longer than the lease TTL.
 * **Renewal.** While a block is open a ticker thread of the reader sends ``renew``
   every ``lease_ttl / 3`` seconds, for at most ``max_lease_hold`` seconds per lease (so a hung
   learner cannot stall writers forever); ``EpisodeViews.renew()`` is the explicit heartbeat.

@@ -112,7 +112,7 @@ class WritePipeline:
             self.segment = attach_segment(seg["name"], seg["storage_dir"])
             if self.segment.device != "cpu":
                 self._write_rows = DeviceWriter(self.segment.device).write
-            else:  # here, not at the first write: its ~0.9 s must not stall a stream
+            else:  # here, not at the first write: its compile must not stall a stream
                 streamcopy.warm(self.schema.row_nbytes)
 
     # -- staging small writes -----------------------------------------------------------------
@@ -314,8 +314,8 @@ class WritePipeline:
 
     def _tick_due(self, now: float) -> bool:
         """Whether a tick may find work, read without the lock: a streaming writer holds it
-        for every write, and a tick that queued on it cost a wake-up and a GIL hand-over per
-        tick (~4% of a one-writer image stream). A stale read only moves the work one tick."""
+        for every write, and a tick that queued on it cost a wake-up and a GIL hand-over per tick (a
+        visible share of a one-writer image stream). A stale read only moves the work one tick."""
         delay = self.commit_delay
         if self.staged and now - self._staged_since >= delay:
             return True

@@ -50,9 +50,8 @@ CONSUMING_SAMPLERS = ("fifo", "without-replacement")
 _ITEM_ARRAYS = ("rows", "starts", "lengths", "gens", "index", "generation", "probability", "weight")
 #: Calls that fetch one batch at a time after a prefetched batch had rows overwritten before
 #: its copy (a ring that writers lap within a few batches): those would be redrawn, one round
-#: trip each. Measured with a writer lapping a 40k-row image ring 8 times a second: learners
-#: with prefetch=4 sampled 0.32-0.37x cpprb's rows without this, 0.55-0.68x with it (and
-#: 0.59-0.80x with prefetch=1).
+#: trip each. With a writer lapping an image ring several times a second, learners with
+#: prefetch sampled far fewer rows without this (figures in ``docs/architecture.md``).
 STALE_BACKOFF = 32
 
 

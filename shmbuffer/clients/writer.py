@@ -38,7 +38,7 @@ from shmbuffer.writeplan import env_major, plan_write
 #: The largest write the Writer gathers with others (see ``batch_bytes``): a larger one is
 #: stored at once, since copying it twice would cost more than its round trip. Batches are
 #: larger (``batch_bytes``, 8 MiB): with one or two small-row writers, each doubling of the
-#: batch from 1 MiB measured 7-22% more rows/s, the daemon's work per reservation amortised.
+#: batch from 1 MiB gave more rows/s, the daemon's work per reservation amortised.
 STAGE_MAX_BYTES = 512 << 10
 
 
@@ -56,8 +56,8 @@ class Writer:
         reserve_timeout: seconds a reservation may wait for readers' leases to end.
         commit_delay: seconds a copied episode may wait for the next write to carry its commit,
             and a small write may wait to share a round trip with the next ones. 50 ms: with
-            two env workers, a learner and the daemon on two cores, 10 ms (one blocking
-            reserve per worker every 10 ms) measured 7% fewer env steps per second.
+            two env workers, a learner and the daemon on two cores, a fifth of it (one
+            blocking reserve per worker that often) gave fewer env steps per second.
         batch_bytes: small writes (at most :data:`STAGE_MAX_BYTES`, and at most half this)
             are gathered (copied) until this many bytes are waiting, then stored with one
             reservation. 0 stores each write at once, as a daemon with ``--mode fixed``

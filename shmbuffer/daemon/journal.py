@@ -38,11 +38,11 @@ its room, and a lease's, is reserved before the draw (:meth:`Journal.room_for_sa
 
 Draws that change nothing but the generator and the sampled figure (a uniform or prioritized
 sampler without ``max_times_sampled``, no sample-to-insert limiter: :func:`journals_samples`)
-are not journaled, so they cost nothing (a record costs ~5-10 us of CPU in the loop,
-``bench/sample_journal.py``): a resume takes the sampled figure from the last snapshot and
-moves the generator 2**127 steps on from the snapshot's, so it does not repeat the draws it
-handed out since. (Replaying them would not give the generator back anyway: a uniform draw
-goes through the registry's internal layout, which a resume rebuilds compact.)
+are not journaled, so they cost nothing (a record's CPU in the loop is measured by ``python -m
+bench.sample_journal``, figures in ``docs/architecture.md``): a resume takes the sampled figure from
+the last snapshot and moves the generator 2**127 steps on from the snapshot's, so it does not repeat
+the draws it handed out since. (Replaying them would not give the generator back anyway: a uniform
+draw goes through the registry's internal layout, which a resume rebuilds compact.)
 
 Use counters are not journaled: :meth:`Journal.track` moves the container's per-row counter array
 into ``<segment dir>/use_counts.bin``, a file on the same tmpfs that every read updates in place (so
@@ -221,7 +221,7 @@ class Journal:
         self.records = 0
         self._fd: int | None = None
         #: The allocated file, mapped shared: a record is a copy into the page cache, not a
-        #: syscall (a pwrite measured ~3 us of a ~10 us record in the loop); what a process
+        #: syscall (a pwrite was a large share of a record's time in the loop); what a process
         #: stores there outlives it, as a pwrite's bytes do.
         self._map: mmap.mmap | None = None
         self._offset = 0  # where the next record goes; zeros from here on
@@ -438,7 +438,7 @@ class Journal:
 
     def _append_body(self, body: bytes) -> None:
         """Frame and write one record body (its type first, little-endian int64s). Inline,
-        no helper calls: it runs once per sample, where each Python call costs ~1 us."""
+        no helper calls: it runs once per sample, where each Python call shows."""
         assert self._fd is not None
         record = HEAD.pack(len(body), zlib.crc32(body)) + body
         end = self._offset + len(record)

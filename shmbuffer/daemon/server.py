@@ -193,8 +193,8 @@ class Server:
 
     def serve_forever(self) -> None:
         # What start-up loaded (torch, numpy, the segment's objects) lives as long as the daemon:
-        # frozen, no full collection rescans it. Without this each one rescanned ~170k objects
-        # (~120 ms here), three times in a first pass of 500k rows, all inside write replies.
+        # frozen, no full collection rescans it. Without this each one rescanned all of them
+        # (a long pause, ``docs/architecture.md``), inside write replies.
         gc.freeze()
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)

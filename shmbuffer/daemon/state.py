@@ -156,7 +156,7 @@ class DaemonState:
             exist_ok=True,
             # Its pages reserved (posix_fallocate) but not mapped here: the daemon writes rows
             # only for remote writers; local writers and readers map and populate their own.
-            # Mapping 4 GB took 1.2-1.5 s beside 0.6 s to reserve it, and the daemon's RSS.
+            # Mapping would cost twice the reservation's time, and the daemon's RSS.
             prefault=False,
             extra={
                 "unit": self.config.unit,

@@ -18,8 +18,9 @@ current one) is never deferred: where it would be, it is answered with reservati
 also answered with 0 where it would evict episodes of a registry holding more than
 :data:`AHEAD_MAX_LIVE`: a reservation ahead that goes unused is aborted with ``written=0``,
 and publishing its evictions again (``EpisodeRegistry.restore``) is O(evicted) when they are
-the oldest, as a lone writer's are, but one vectorised rebuild of the registry, O(live
-episodes), when writers commit out of order (~2 ms at 65,536 episodes, ~35 ms at 1M here).
+the oldest, as a lone writer's are, but one vectorised rebuild of the registry, O(live episodes),
+when writers commit out of order (milliseconds at :data:`AHEAD_MAX_LIVE` episodes, an order of
+magnitude more at 1M: ``docs/architecture.md``).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ _RESERVE_BYTES = record_bytes(4 + 2 * 2)
 
 #: Live episodes above which a reserve ``ahead`` that would evict any is not granted: giving
 #: one back unused (the writer's next write differs, it idles, flushes or closes) may restore
-#: its evictions in O(live episodes) (module docstring); at this size about 2 ms at worst.
+#: its evictions in O(live episodes) (module docstring), a pause the loop can take at this size.
 AHEAD_MAX_LIVE = 65_536
 
 

@@ -1,7 +1,7 @@
 """The sum tree's two hot loops, compiled by numba (the optional ``fast`` extra).
 
 Imported only through :func:`shmbuffer.samplers.sumtree.jit_available`, never at package
-import: numba costs ~0.4 s and ~100 MB to import, which only a prioritized sampler pays.
+import: numba is costly to import (CPU and memory), which only a prioritized sampler pays.
 
 Both kernels walk a tree stored as one flat float64 array per tree, level ``l`` at
 ``flat[offsets[l] : offsets[l] + len(level l)]`` (level 0: the leaves; each entry of level
@@ -46,7 +46,7 @@ def descend(
     its weight. All queries go down one level at a time: each level first touches every
     query's row of 16 (independent loads the CPU overlaps, as numpy's ``take`` does), then
     scans them from cache; one query at a time waited for each of its cache misses in turn
-    (up to 2x slower at 10M leaves, level in some runs). Returns the touched values' sum
+    (slower at 10M leaves, level in some runs). Returns the touched values' sum
     (kept live, never used)."""
     n = queries.size
     v = queries * scale

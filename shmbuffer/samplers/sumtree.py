@@ -44,9 +44,9 @@ sum tree's own, a zero leaf counting as +inf. They share one layout:
   but within rounding of a boundary; a zero-weight leaf is unreachable in both.
 
 numpy does the 1-D work; torch does the two row-wise reductions numpy is slow at (on views of
-the same memory): for [256, 16] rows numpy's ``cumsum(axis=1)`` costs ~3x torch's and its
-``min(axis=1)`` ~2x. ``torch.searchsorted`` would batch the search, but it forks threads from
-200 queries, which stalls for milliseconds on a busy machine.
+the same memory): for [256, 16] rows numpy's ``cumsum(axis=1)`` and ``min(axis=1)`` cost a
+multiple of torch's (figures in ``docs/sampling.md``). ``torch.searchsorted`` would batch the
+search, but it forks threads from 200 queries, which stalls for milliseconds on a busy machine.
 
 Not thread-safe; the owning sampler serialises calls.
 """
@@ -80,9 +80,9 @@ I64 = npt.NDArray[np.int64]
 
 FANOUT = 16
 _SHIFT = 4  # log2(FANOUT)
-#: Most entries the top level may have: its running sum (one torch cumsum, ~20 us for 16384)
-#: is recomputed on the first draw after an update, which costs less than one more 16-ary
-#: level (~40 us of gathers and scatters for a sample and an update of 256) up to here.
+#: Most entries the top level may have: its running sum (one torch cumsum) is recomputed on
+#: the first draw after an update, which up to this size costs less than the gathers and
+#: scatters one more 16-ary level adds to a sample and an update of 256.
 TOP = 16384
 #: Queries one descent step handles at once: bounds its [n, 16] temporaries (8 MB).
 _CHUNK = 1 << 16
@@ -90,7 +90,7 @@ _ONES = np.ones(FANOUT)
 #: Batches above this size are checked for being one dense run of leaves.
 _DENSE_CHECK = 512
 #: A compiled tree's top: 16-ary all the way up, since a compiled step costs little more
-#: than the memory it touches (the numpy top's running sum was ~20 us of every draw).
+#: than the memory it touches (the numpy top's running sum was a large share of a draw).
 JIT_TOP = FANOUT
 
 
@@ -311,7 +311,7 @@ def _assign_compiled(sums: SumTree, mins: PositiveMinTree, index: I64, values: F
 
 class _Scratch:
     """The descent's temporaries for one batch size, kept while that size repeats (a learner
-    samples at one batch size: allocating these per call cost ~5 us of ~40)."""
+    samples at one batch size: allocating these per call was a visible share of a draw)."""
 
     def __init__(self, n: int) -> None:
         # Row i of ``starts``: where each of node i's 16 children starts (column 0 stays 0,
@@ -351,13 +351,13 @@ class SumTree(_Tree):
         # The top entries' running sums but the last: searchsorted(right) over them is the
         # entry holding v, the last one for any v beyond (rounding at the total).
         self._top_search: F64 = self._top_cum[1:used]
-        # torch's cumsum: numpy's accumulate takes ~4 ns a value, 4096 of them ~18 us.
+        # torch's cumsum: numpy's accumulate is several times slower per value.
         self._top_t = torch.from_numpy(self.levels[-1][:used])
         self._top_cum_t = torch.from_numpy(self._top_cum)[1:]
         self._scratch = _Scratch(0)
 
     def _combine(self, rows: F64, level: int) -> F64:
-        # A matrix-vector product with ones (BLAS): ~1.7 us for [256, 16], np.sum's ~7.8.
+        # A matrix-vector product with ones (BLAS): a fraction of np.sum's time for [256, 16].
         out: F64 = rows @ _ONES
         return out
 
@@ -418,7 +418,7 @@ class SumTree(_Tree):
             self._refresh_top()
         original = v.copy() if kept is None else kept
         # The queries in ascending order: the binary search over the top then mispredicts far
-        # less (~7 us of ~26 for 256 over 8192 entries), and each level's gathers walk memory
+        # less (a large share of the descent unsorted), and each level's gathers walk memory
         # in address order. The leaves go back to the draws' own order at the end.
         order = v.argsort()
         v = v.take(order)
@@ -518,7 +518,7 @@ class MinTree(_Tree):
         self._min = float("inf")
 
     def _combine(self, rows: F64, level: int) -> F64:
-        # torch's row minimum: numpy's reduction over rows of 16 takes ~2x as long.
+        # torch's row minimum: numpy's reduction over rows of 16 is slower.
         out: F64 = torch.amin(torch.from_numpy(rows), 1).numpy()
         return out
 
@@ -538,8 +538,8 @@ class PositiveMinTree(MinTree):
     tree's leaves (a zero leaf counting as +inf), not a copy of them. That saves 8 B per row
     (143 MB at 10M rows) and, at 10M rows, 256 cache misses per update: :func:`update_pair`
     gathers each row of 16 leaves once for both trees. A sum tree without 16-ary levels (up to
-    :data:`TOP` leaves) gets a copy after all, zeros as +inf: a masked minimum over 16384 leaves
-    costs ~50 us, a plain one ~3.
+    :data:`TOP` leaves) gets a copy after all, zeros as +inf: a masked minimum over the top's
+    leaves costs an order of magnitude more than a plain one.
 
     The sum tree writes the leaves; this tree is told which changed (:meth:`refresh`) or to
     recompute everything (:meth:`rebuild`). ``min`` is +inf while no leaf is positive.

@@ -15,8 +15,8 @@
 The sampler's :class:`~shmbuffer.samplers.index.EpisodeIndex` serves only slices (their
 masses and counts), so it is mirrored lazily: built from the registry the first time it is
 read (O(C)), kept up to date from then on. A buffer that samples only rows or episodes never
-pays for it on its writes (measured: a 10-row ``Buffer.extend`` into a full 10k-row ring of
-1000-row chunks, 72 us without the mirror, 109 us with it).
+pays for it on its writes (the mirror makes small writes into a full ring markedly slower:
+``docs/sampling.md``).
 
 Importance weights are ones. ``max_times_sampled=K`` needs the draws to skip retired items,
 which the registry cannot do; the sampler then runs a :class:`PrioritizedSampler` with
@@ -145,7 +145,7 @@ class UniformSampler(Sampler):
 
     def _constant(self, n: int, value: float) -> F64:
         """``n`` times ``value``, read-only and reused while both stay the same (a full ring
-        samples at one size: a fresh array per call was ~2 us of a ~30 us row draw)."""
+        samples at one size: a fresh array per call was a visible share of a row draw)."""
         if self._probability_key != (n, value):
             self._probability = np.full(n, value)
             self._probability.setflags(write=False)

@@ -46,9 +46,9 @@ class DaemonWriter(TorchRLWriter):  # type: ignore[misc]  # TorchRL has no type 
             process's next ``len``/``sample`` sees them (TorchRL's own buffers behave so).
             ``False`` lets small writes gather and commits ride on the next write (far fewer
             round trips: an env worker that never reads its own writes wants this); they
-            become visible within the Writer's ``commit_delay`` (10 ms), and at the latest at
-            ``rb.storage.flush()`` or ``rb.storage.close()``, which such a worker should call
-            before it exits.
+            become visible within the Writer's ``commit_delay`` (50 ms by default), and at the
+            latest at ``rb.storage.flush()`` or ``rb.storage.close()``, which such a worker should
+            call before it exits.
         priority_key: a key whose values (one per row) are the rows' priorities on a
             ``--sampler prioritized`` daemon: sent with the write, not stored as a column.
             None: the daemon gives new rows the largest priority seen so far.

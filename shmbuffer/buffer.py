@@ -38,7 +38,7 @@ from shmbuffer.protocol import MAX_SAMPLE, check_sample_size
 from shmbuffer.recent import RecentSamples
 from shmbuffer.samplers import RateLimiter, Sampler, build_rate_limiter, build_sampler
 from shmbuffer.samplers.base import Priority, check_count, check_priority
-from shmbuffer.schema import Schema
+from shmbuffer.schema import Schema, to_host
 from shmbuffer.segment import LocalSegment, Segment
 from shmbuffer.writeplan import env_major, plan_write
 
@@ -215,7 +215,7 @@ class Buffer:
         if num_envs == 1:
             return self._write(episode, priority=priority)
         if priority is not None and self.unit == "transition" and np.ndim(priority) == 2:
-            priority = np.asarray(_host(priority)).T.reshape(-1)  # env-major, as the rows are
+            priority = np.asarray(to_host(priority)).T.reshape(-1)  # env-major, as the rows are
         return self._write(
             env_major(episode, num_envs), num_sub_episodes=num_envs, priority=priority
         )
@@ -251,7 +251,7 @@ class Buffer:
         container = self.container
         if priority is not None:  # checked before anything is evicted
             priority = self._kept_priority(
-                _host(priority), first_row, num_rows, num_sub_episodes, kept
+                to_host(priority), first_row, num_rows, num_sub_episodes, kept
             )
             container.check_priority(num_rows, kept, priority)
         reservation = container.reserve_rows(num_rows, kept)
@@ -362,10 +362,10 @@ class Buffer:
         else:
             stamps = self.segment.generations
         if generation is None:
-            seen = self._recent.generations_of(_host(index))
+            seen = self._recent.generations_of(to_host(index))
         else:
-            seen = _host(generation)
-        return self.container.update_priorities(_host(index), _host(priority), seen, stamps)
+            seen = to_host(generation)
+        return self.container.update_priorities(to_host(index), to_host(priority), seen, stamps)
 
     def sample_episodes(
         self, n: int, out: TensorDict | Mapping[str, Any] | None = None
@@ -565,13 +565,6 @@ def _part(what: str, part: Any, kind: type[Any], build: Callable[..., Any], **op
         return part
     with as_invalid_argument:
         return build(part, **options)
-
-
-def _host(value: Any) -> Any:
-    """A tensor (maybe on a device, maybe needing grad) as a numpy array; others as given."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
-    return value
 
 
 def normalize_index(index: Index, size: int) -> tuple[np.ndarray, bool]:

@@ -124,6 +124,14 @@ def _dtype_of(value: Any) -> torch.dtype:
     return torch.as_tensor(value).dtype
 
 
+def to_host(value: Any) -> Any:
+    """A tensor (on any device, maybe needing grad) as a numpy array; others as given: how
+    every API takes index, priority and generation arguments."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    return value
+
+
 def _as_leaf(key: Key, value: Any) -> np.ndarray | torch.Tensor:
     """``value`` as an array or tensor a column can take, else a SchemaError naming the key.
 

@@ -33,7 +33,7 @@ from tensordict import TensorDict
 from shmbuffer import rows
 from shmbuffer.clients.episode_reads import EpisodeReads
 from shmbuffer.clients.leased import ClientLease, EpisodeViews
-from shmbuffer.clients.readerstate import CONSUMING_SAMPLERS, as_beta, as_count, to_host
+from shmbuffer.clients.readerstate import CONSUMING_SAMPLERS, as_beta, as_count
 from shmbuffer.errors import InvalidArgumentError, ShmBufferError, TornReadError
 from shmbuffer.protocol import (
     MAX_UPDATES,
@@ -44,6 +44,7 @@ from shmbuffer.protocol import (
     encode_i64,
 )
 from shmbuffer.samplers.base import check_update
+from shmbuffer.schema import to_host
 
 __all__ = ["CONSUMING_SAMPLERS", "MAX_RESAMPLES", "ClientLease", "EpisodeViews", "Reader"]
 

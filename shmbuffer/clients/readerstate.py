@@ -38,7 +38,7 @@ from shmbuffer.protocol import MAX_SAMPLE, MAX_SAMPLE_ROWS, encode_i64
 from shmbuffer.recent import RecentSamples
 from shmbuffer.rows import from_bytes, gather, nest
 from shmbuffer.samplers.base import check_beta
-from shmbuffer.schema import Schema
+from shmbuffer.schema import Schema, to_host
 from shmbuffer.segment import Segment
 
 #: Samplers whose samples consume what they hand out (with any sampler: max_times_sampled):
@@ -106,13 +106,6 @@ def as_beta(value: Any) -> float:
         return check_beta(value)
     except (TypeError, ValueError) as exc:
         raise InvalidArgumentError(str(exc)) from None
-
-
-def to_host(value: Any) -> Any:
-    """A tensor (on any device, maybe needing grad) as a numpy array; others as given."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
-    return value
 
 
 def _row_numbers(value: Any, name: str, size: int | None = None) -> np.ndarray:

@@ -24,14 +24,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 from shmbuffer.clients.connection import Connection
 from shmbuffer.clients.pipeline import Items, WritePipeline, compact
 from shmbuffer.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
 from shmbuffer.errors import InvalidArgumentError
 from shmbuffer.samplers.base import check_priority
-from shmbuffer.schema import Schema
+from shmbuffer.schema import Schema, to_host
 from shmbuffer.segment import Segment
 from shmbuffer.writeplan import env_major, plan_write
 
@@ -159,7 +158,7 @@ class Writer:
                 self._write(episode, priority=priority)
                 return
             if priority is not None and self.unit == "transition":
-                value = _host(priority)
+                value = to_host(priority)
                 if np.ndim(value) == 2:  # env-major, as the rows are
                     priority = np.asarray(value).T.reshape(-1)
             self._write(env_major(episode, num_envs), num_sub_episodes=num_envs, priority=priority)
@@ -236,7 +235,7 @@ class Writer:
         of it (the newest rows or sub-episodes of a batch too large for the ring)."""
         if priority is None:
             return None
-        value = _host(priority)
+        value = to_host(priority)
         try:
             if np.ndim(value) == 0:
                 return float(check_priority(value, 1)[0])
@@ -265,10 +264,3 @@ class Writer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _host(value: Any) -> Any:
-    """A tensor (on any device, maybe needing grad) as a numpy array; others as given."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
-    return value

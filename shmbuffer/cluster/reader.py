@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from shmbuffer.clients.readerstate import as_count, to_host
+from shmbuffer.clients.readerstate import as_count
 from shmbuffer.cluster.episodes import EpisodeCopies, ShardEpisodes
 from shmbuffer.cluster.fanout import DOWN, ShardFanout, ShardUnavailableWarning
 from shmbuffer.cluster.shard import Piece
@@ -59,6 +59,7 @@ from shmbuffer.errors import (
 )
 from shmbuffer.protocol import check_sample_size
 from shmbuffer.samplers.base import check_update
+from shmbuffer.schema import to_host
 
 __all__ = ["DOWN", "MAX_ROUNDS", "ClusterReader", "ShardUnavailableWarning"]
 

@@ -43,7 +43,7 @@ from shmbuffer.ringstate import (
     raise_invalid,
 )
 from shmbuffer.rows import episode_rows, slice_rows
-from shmbuffer.samplers.base import check_beta, check_count, check_update
+from shmbuffer.samplers.base import check_beta, check_count, check_generation, check_update
 from shmbuffer.spans import loaded_draws
 
 _ONE_USE = np.int32(1)  # count_use's increment, of use_counts' dtype (numpy's fast add.at)
@@ -298,13 +298,7 @@ class SamplingOps(RingState):
                 return PriorityUpdate(index, given, 0)
             if stamps is None:
                 raise TypeError("check_priorities: generation given without stamps")
-            seen = np.asarray(generation)
-            if seen.shape != index.shape or (seen.dtype.kind not in "iu" and seen.size):
-                raise ValueError(
-                    f"generation needs {index.size} integer stamps (one per index), "
-                    f"got {seen.dtype} {list(seen.shape)}"
-                )
-            fresh = stamps[index] == seen
+            fresh = stamps[index] == check_generation(generation, index)
             stale = int(index.size - np.count_nonzero(fresh))
             if stale:
                 index, given = index[fresh], given[fresh]

@@ -43,7 +43,7 @@ from shmbuffer.protocol import (
     encode_f64,
     encode_i64,
 )
-from shmbuffer.samplers.base import check_update
+from shmbuffer.samplers.base import check_generation, check_update
 from shmbuffer.schema import to_host
 
 __all__ = ["CONSUMING_SAMPLERS", "MAX_RESAMPLES", "ClientLease", "EpisodeViews", "Reader"]
@@ -74,17 +74,11 @@ def _check_update(
     checked as the daemon checks them (InvalidArgumentError naming what is wrong)."""
     try:
         physical, values = check_update(to_host(index), to_host(priority), capacity)
+        if generation is None:
+            return physical, values, None
+        return physical, values, check_generation(to_host(generation), physical)
     except (TypeError, ValueError, IndexError) as exc:
         raise InvalidArgumentError(f"update_priorities: {exc}") from None
-    if generation is None:
-        return physical, values, None
-    stamps = np.asarray(to_host(generation))
-    if stamps.shape != physical.shape or (stamps.dtype.kind not in "iu" and stamps.size):
-        raise InvalidArgumentError(
-            f"update_priorities: generation needs {physical.size} integer stamps (one per "
-            f"index), got {stamps.dtype} {list(stamps.shape)}"
-        )
-    return physical, values, stamps.astype(np.int64, copy=False)
 
 
 class Reader(EpisodeReads):

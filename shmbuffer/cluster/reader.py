@@ -58,7 +58,7 @@ from shmbuffer.errors import (
     WaitTimeoutError,
 )
 from shmbuffer.protocol import check_sample_size
-from shmbuffer.samplers.base import check_update
+from shmbuffer.samplers.base import check_generation, check_update
 from shmbuffer.schema import to_host
 
 __all__ = ["DOWN", "MAX_ROUNDS", "ClusterReader", "ShardUnavailableWarning"]
@@ -339,17 +339,9 @@ class ClusterReader(ShardFanout):
         total = self.capacity * len(self.buffer.shard_list())
         try:
             rows, values = check_update(to_host(index), to_host(priority), total)
+            stamps = None if generation is None else check_generation(to_host(generation), rows)
         except (TypeError, ValueError, IndexError) as exc:
             raise InvalidArgumentError(f"update_priorities: {exc}") from None
-        stamps = None
-        if generation is not None:
-            stamps = np.asarray(to_host(generation))
-            if stamps.shape != rows.shape or (stamps.dtype.kind not in "iu" and stamps.size):
-                raise InvalidArgumentError(
-                    f"update_priorities: generation needs {rows.size} integer stamps (one per "
-                    f"index), got {stamps.dtype} {list(stamps.shape)}"
-                )
-            stamps = stamps.astype(np.int64, copy=False)
         shard_of = rows // self.capacity
         by_index = {link.index: link for link in self._links}
         jobs = []

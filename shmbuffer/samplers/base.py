@@ -129,6 +129,18 @@ def check_update(
     return idx, check_priority(priority, idx.size, most=most)
 
 
+def check_generation(generation: npt.ArrayLike, rows: I64) -> I64:
+    """The generation stamps an ``update_priorities`` call gives for ``rows`` (checked by
+    :func:`check_update`): one integer per row, else ValueError naming what came."""
+    stamps = np.asarray(generation)
+    if stamps.shape != rows.shape or (stamps.dtype.kind not in "iu" and stamps.size):
+        raise ValueError(
+            f"generation needs {rows.size} integer stamps (one per index), "
+            f"got {stamps.dtype} {list(stamps.shape)}"
+        )
+    return stamps.astype(np.int64, copy=False)
+
+
 def check_count(value: int, what: str) -> int:
     if isinstance(value, bool):
         raise TypeError(f"{what} must be an int, got {value!r}")

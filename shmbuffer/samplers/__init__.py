@@ -1,6 +1,7 @@
 """Samplers and rate limiters: the contracts (``base``, ``rate_limiter``) and one file each.
 
-This package only hands names on, plus the two factories the configuration uses.
+This package only hands names on, plus the registry of samplers (``SAMPLERS``, and
+``OPTIONS``: every option they declare) and the factories the configuration uses.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import inspect
 from typing import Any
 
 from shmbuffer.samplers.base import Draw, EpisodeDraw, Sampler, SliceDraw, check_priority
+from shmbuffer.samplers.declare import Option
 from shmbuffer.samplers.fifo import FifoSampler
 from shmbuffer.samplers.prioritized import PrioritizedSampler
 from shmbuffer.samplers.rate_limiter import MinSize, NoLimit, RateLimiter, SampleToInsertRatio
@@ -17,6 +19,7 @@ from shmbuffer.samplers.uniform import UniformSampler
 from shmbuffer.samplers.without_replacement import WithoutReplacementSampler
 
 __all__ = [
+    "OPTIONS",
     "RATE_LIMITERS",
     "SAMPLERS",
     "Draw",
@@ -25,6 +28,7 @@ __all__ = [
     "MinSize",
     "MinTree",
     "NoLimit",
+    "Option",
     "PrioritizedSampler",
     "RateLimiter",
     "SampleToInsertRatio",
@@ -38,12 +42,36 @@ __all__ = [
     "check_priority",
     "make_rate_limiter",
     "make_sampler",
+    "takers",
 ]
 
 SAMPLERS: dict[str, type[Sampler]] = {
     cls.name: cls
     for cls in (UniformSampler, WithoutReplacementSampler, PrioritizedSampler, FifoSampler)
 }
+
+
+def _options() -> tuple[Option[Any], ...]:
+    """Every option some sampler declares, once each, in registry order; two samplers that
+    declare one name must declare the same option."""
+    seen: dict[str, Option[Any]] = {}
+    for cls in SAMPLERS.values():
+        for option in cls.options:
+            if seen.setdefault(option.name, option) != option:
+                raise TypeError(f"{cls.__name__} declares {option.name!r} unlike another sampler")
+    return tuple(seen.values())
+
+
+#: Every sampler option (``Sampler.options``, one entry per name): what the command line,
+#: the daemon's config, ``Buffer`` and the cluster's daemon options accept.
+OPTIONS = _options()
+
+
+def takers(option: Option[Any]) -> list[str]:
+    """The names of the samplers that take ``option``."""
+    return [name for name, cls in SAMPLERS.items() if option in cls.options]
+
+
 RATE_LIMITERS: dict[str, type[RateLimiter]] = {
     cls.name: cls for cls in (NoLimit, MinSize, SampleToInsertRatio)
 }
@@ -76,10 +104,10 @@ def make_rate_limiter(name: str, **options: Any) -> RateLimiter:
     return limiter
 
 
-def _given(kind: str, name: str, cls: Any, options: dict[str, Any]) -> dict[str, Any]:
-    """The options that were given (not None); ValueError naming any ``cls`` does not take."""
+def _given(kind: str, name: str, takes: list[str], options: dict[str, Any]) -> dict[str, Any]:
+    """The options that were given (not None); ValueError naming any not in ``takes``."""
     given = {key: value for key, value in options.items() if value is not None}
-    takes = [p for p in inspect.signature(cls).parameters if p in options]
+    takes = [p for p in takes if p in options]
     extra = sorted(set(given) - set(takes))
     if extra:
         allowed = ", ".join(takes) or "none"
@@ -91,11 +119,12 @@ def build_sampler(name: str, **options: Any) -> Sampler:
     """A sampler from flag-style options (``--sampler`` and its settings), where None means
     "not given": the sampler's default. An option given that ``name`` does not take (say
     ``priority_exponent`` for ``uniform``) is refused with a ValueError naming it."""
-    cls = _lookup("sampler", name, SAMPLERS)
-    return make_sampler(name, **_given("sampler", name, cls, options))
+    cls: type[Sampler] = _lookup("sampler", name, SAMPLERS)
+    takes = [option.name for option in cls.options]
+    return make_sampler(name, **_given("sampler", name, takes, options))
 
 
 def build_rate_limiter(name: str, **options: Any) -> RateLimiter:
     """A rate limiter from flag-style options; None means "not given" (see build_sampler)."""
-    cls = _lookup("rate limiter", name, RATE_LIMITERS)
-    return make_rate_limiter(name, **_given("rate limiter", name, cls, options))
+    takes = list(inspect.signature(_lookup("rate limiter", name, RATE_LIMITERS)).parameters)
+    return make_rate_limiter(name, **_given("rate limiter", name, takes, options))

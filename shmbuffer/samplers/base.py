@@ -38,9 +38,10 @@ import numpy.typing as npt
 
 from shmbuffer.names import UNITS, check_choice
 from shmbuffer.registry import Episode, EpisodeRegistry
+from shmbuffer.samplers.declare import Option
 from shmbuffer.samplers.index import EpisodeIndex
 
-__all__ = ["Draw", "EpisodeDraw", "Sampler", "SliceDraw", "check_priority"]
+__all__ = ["MAX_TIMES_SAMPLED", "Draw", "EpisodeDraw", "Sampler", "SliceDraw", "check_priority"]
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -150,12 +151,38 @@ def check_count(value: int, what: str) -> int:
     return value
 
 
+#: Every sampler's option: an item (row, or episode in episode unit) retires after this many
+#: samples, which makes any sampler's samples consume what they hand out.
+MAX_TIMES_SAMPLED: Option[int | None] = Option(
+    "max_times_sampled",
+    int,
+    None,
+    "retire an item after K samples; with fifo writers wait for unconsumed rows",
+)
+
+
 class Sampler(ABC):
-    """Which committed rows, episodes or slices a read gets; see the module docstring."""
+    """Which committed rows, episodes or slices a read gets; see the module docstring.
+
+    A sampler declares itself in class attributes, read by whatever configures or serves
+    it: its ``name`` (``--sampler``), its constructor ``options`` and its capabilities
+    (``has_priorities``, ``consumes``, ``waits_for_data``).
+    """
 
     name: ClassVar[str]
+    #: The constructor's keyword options, each declared once (``declare.Option``): flags,
+    #: config keys, ``Buffer`` keywords and :meth:`settings` derive from them.
+    options: ClassVar[tuple[Option[Any], ...]] = (MAX_TIMES_SAMPLED,)
     #: Whether ``update_priorities`` and a ``priority`` on commit mean anything here.
     has_priorities: ClassVar[bool] = False
+    #: Whether a sample must be drawn when the learner asks for it, never ahead: what one
+    #: hands out decides what later ones get (a shared walk, consume-once queues, the oldest
+    #: data first), so a sample sent ahead would take data the learner never asked for.
+    #: ``max_times_sampled`` makes any sampler consume (:attr:`consuming`).
+    consumes: ClassVar[bool] = False
+    #: Whether a sample that finds nothing to hand out waits for writers instead of failing
+    #: at once; ``max_times_sampled`` makes any sampler wait (:attr:`waits_when_empty`).
+    waits_for_data: ClassVar[bool] = False
     #: The largest priority it can keep (``check_priority``'s ``most``): what its sums stay
     #: finite with; set once attached to a capacity.
     priority_limit: float = math.inf
@@ -298,6 +325,16 @@ class Sampler(ABC):
         return False
 
     @property
+    def consuming(self) -> bool:
+        """Whether this sampler's samples consume what they hand out (see :attr:`consumes`)."""
+        return self.consumes or self.max_times_sampled is not None
+
+    @property
+    def waits_when_empty(self) -> bool:
+        """Whether a sample with nothing to hand out waits (see :attr:`waits_for_data`)."""
+        return self.waits_for_data or self.max_times_sampled is not None
+
+    @property
     def draws_change_state(self) -> bool:
         """Whether a draw changes this sampler's state (counts, consumption, epochs): what a
         journal replay must then redo exactly. Only ``max_times_sampled`` does, here."""
@@ -307,8 +344,9 @@ class Sampler(ABC):
 
     def settings(self) -> dict[str, Any]:
         """The constructor options this sampler was made with (``make_sampler(name, **it)``
-        builds an equal one: how a resumed buffer rebuilds the saved sampler)."""
-        return {"max_times_sampled": self.max_times_sampled}
+        builds an equal one: how a resumed buffer rebuilds the saved sampler): one value
+        per declared option, kept under the option's name."""
+        return {option.name: getattr(self, option.name) for option in self.options}
 
     @abstractmethod
     def state_dict(self) -> dict[str, Any]:

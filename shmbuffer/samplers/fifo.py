@@ -43,6 +43,7 @@ import numpy.typing as npt
 from shmbuffer.errors import EmptyBufferError
 from shmbuffer.registry import Episode, EpisodeRegistry
 from shmbuffer.samplers.base import (
+    MAX_TIMES_SAMPLED,
     Draw,
     EpisodeDraw,
     Priority,
@@ -81,9 +82,11 @@ class FifoSampler(Sampler):
     """Oldest first; consume-once with ``max_times_sampled``; see the module docstring."""
 
     name = "fifo"
+    consumes = True
+    waits_for_data = True
     uses_rng = False  # the order is deterministic
 
-    def __init__(self, *, max_times_sampled: int | None = None) -> None:
+    def __init__(self, *, max_times_sampled: int | None = MAX_TIMES_SAMPLED.default) -> None:
         super().__init__(max_times_sampled=max_times_sampled)
         self._reset()
 

@@ -60,6 +60,7 @@ import numpy.typing as npt
 from shmbuffer.errors import EmptyBufferError
 from shmbuffer.registry import Episode, EpisodeRegistry
 from shmbuffer.samplers.base import (
+    MAX_TIMES_SAMPLED,
     Draw,
     EpisodeDraw,
     Priority,
@@ -71,6 +72,7 @@ from shmbuffer.samplers.base import (
     from_bytes,
     to_bytes,
 )
+from shmbuffer.samplers.declare import Option
 from shmbuffer.samplers.index import Graveyard, Removal, SliceMasses, rows_of
 from shmbuffer.samplers.sumtree import PositiveMinTree, SumTree, assign_pair, update_pair
 
@@ -119,19 +121,31 @@ def _nonneg(value: float, what: str) -> float:
     return value
 
 
+PRIORITY_EXPONENT: Option[float] = Option(
+    "priority_exponent", float, 0.6, "alpha: weight = (priority + eps) ** alpha"
+)
+IMPORTANCE_EXPONENT: Option[float] = Option(
+    "importance_exponent", float, 0.4, "beta of the importance weights (per call too)"
+)
+PRIORITY_EPS: Option[float] = Option(
+    "priority_eps", float, 1e-6, "added to priorities, so none is drawn with probability 0"
+)
+
+
 class PrioritizedSampler(Sampler):
     """Proportional prioritized replay over rows or episodes; see the module docstring."""
 
     name = "prioritized"
+    options = (*Sampler.options, PRIORITY_EXPONENT, IMPORTANCE_EXPONENT, PRIORITY_EPS)
     has_priorities = True
 
     def __init__(
         self,
         *,
-        priority_exponent: float = 0.6,
-        importance_exponent: float = 0.4,
-        priority_eps: float = 1e-6,
-        max_times_sampled: int | None = None,
+        priority_exponent: float = PRIORITY_EXPONENT.default,
+        importance_exponent: float = IMPORTANCE_EXPONENT.default,
+        priority_eps: float = PRIORITY_EPS.default,
+        max_times_sampled: int | None = MAX_TIMES_SAMPLED.default,
     ) -> None:
         super().__init__(max_times_sampled=max_times_sampled)
         self.priority_exponent = _nonneg(priority_exponent, "priority_exponent")
@@ -473,14 +487,6 @@ class PrioritizedSampler(Sampler):
         return out
 
     # -- state -------------------------------------------------------------------------------
-
-    def settings(self) -> dict[str, Any]:
-        return {
-            **super().settings(),
-            "priority_exponent": self.priority_exponent,
-            "importance_exponent": self.importance_exponent,
-            "priority_eps": self.priority_eps,
-        }
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -54,15 +54,19 @@ Not thread-safe; the owning sampler serialises calls.
 from __future__ import annotations
 
 import functools
+import importlib
 import itertools
 import operator
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from shmbuffer import jit
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "FANOUT",
@@ -101,6 +105,14 @@ def jit_available() -> ModuleType | None:
     return jit.load("shmbuffer.samplers._jit")
 
 
+def _import_torch() -> None:
+    """Bind ``torch`` in this module when the first tree is built, not on import: the
+    sampler classes (and the options they declare, which the command line reads to build its
+    parser) then import without it."""
+    if "torch" not in globals():
+        globals()["torch"] = importlib.import_module("torch")
+
+
 def _flat_levels(sizes: list[int], neutral: float) -> tuple[F64, I64, list[F64]]:
     """One array holding every level (the kernels walk it), its level offsets, and views."""
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -120,6 +132,7 @@ class _Tree:
     _neutral: float = 0.0
 
     def __init__(self, capacity: int, *, top: int = TOP) -> None:
+        _import_torch()
         capacity, top = operator.index(capacity), operator.index(top)
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")

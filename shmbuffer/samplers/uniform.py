@@ -34,7 +34,15 @@ import numpy.typing as npt
 
 from shmbuffer.errors import EmptyBufferError
 from shmbuffer.registry import Episode, EpisodeRegistry
-from shmbuffer.samplers.base import Draw, EpisodeDraw, Priority, Sampler, SliceDraw, check_count
+from shmbuffer.samplers.base import (
+    MAX_TIMES_SAMPLED,
+    Draw,
+    EpisodeDraw,
+    Priority,
+    Sampler,
+    SliceDraw,
+    check_count,
+)
 from shmbuffer.samplers.index import EpisodeIndex, SliceMasses, rows_of
 from shmbuffer.samplers.prioritized import PrioritizedSampler
 
@@ -49,7 +57,7 @@ class UniformSampler(Sampler):
 
     name = "uniform"
 
-    def __init__(self, *, max_times_sampled: int | None = None) -> None:
+    def __init__(self, *, max_times_sampled: int | None = MAX_TIMES_SAMPLED.default) -> None:
         self._index = EpisodeIndex(1)
         self._mirrored = False  # whether _index follows the registry yet (module docstring)
         super().__init__(max_times_sampled=max_times_sampled)

@@ -32,6 +32,7 @@ import numpy.typing as npt
 from shmbuffer.errors import EmptyBufferError
 from shmbuffer.registry import Episode, EpisodeRegistry
 from shmbuffer.samplers.base import (
+    MAX_TIMES_SAMPLED,
     Draw,
     EpisodeDraw,
     Priority,
@@ -53,8 +54,9 @@ class WithoutReplacementSampler(Sampler):
     """Shared epochs over rows or episodes; see the module docstring."""
 
     name = "without-replacement"
+    consumes = True
 
-    def __init__(self, *, max_times_sampled: int | None = None) -> None:
+    def __init__(self, *, max_times_sampled: int | None = MAX_TIMES_SAMPLED.default) -> None:
         super().__init__(max_times_sampled=max_times_sampled)
         self._reset()
 

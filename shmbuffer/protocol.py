@@ -40,7 +40,7 @@ from shmbuffer.errors import (
 )
 
 #: Versioned separately from the package. Minor bumps add optional fields or ops only.
-PROTOCOL_VERSION = "1.6"
+PROTOCOL_VERSION = "1.7"
 PROTOCOL_MAJOR = int(PROTOCOL_VERSION.split(".", maxsplit=1)[0])
 
 #: Largest request header the daemon accepts, in bytes; payload frames are bounded by its own
@@ -350,6 +350,8 @@ _BUFFER: dict[str, Spec] = {
     # prefetched: a sample sent ahead would consume data the learner never asked for)
     "sampler": Spec((str,)),
     "max_times_sampled": Spec((int, _NIL)),
+    # since 1.7: the sampler's own word on that, whatever its name
+    "consumes": Spec((bool,), required=False),
 }
 #: The ``stats.sampler`` map (since 1.2).
 _SAMPLER: dict[str, Spec] = {

@@ -37,13 +37,25 @@ from shmbuffer.errors import (
 from shmbuffer.protocol import MAX_SAMPLE, MAX_SAMPLE_ROWS, encode_i64
 from shmbuffer.recent import RecentSamples
 from shmbuffer.rows import from_bytes, gather, nest
+from shmbuffer.samplers import SAMPLERS
 from shmbuffer.samplers.base import check_beta
 from shmbuffer.schema import Schema, to_host
 from shmbuffer.segment import Segment
 
-#: Samplers whose samples consume what they hand out (with any sampler: max_times_sampled):
-#: a sample sent ahead would take data the learner never asked for, so none is.
-CONSUMING_SAMPLERS = ("fifo", "without-replacement")
+#: Samplers whose samples consume what they hand out, as they declare it (``Sampler.consumes``;
+#: with any sampler: max_times_sampled): a sample sent ahead would take data the learner never
+#: asked for, so none is. A daemon since protocol 1.7 says so itself (``buffer.consumes``).
+CONSUMING_SAMPLERS = tuple(name for name, cls in SAMPLERS.items() if cls.consumes)
+
+
+def consumes(buffer: dict[str, Any]) -> bool:
+    """Whether the daemon of this ``hello`` reply's ``buffer`` hands out samples that consume:
+    its own word, or for a daemon before protocol 1.7 its sampler's declaration by name."""
+    said = buffer.get("consumes")
+    if said is not None:
+        return bool(said)
+    name = buffer.get("sampler", "uniform")  # a daemon before 1.2 samples uniformly
+    return name in CONSUMING_SAMPLERS or buffer.get("max_times_sampled") is not None
 
 
 #: The per-item arrays of a sample's reply, which :func:`split_reply` cuts into batches.
@@ -164,10 +176,7 @@ class ReaderState:
         self.unit: str = self.conn.buffer["unit"]
         #: The daemon's sampler (a daemon before protocol 1.2 samples uniformly).
         self.sampler: str = self.conn.buffer.get("sampler", "uniform")
-        self.consumes = (
-            self.sampler in CONSUMING_SAMPLERS
-            or self.conn.buffer.get("max_times_sampled") is not None
-        )
+        self.consumes = consumes(self.conn.buffer)
         #: Batches one sample request fetches ahead (0: none); a remote reader's come as
         #: frames, one batch at a time.
         self.prefetch = 0 if self.consumes else min(depth, 1) if self.remote else depth

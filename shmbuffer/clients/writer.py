@@ -29,6 +29,7 @@ from shmbuffer.clients.connection import Connection
 from shmbuffer.clients.pipeline import Items, WritePipeline, compact
 from shmbuffer.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
 from shmbuffer.errors import InvalidArgumentError
+from shmbuffer.samplers import SAMPLERS
 from shmbuffer.samplers.base import check_priority
 from shmbuffer.schema import Schema, to_host
 from shmbuffer.segment import Segment
@@ -108,6 +109,9 @@ class Writer:
         self.mode: str = conn.buffer["mode"]
         #: The daemon's sampler (a daemon before protocol 1.2 samples uniformly).
         self.sampler: str = conn.buffer.get("sampler", "uniform")
+        #: Whether that sampler declares priorities (one this side does not know: no).
+        kind = SAMPLERS.get(self.sampler)
+        self._keeps_priorities = kind is not None and kind.has_priorities
         self.batch_bytes = batch_bytes
 
     @property
@@ -187,7 +191,7 @@ class Writer:
         self, batch: Mapping[str, Any], num_sub_episodes: int = 1, priority: Any = None
     ) -> None:
         self._pipe.check_ticker()
-        if priority is not None and self.sampler != "prioritized":  # before anything else
+        if priority is not None and not self._keeps_priorities:  # before anything else
             raise InvalidArgumentError(
                 f"priority given, but the daemon's sampler {self.sampler!r} keeps no "
                 "priorities (start it with --sampler prioritized)"

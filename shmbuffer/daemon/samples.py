@@ -50,15 +50,11 @@ class SampleOps(DaemonState):
         except WaitTimeoutError as exc:  # the rate limiter refuses it now: wait in the daemon
             raise Deferred(str(exc), deadline, "sample", rest) from None
         except EmptyBufferError as exc:
-            # A FIFO or consume-once sampler with nothing to hand out waits for writers; an
-            # empty buffer under any other sampler is an error at once, as it always was.
-            if not self._waits_for_data():
+            # A sampler that declares it waits for data (FIFO, consume-once) waits for
+            # writers; an empty buffer under any other is an error at once, as it always was.
+            if not self.container.sampler.waits_when_empty:
                 raise
             raise Deferred(f"nothing to consume yet: {exc}", deadline, "sample", rest) from None
-
-    def _waits_for_data(self) -> bool:
-        sampler = self.container.sampler
-        return sampler.name == "fifo" or sampler.max_times_sampled is not None
 
     def _sample(self, client: Client, fields: dict[str, Any], now: float) -> Reply:
         """Draw through the container's sampler (which counts the reads and tells the limiter),
@@ -95,7 +91,7 @@ class SampleOps(DaemonState):
             episodes = c.sample_episodes(n, beta=beta)
             ids, index = episodes.ids, episodes.starts
             drawn, physical = episodes, episodes.rows
-            if not self._waits_for_data():  # drawn for good otherwise: never refuse them now
+            if not c.sampler.waits_when_empty:  # drawn for good otherwise: never refuse them now
                 self._check_sample_size(physical.size, fields)
             reply.update(
                 ids=encode_i64(ids),

@@ -211,6 +211,7 @@ class DaemonState:
             "max_payload_bytes": self.config.max_payload_bytes,
             "sampler": self.container.sampler.name,
             "max_times_sampled": self.container.sampler.max_times_sampled,
+            "consumes": self.container.sampler.consuming,
         }
 
     def _start_journal(self) -> None:

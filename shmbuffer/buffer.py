@@ -36,7 +36,7 @@ from shmbuffer.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpis
 from shmbuffer.errors import ClosedError, InvalidArgumentError
 from shmbuffer.protocol import MAX_SAMPLE, check_sample_size
 from shmbuffer.recent import RecentSamples
-from shmbuffer.samplers import RateLimiter, Sampler, build_rate_limiter, build_sampler
+from shmbuffer.samplers import OPTIONS, RateLimiter, Sampler, build_rate_limiter, build_sampler
 from shmbuffer.samplers.base import Priority, check_count, check_priority
 from shmbuffer.schema import Schema, to_host
 from shmbuffer.segment import LocalSegment, Segment
@@ -99,16 +99,9 @@ class Buffer:
         samples_per_insert: float | None = None,
         error_buffer: float | None = None,
     ) -> None:
-        sampler_part = _part(
-            "sampler",
-            sampler,
-            Sampler,
-            build_sampler,
-            priority_exponent=priority_exponent,
-            importance_exponent=importance_exponent,
-            priority_eps=priority_eps,
-            max_times_sampled=max_times_sampled,
-        )
+        given = locals()  # the keywords of the options the samplers declare, by name
+        options = {option.name: given[option.name] for option in OPTIONS}
+        sampler_part = _part("sampler", sampler, Sampler, build_sampler, **options)
         limiter_part = _part(
             "rate_limiter",
             rate_limiter,

@@ -21,12 +21,13 @@ import os
 import select
 import signal
 import sys
-from collections.abc import Iterator
+from typing import Any
 
 from shmbuffer import curve
 from shmbuffer.cli_admin import cmd_checkpoint, cmd_configure, cmd_status, cmd_stop
 from shmbuffer.cli_start import cmd_start, run_daemon
 from shmbuffer.errors import ShmBufferError
+from shmbuffer.samplers import OPTIONS, RATE_LIMITERS, SAMPLERS, Option, takers
 
 __all__ = [
     "build_parser",
@@ -74,27 +75,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # -- parser -------------------------------------------------------------------------------
 
 
-class _Names:
-    """The keys of ``shmbuffer.samplers.<table>`` as argparse ``choices``, read on first use:
-    that package imports torch, which only ``start`` needs, and argparse reads ``choices``
-    only to check a value given on the command line or to print help (the flags set a
-    ``metavar``, or ``add_argument`` would list them at once)."""
-
-    def __init__(self, table: str) -> None:
-        self._table = table
-
-    def _names(self) -> tuple[str, ...]:
-        import shmbuffer.samplers
-
-        return tuple(getattr(shmbuffer.samplers, self._table))
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names())
-
-    def __contains__(self, value: object) -> bool:
-        return value in self._names()
-
-
 def _seconds(text: str) -> float:
     """A positive, finite number of seconds (``nan``, ``inf``, 0 and negatives are usage
     errors, not a crash later: ``--watch -1`` used to fail in ``time.sleep``)."""
@@ -137,36 +117,34 @@ def _add_limiter_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _sampler_help(option: Option[Any]) -> str:
+    """An option's help, led by the samplers that take it (unless every one does) and ended
+    by its default (unless that is "not set")."""
+    names = takers(option)
+    lead = "" if len(names) == len(SAMPLERS) else ", ".join(names) + ": "
+    default = "" if option.default is None else f" ({option.default})"
+    return lead + option.help + default
+
+
 def _add_sampler_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="seeds every draw")
     parser.add_argument(
         "--sampler",
-        choices=_Names("SAMPLERS"),
+        choices=tuple(SAMPLERS),
         default=None,
         metavar="NAME",
         help="how reads pick: %(choices)s (default uniform)",
     )
-    parser.add_argument(
-        "--priority-exponent", type=_finite, default=None, help="prioritized: alpha (0.6)"
-    )
-    parser.add_argument(
-        "--importance-exponent",
-        type=_finite,
-        default=None,
-        help="prioritized: beta of the weights (0.4; per call too)",
-    )
-    parser.add_argument(
-        "--priority-eps", type=_finite, default=None, help="prioritized: added to priorities"
-    )
-    parser.add_argument(
-        "--max-times-sampled",
-        type=int,
-        default=None,
-        help="retire an item after K samples; with fifo writers wait for unconsumed rows",
-    )
+    for option in OPTIONS:  # as each sampler declares them; None: the sampler's default
+        parser.add_argument(
+            option.flag,
+            type=_finite if option.type is float else int,
+            default=None,
+            help=_sampler_help(option),
+        )
     parser.add_argument(
         "--rate-limiter",
-        choices=_Names("RATE_LIMITERS"),
+        choices=tuple(RATE_LIMITERS),
         default=None,
         metavar="NAME",
         help="flow control between inserts and samples: %(choices)s (default none)",

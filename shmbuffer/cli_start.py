@@ -34,7 +34,11 @@ log = logging.getLogger("shmbuffer.daemon")
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    from shmbuffer.daemon.config import DaemonConfig, load_schema_file  # imports torch
+    from shmbuffer.daemon.config import (  # imports torch
+        SAMPLER_OPTIONS,
+        DaemonConfig,
+        load_schema_file,
+    )
 
     config = DaemonConfig.load(
         args.config,
@@ -54,10 +58,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         insecure_tcp_admin=args.insecure_tcp_admin,
         seed=args.seed,
         sampler=args.sampler,
-        priority_exponent=args.priority_exponent,
-        importance_exponent=args.importance_exponent,
-        priority_eps=args.priority_eps,
-        max_times_sampled=args.max_times_sampled,
+        **{name: getattr(args, name) for name in SAMPLER_OPTIONS},  # as the samplers declare
         rate_limiter=args.rate_limiter,
         min_size=args.min_size,
         samples_per_insert=args.samples_per_insert,

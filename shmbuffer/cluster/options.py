@@ -14,10 +14,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from shmbuffer.names import UNITS, validate_name
+from shmbuffer.samplers import OPTIONS
 
-#: ``start`` flags a cluster passes through, as keyword names.
+#: ``start`` flags a cluster passes through, as keyword names (the sampler's: as the samplers
+#: declare them).
 DAEMON_OPTIONS = frozenset(
     {
+        *(option.name for option in OPTIONS),
         "mode",
         "schema",
         "storage_dir",
@@ -29,10 +32,6 @@ DAEMON_OPTIONS = frozenset(
         "metrics_host",
         "seed",
         "sampler",
-        "priority_exponent",
-        "importance_exponent",
-        "priority_eps",
-        "max_times_sampled",
         "rate_limiter",
         "min_size",
         "samples_per_insert",

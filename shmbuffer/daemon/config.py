@@ -16,8 +16,10 @@ from shmbuffer.errors import ConfigError
 from shmbuffer.names import MODES, UNITS, check_choice, validate_name
 from shmbuffer.runtime import ENV_RUNTIME_DIR, group_user_dir, runtime_dir
 from shmbuffer.samplers import (
+    OPTIONS,
     RATE_LIMITERS,
     SAMPLERS,
+    Option,
     RateLimiter,
     Sampler,
     build_rate_limiter,
@@ -31,8 +33,9 @@ MAX_PORT = 65535
 
 #: The sampler's and the rate limiter's settings (``--priority-exponent`` ...), each None
 #: unless given: the sampler's own default then, and a setting given that the chosen sampler or
-#: limiter does not take is refused at start.
-SAMPLER_OPTIONS = ("priority_exponent", "importance_exponent", "priority_eps", "max_times_sampled")
+#: limiter does not take is refused at start. The sampler's are what the samplers declare
+#: (``Sampler.options``); each is a field below too (tests/test_sampler_declarations.py).
+SAMPLER_OPTIONS = tuple(option.name for option in OPTIONS)
 LIMITER_OPTIONS = ("min_size", "samples_per_insert", "error_buffer")
 
 
@@ -100,7 +103,8 @@ class DaemonConfig:
     client_idle_ttl: float = 3600.0
     #: Seeds the daemon's random generator (every draw) and iterate's shuffles.
     seed: int | None = None
-    #: ``uniform``, ``without-replacement``, ``prioritized`` or ``fifo`` (``shmbuffer.samplers``).
+    #: A sampler's name (``shmbuffer.samplers.SAMPLERS``); the options below are those the
+    #: samplers declare.
     sampler: str = "uniform"
     priority_exponent: float | None = None
     importance_exponent: float | None = None
@@ -225,12 +229,7 @@ class DaemonConfig:
         unknown, out of range, or not taken by the chosen sampler."""
         if self.sampler not in SAMPLERS:
             raise ConfigError(f"--sampler {self.sampler!r}: expected one of {list(SAMPLERS)}")
-        options = {name: getattr(self, name) for name in SAMPLER_OPTIONS}
-        for name in ("priority_exponent", "importance_exponent", "priority_eps"):
-            _check_number(name, options[name])
-        times = options["max_times_sampled"]
-        if times is not None and type(times) is not int:
-            raise ConfigError(f"--max-times-sampled must be an integer, got {times!r}")
+        options = {option.name: _checked(option, getattr(self, option.name)) for option in OPTIONS}
         try:
             return build_sampler(self.sampler, **options)
         except (ValueError, TypeError) as exc:
@@ -309,6 +308,16 @@ def _as_flags(message: str) -> str:
     for name in (*SAMPLER_OPTIONS, *LIMITER_OPTIONS):
         message = message.replace(name, _flag(name))
     return message
+
+
+def _checked(option: Option[Any], value: Any) -> Any:
+    """``value`` of a declared sampler option if given as its type allows (an integer, or a
+    finite number for a float option; a TOML string or bool is refused)."""
+    if option.type is float:
+        _check_number(option.name, value)
+    elif value is not None and type(value) is not int:
+        raise ConfigError(f"{option.flag} must be an integer, got {value!r}")
+    return value
 
 
 def _check_number(name: str, value: Any) -> None:

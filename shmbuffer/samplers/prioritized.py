@@ -122,13 +122,13 @@ def _nonneg(value: float, what: str) -> float:
 
 
 PRIORITY_EXPONENT: Option[float] = Option(
-    "priority_exponent", float, 0.6, "alpha: weight = (priority + eps) ** alpha"
+    "priority_exponent", float, 0.6, "alpha, the exponent of priority + eps in an item's weight"
 )
 IMPORTANCE_EXPONENT: Option[float] = Option(
-    "importance_exponent", float, 0.4, "beta of the importance weights (per call too)"
+    "importance_exponent", float, 0.4, "beta of the importance weights; per call too"
 )
 PRIORITY_EPS: Option[float] = Option(
-    "priority_eps", float, 1e-6, "added to priorities, so none is drawn with probability 0"
+    "priority_eps", float, 1e-6, "added to priorities, so none weighs 0"
 )
 
 

@@ -17,9 +17,10 @@ commit and sample paths gained no hop by the split.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import NoReturn, Protocol
+from typing import NamedTuple, NoReturn, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -121,6 +122,23 @@ class PriorityUpdate:
     stale: int
 
 
+class Draw(NamedTuple):
+    """A draw that changed state, as a log records it and a replay redoes it: ``call`` (ROWS,
+    EPISODES or SLICES of :mod:`shmbuffer.sampling`) of ``n`` items (slices of ``length``
+    rows, ``strict``) handed out ``handed`` rows (the limiter's count), or was ``refused`` yet
+    changed the sampler (a FIFO's drops). ``rng``: the generator's state before the draw as
+    :func:`~shmbuffer.sampling.rng_words`, when a refused draw may have moved it since the
+    last record (None: where the previous record's draw left it)."""
+
+    call: int
+    n: int
+    length: int
+    strict: bool
+    handed: int
+    refused: bool
+    rng: Sequence[int] | None
+
+
 class SampleLog(Protocol):
     """Who hears of every sample the container hands out (the daemon's journal, so that a
     resumed daemon redoes them; see ``daemon/journal.py``). Called with the owner's calls
@@ -130,22 +148,8 @@ class SampleLog(Protocol):
         """Before a draw of ``n`` items changes anything: make room for what it will record
         (OutOfSpaceError refuses the sample with nothing changed)."""
 
-    def sampled(
-        self,
-        call: int,
-        n: int,
-        length: int,
-        strict: bool,
-        handed: int,
-        refused: bool,
-        rng: list[int] | None,
-    ) -> None:
-        """A draw changed state, before its rows are handed out: ``call`` (ROWS, EPISODES or
-        SLICES of :mod:`shmbuffer.sampling`) of ``n`` items (slices of ``length`` rows,
-        ``strict``) handed out ``handed`` rows (the limiter's count), or was ``refused``
-        yet changed the sampler (a FIFO's drops). ``rng``: the generator's state before the
-        draw as :func:`~shmbuffer.sampling.rng_words`, when a refused draw may have moved
-        it since the last record (None: where the previous record's draw left it)."""
+    def sampled(self, draw: Draw) -> None:
+        """``draw`` changed state; called before its rows are handed out."""
 
 
 class RingState:

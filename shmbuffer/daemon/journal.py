@@ -75,7 +75,7 @@ from typing import Any
 
 import numpy as np
 
-from shmbuffer.container import Container, Range
+from shmbuffer.container import Container, Draw, Range
 from shmbuffer.daemon.clients import ClientTable
 from shmbuffer.daemon.journal_hooks import (
     file_backed,
@@ -262,19 +262,11 @@ class Journal:
         items is held by at most ``n`` episodes), before the draw changes anything."""
         self.reserve(_SAMPLE_BYTES + record_bytes(LEASE_FIELDS + n))
 
-    def sampled(
-        self,
-        call: int,
-        n: int,
-        length: int,
-        strict: bool,
-        handed: int,
-        refused: bool,
-        rng: list[int] | None,
-    ) -> None:
+    def sampled(self, draw: Draw) -> None:
         """Append a SAMPLE record (see :class:`~shmbuffer.ringstate.SampleLog`)."""
         if self._fd is None:
             return
+        call, n, length, strict, handed, refused, rng = draw
         head = (SAMPLE, call, n, length, int(strict), handed, int(refused))
         body = SAMPLE_BODY.pack(*head) if rng is None else SAMPLE_RNG_BODY.pack(*head, *rng)
         self._append_body(body)

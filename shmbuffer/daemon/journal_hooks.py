@@ -16,7 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
-from shmbuffer.container import Container
+from shmbuffer.container import Container, Draw
 from shmbuffer.daemon.clients import ClientTable
 from shmbuffer.daemon.leases import holder
 from shmbuffer.daemon.records import LEASE_FIELDS, record_bytes
@@ -112,16 +112,7 @@ class LeaseRoom:
     def room_for_sample(self, n: int) -> None:
         self.journal.reserve(record_bytes(LEASE_FIELDS + n))
 
-    def sampled(
-        self,
-        call: int,
-        n: int,
-        length: int,
-        strict: bool,
-        handed: int,
-        refused: bool,
-        rng: list[int] | None,
-    ) -> None:
+    def sampled(self, draw: Draw) -> None:
         return None
 
 

@@ -194,9 +194,8 @@ class RingState:
         #: Rows the pointer has moved, early-wrap skips included (not journaled: after a
         #: restart no reservation is open to compare it with).
         self.travelled = 0
-        #: Reads per row since it was committed; -1 for rows that hold no committed data. The
-        #: daemon swaps it for a file-backed array of the same values (``journal.py``): only
-        #: ever written in place here.
+        #: Reads per row since it was committed; -1 for rows that hold no committed data. An
+        #: owner may keep it elsewhere (:meth:`keep_state_in`): only ever written in place.
         self.use_counts = np.full(capacity, -1, dtype=np.int32)
         #: Told every sample (None: nobody, as in-process); see :class:`SampleLog`.
         self.sample_log: SampleLog | None = None
@@ -204,6 +203,19 @@ class RingState:
         self.rng_unlogged = False
         self.reservations: dict[int, Reservation] = {}
         self._next_reservation = 1
+
+    def keep_state_in(self, use_counts: npt.NDArray[np.int32], sample_log: SampleLog) -> None:
+        """Keep the use counters in ``use_counts`` (an array of this ring's size holding the
+        same values, say file-backed) and tell ``sample_log`` every draw from now on: how the
+        daemon's journal keeps what reads change across a crash (``daemon/journal.py``).
+        ValueError for an array of another shape or dtype."""
+        if use_counts.shape != self.use_counts.shape or use_counts.dtype != np.int32:
+            raise ValueError(
+                f"use counts of {use_counts.dtype} {use_counts.shape}, the ring keeps int32 "
+                f"{self.use_counts.shape}"
+            )
+        self.use_counts = use_counts
+        self.sample_log = sample_log
 
     # -- sizes ------------------------------------------------------------------------------
 

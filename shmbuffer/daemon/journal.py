@@ -247,8 +247,10 @@ class Journal:
         counters move into ``use_counts.bin`` beside it (their current values copied; written
         in place from then on); ``leases`` tell it grants, renewals and releases and go into
         every snapshot, matched to processes through ``clients``; ``iterate_seed`` too."""
-        container.use_counts = file_backed(self.folder / USE_COUNTS_FILE, container.use_counts)
-        container.sample_log = sample_log_for(container, self)
+        container.keep_state_in(
+            file_backed(self.folder / USE_COUNTS_FILE, container.use_counts),
+            sample_log_for(container, self),
+        )
         if leases is not None:
             leases.log = self
             if clients is not None:

@@ -65,6 +65,7 @@ class FakeDaemon:
     sampler: str = "uniform"
     consumes: bool = False
     lease_ttl: float = 30.0
+    renew_ttl: float | None = None  # the TTL a renewal's reply gives (None: lease_ttl)
     extra: dict[str, Any] = field(default_factory=dict)  # more of the hello's ``buffer``
 
     def __post_init__(self) -> None:
@@ -226,7 +227,7 @@ class FakeDaemon:
     def _op_renew(self, fields: dict[str, Any]) -> dict[str, Any]:
         if fields["lease"] not in self.leases:
             raise NotFoundError(f"lease {fields['lease']} not held")
-        return {"ttl": self.lease_ttl}
+        return {"ttl": self.lease_ttl if self.renew_ttl is None else self.renew_ttl}
 
     def _op_release(self, fields: dict[str, Any]) -> dict[str, Any]:
         if self.leases.pop(fields["lease"], None) is None:

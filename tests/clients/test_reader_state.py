@@ -131,16 +131,21 @@ def test_renewal_stops_after_max_lease_hold(fake: MakeDaemon) -> None:
 
 
 def test_a_renewal_that_finds_the_lease_gone_makes_it_invalid(fake: MakeDaemon) -> None:
-    daemon = fake(unit="episode", lease_ttl=0.06)
+    # Renewed every 20 ms, each renewal good for a minute: only the daemon's word ends it.
+    daemon = fake(unit="episode", lease_ttl=0.06, renew_ttl=60.0)
     daemon.fill(40, length=4)
     with Reader("fake", prefetch=False) as reader:
         # The block's exit says its views may be torn.
         with pytest.raises(LeaseExpiredError), reader.sample_episodes(2) as episodes:
-            assert episodes.valid()
+            assert until(lambda: renewals(daemon) >= 1)
+            tried = renewals(daemon)
             with daemon.lock:  # the daemon expired it
                 daemon.leases.pop(episodes.lease or 0)
-            assert until(lambda: not episodes.valid())
-            assert episodes.valid() is False
+            assert episodes.valid()
+            assert until(lambda: renewals(daemon) > tried)  # the renewal that found it gone
+            assert until(lambda: not episodes.valid(), seconds=1.0)
+            with pytest.raises(LeaseExpiredError):
+                episodes[0]
         seen = renewals(daemon)
         time.sleep(0.08)
         assert renewals(daemon) == seen  # a lapsed lease is not renewed again

@@ -25,17 +25,17 @@ Not thread-safe: the owner (buffer or daemon loop) serialises calls.
 from __future__ import annotations
 
 from shmbuffer.persistence import PersistenceOps, decode_state
-from shmbuffer.ringstate import Draw, Plan, Range, Reservation, as_invalid_argument
+from shmbuffer.ringstate import Plan, Range, Reservation, SampleRecord, as_invalid_argument
 from shmbuffer.sampling import EpisodeSample, RowSample, SliceSample
 
 __all__ = [
     "Container",
-    "Draw",
     "EpisodeSample",
     "Plan",
     "Range",
     "Reservation",
     "RowSample",
+    "SampleRecord",
     "SliceSample",
     "as_invalid_argument",
     "decode_state",

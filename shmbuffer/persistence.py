@@ -22,7 +22,7 @@ import numpy.typing as npt
 from shmbuffer.errors import ShmBufferError
 from shmbuffer.registry import Episode, EpisodeRegistry
 from shmbuffer.reservations import ReservationOps
-from shmbuffer.ringstate import Draw, Range
+from shmbuffer.ringstate import Range, SampleRecord
 from shmbuffer.rows import episode_rows, slice_rows
 from shmbuffer.samplers import RateLimiter, Sampler, make_rate_limiter, make_sampler
 from shmbuffer.sampling import EPISODES, ROWS, SLICES, SamplingOps, set_rng_words
@@ -186,11 +186,11 @@ class PersistenceOps(ReservationOps, SamplingOps):
         """Redo a priority update (stale rows were already left out when it was journaled)."""
         return self.update_priorities(rows, priority)
 
-    def replay_sample(self, draw: Draw) -> bool:
-        """Redo a journaled draw (:class:`~shmbuffer.ringstate.Draw`): the generator set to ``rng``
-        when given, the sampler asked again (its consumption, epochs and counts move as
-        they did), the limiter told ``handed`` rows (exact, whatever the draw) and the
-        use counters the rows drawn. The limiter is not asked: the live draw was
+    def replay_sample(self, draw: SampleRecord) -> bool:
+        """Redo a journaled draw (:class:`~shmbuffer.ringstate.SampleRecord`): the generator set to
+        ``rng`` when given, the sampler asked again (its consumption, epochs and counts
+        move as they did), the limiter told ``handed`` rows (exact, whatever the draw)
+        and the use counters the rows drawn. The limiter is not asked: the live draw was
         admitted.
 
         True when the draw went as journaled (refused or not; as many rows). Samplers whose

@@ -122,7 +122,7 @@ class PriorityUpdate:
     stale: int
 
 
-class Draw(NamedTuple):
+class SampleRecord(NamedTuple):
     """A draw that changed state, as a log records it and a replay redoes it: ``call`` (ROWS,
     EPISODES or SLICES of :mod:`shmbuffer.sampling`) of ``n`` items (slices of ``length``
     rows, ``strict``) handed out ``handed`` rows (the limiter's count), or was ``refused`` yet
@@ -148,7 +148,7 @@ class SampleLog(Protocol):
         """Before a draw of ``n`` items changes anything: make room for what it will record
         (OutOfSpaceError refuses the sample with nothing changed)."""
 
-    def sampled(self, draw: Draw) -> None:
+    def sampled(self, draw: SampleRecord) -> None:
         """``draw`` changed state; called before its rows are handed out."""
 
 

@@ -35,11 +35,11 @@ from shmbuffer.protocol import MAX_SAMPLE, check_sample_size
 from shmbuffer.ringstate import (
     F64,
     I64,
-    Draw,
     Mask,
     PriorityUpdate,
     RingState,
     SampleLog,
+    SampleRecord,
     as_invalid_argument,
     raise_invalid,
 )
@@ -191,7 +191,7 @@ class SamplingOps(RingState):
         limiter.on_sample(n)
         self.count_use(draw.rows)
         if log is not None:
-            log.sampled(Draw(ROWS, n, 0, True, n, False, rng))
+            log.sampled(SampleRecord(ROWS, n, 0, True, n, False, rng))
         return RowSample(draw.rows, draw.probability, weight)
 
     def _before_draw(self, log: SampleLog, n: int) -> list[int] | None:
@@ -211,7 +211,7 @@ class SamplingOps(RingState):
         if sampler.changed_on_refusal:
             sampler.changed_on_refusal = False
             if self.sample_log is not None:
-                self.sample_log.sampled(Draw(call, n, length, strict, 0, True, rng))
+                self.sample_log.sampled(SampleRecord(call, n, length, strict, 0, True, rng))
         if sampler.uses_rng:
             self.rng_unlogged = True
 
@@ -240,7 +240,7 @@ class SamplingOps(RingState):
         self.rate_limiter.on_sample(physical.size)
         self.count_use(physical)
         if log is not None:
-            log.sampled(Draw(EPISODES, n, 0, True, physical.size, False, rng))
+            log.sampled(SampleRecord(EPISODES, n, 0, True, physical.size, False, rng))
         return EpisodeSample(draw.ids, draw.starts, draw.ends, draw.probability, weight, physical)
 
     def sample_slices(
@@ -273,7 +273,7 @@ class SamplingOps(RingState):
         self.rate_limiter.on_sample(n * length)
         self.count_use(flat if mask is None else flat[mask.reshape(-1)])
         if log is not None:
-            log.sampled(Draw(SLICES, n, length, strict, n * length, False, rng))
+            log.sampled(SampleRecord(SLICES, n, length, strict, n * length, False, rng))
         return SliceSample(draw.starts, draw.lengths, draw.probability, weight, flat, mask)
 
     def check_priorities(

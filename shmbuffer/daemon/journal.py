@@ -75,7 +75,7 @@ from typing import Any
 
 import numpy as np
 
-from shmbuffer.container import Container, Draw, Range
+from shmbuffer.container import Container, Range, SampleRecord
 from shmbuffer.daemon.clients import ClientTable
 from shmbuffer.daemon.journal_hooks import (
     file_backed,
@@ -264,7 +264,7 @@ class Journal:
         items is held by at most ``n`` episodes), before the draw changes anything."""
         self.reserve(_SAMPLE_BYTES + record_bytes(LEASE_FIELDS + n))
 
-    def sampled(self, draw: Draw) -> None:
+    def sampled(self, draw: SampleRecord) -> None:
         """Append a SAMPLE record (see :class:`~shmbuffer.ringstate.SampleLog`)."""
         if self._fd is None:
             return

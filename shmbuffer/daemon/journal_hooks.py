@@ -16,7 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
-from shmbuffer.container import Container, Draw
+from shmbuffer.container import Container, SampleRecord
 from shmbuffer.daemon.clients import ClientTable
 from shmbuffer.daemon.leases import holder
 from shmbuffer.daemon.records import LEASE_FIELDS, record_bytes
@@ -112,7 +112,7 @@ class LeaseRoom:
     def room_for_sample(self, n: int) -> None:
         self.journal.reserve(record_bytes(LEASE_FIELDS + n))
 
-    def sampled(self, draw: Draw) -> None:
+    def sampled(self, draw: SampleRecord) -> None:
         return None
 
 

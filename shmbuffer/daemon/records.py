@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from shmbuffer.container import Container, Draw
+from shmbuffer.container import Container, SampleRecord
 from shmbuffer.errors import JournalError
 from shmbuffer.registry import Episode
 
@@ -117,7 +117,7 @@ def apply_record(
             if f.size not in (6, 12):
                 raise ValueError(f"SAMPLE record of {f.size} fields")
             rng = [int(v) for v in f[6:]] or None
-            draw = Draw(call, n, length, bool(strict), handed, bool(refused), rng)
+            draw = SampleRecord(call, n, length, bool(strict), handed, bool(refused), rng)
             return container.replay_sample(draw)
         if kind in (LEASE, RENEW, RELEASE):
             _apply_lease(leases if leases is not None else {}, kind, f)

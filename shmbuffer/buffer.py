@@ -37,10 +37,10 @@ from shmbuffer.errors import ClosedError, InvalidArgumentError
 from shmbuffer.protocol import MAX_SAMPLE, check_sample_size
 from shmbuffer.recent import RecentSamples
 from shmbuffer.samplers import OPTIONS, RateLimiter, Sampler, build_rate_limiter, build_sampler
-from shmbuffer.samplers.base import Priority, check_count, check_priority
+from shmbuffer.samplers.base import Priority, check_count
 from shmbuffer.schema import Schema, to_host
 from shmbuffer.segment import LocalSegment, Segment
-from shmbuffer.writeplan import env_major, plan_write
+from shmbuffer.writeplan import plan_write, vector_episode, write_priority
 
 Index = int | np.integer | slice | Sequence[int] | np.ndarray | torch.Tensor
 
@@ -207,11 +207,8 @@ class Buffer:
         self._check_open()
         if num_envs == 1:
             return self._write(episode, priority=priority)
-        if priority is not None and self.unit == "transition" and np.ndim(priority) == 2:
-            priority = np.asarray(to_host(priority)).T.reshape(-1)  # env-major, as the rows are
-        return self._write(
-            env_major(episode, num_envs), num_sub_episodes=num_envs, priority=priority
-        )
+        batch, priority = vector_episode(episode, num_envs, self.unit, priority)
+        return self._write(batch, num_sub_episodes=num_envs, priority=priority)
 
     def add_transition(self, env_id: str, transition: Mapping[str, Any]) -> list[int]:
         """Append one step of ``env_id``; returns ids of episodes it finished (if any)."""
@@ -236,21 +233,26 @@ class Buffer:
     ) -> list[int]:
         # A lazy schema is fixed by the first batch accepted, never by one refused (a bad
         # batch, priority, or more rows than a fixed buffer holds): rows are reserved first.
-        schema = Schema.from_batch(batch) if self.segment is None else self.segment.schema
-        plan = plan_write(schema, batch, num_sub_episodes, self.capacity, self.mode)
+        plan = plan_write(self.schema, batch, num_sub_episodes, self.capacity, self.mode)
         if plan is None:
             return []
-        leaves, first_row, num_rows, kept = plan
         container = self.container
+        items = None
         if priority is not None:  # checked before anything is evicted
-            priority = self._kept_priority(
-                to_host(priority), first_row, num_rows, num_sub_episodes, kept
+            sampler = container.sampler
+            items = write_priority(
+                priority,
+                plan,
+                self.unit,
+                sampler=sampler.name,
+                keeps=sampler.has_priorities,
+                most=sampler.priority_limit,
             )
-            container.check_priority(num_rows, kept, priority)
-        reservation = container.reserve_rows(num_rows, kept)
+            container.check_priority(plan.num_rows, plan.episodes, items)
+        reservation = container.reserve_rows(plan.num_rows, plan.episodes)
         if self.segment is None:
             try:
-                self._allocate(schema)
+                self._allocate(plan.schema)
             except BaseException:  # out of memory, say: as if the batch had never come
                 container.abort(reservation.id, 0)
                 raise
@@ -263,21 +265,14 @@ class Buffer:
         # what the reservation evicted comes back wherever the copy had not reached.
         with rows.Progress(functools.partial(container.abort, reservation.id)) as progress:
             rows.write(
-                segment.columns, segment.arrays, reservation.ranges, leaves, first_row, progress
+                segment.columns,
+                segment.arrays,
+                reservation.ranges,
+                plan.leaves,
+                plan.first_row,
+                progress,
             )
-        return container.commit(reservation.id, priority)
-
-    def _kept_priority(
-        self, priority: Priority, first_row: int, num_rows: int, num_sub: int, kept: int
-    ) -> Priority:
-        """The priorities of what ``plan_write`` kept of a batch too large for the ring (its
-        newest rows or sub-episodes), after checking them against the whole batch."""
-        if priority is None or np.ndim(priority) == 0 or first_row == 0:
-            return priority
-        with as_invalid_argument:
-            if self.unit == "episode":
-                return check_priority(priority, num_sub)[num_sub - kept :]
-            return check_priority(priority, first_row + num_rows)[first_row:]
+        return container.commit(reservation.id, items)
 
     def _allocate(self, schema: Schema) -> None:
         streamcopy.warm(schema.row_nbytes)  # large rows: writes stream (streamcopy.py)

@@ -35,14 +35,20 @@ from shmbuffer.container import Container, as_invalid_argument
 from shmbuffer.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
 from shmbuffer.errors import ClosedError, InvalidArgumentError
 from shmbuffer.protocol import MAX_SAMPLE, check_sample_size
+from shmbuffer.reads import (
+    Index,
+    check_iterate_args,
+    check_mask_free,
+    check_update_args,
+    mask_slices,
+    normalize_index,
+)
 from shmbuffer.recent import RecentSamples
 from shmbuffer.samplers import OPTIONS, RateLimiter, Sampler, build_rate_limiter, build_sampler
-from shmbuffer.samplers.base import Priority, check_count
-from shmbuffer.schema import Schema, to_host
+from shmbuffer.samplers.base import Priority
+from shmbuffer.schema import Schema
 from shmbuffer.segment import LocalSegment, Segment
 from shmbuffer.writeplan import plan_write, vector_episode, write_priority
-
-Index = int | np.integer | slice | Sequence[int] | np.ndarray | torch.Tensor
 
 
 class Buffer:
@@ -345,15 +351,14 @@ class Buffer:
         ``info["index"]`` is ``index`` (as :meth:`Reader.update_priorities`). A bad index,
         priority or length raises InvalidArgumentError and applies nothing."""
         self._check_open()
+        physical, values, seen = check_update_args(index, priority, generation, self.capacity)
         if self.segment is None:
             stamps = np.zeros(self.capacity, dtype=np.int64)
         else:
             stamps = self.segment.generations
-        if generation is None:
-            seen = self._recent.generations_of(to_host(index))
-        else:
-            seen = to_host(generation)
-        return self.container.update_priorities(to_host(index), to_host(priority), seen, stamps)
+        if seen is None:
+            seen = self._recent.generations_of(physical)
+        return self.container.update_priorities(physical, values, seen, stamps)
 
     def sample_episodes(
         self, n: int, out: TensorDict | Mapping[str, Any] | None = None
@@ -402,20 +407,11 @@ class Buffer:
         True on real rows (a prefix). ``return_info`` as for :meth:`sample`, per slice, with
         ``index`` its first row (a prioritized slice carries its first row's priority)."""
         self._check_open()
-        if not strict and self.schema is not None and any(f.key[0] == "mask" for f in self.schema):
-            raise InvalidArgumentError(
-                "sample_slices(strict=False) adds a 'mask' entry, but the schema has a key "
-                "'mask' already"
-            )
+        check_mask_free(self.schema, strict)
         drawn = self.container.sample_slices(n, length, strict=strict, beta=beta)
         data = self._copy(drawn.rows).reshape(n, length)
         if drawn.mask is not None:
-            mask = torch.from_numpy(drawn.mask)
-            padding = ~mask
-            if bool(padding.any()):
-                for leaf in data.values(include_nested=True, leaves_only=True):
-                    leaf[padding] = 0
-            data.set("mask", mask)
+            mask_slices(data, drawn.mask)
         if not return_info:
             return data
         return data, self._info(drawn.starts, drawn.probability, drawn.weight)
@@ -438,9 +434,8 @@ class Buffer:
         rank's Buffer the same ``seed``). The rows are fixed when the call is made; do not
         write while iterating. The sampler and the rate limiter are not involved."""
         self._check_open()
-        with as_invalid_argument:
-            batch_size = check_count(batch_size, "batch_size")
-        key = (int(rank), int(world_size))
+        batch_size, rank, world_size = check_iterate_args(batch_size, rank, world_size)
+        key = (rank, world_size)
         k = self._passes.get(key, 0)
         physical = self.container.rank_rows(
             rank, world_size, shuffle=shuffle, drop_last=drop_last, seed=[self._iterate_seed, k]
@@ -553,34 +548,3 @@ def _part(what: str, part: Any, kind: type[Any], build: Callable[..., Any], **op
         return part
     with as_invalid_argument:
         return build(part, **options)
-
-
-def normalize_index(index: Index, size: int) -> tuple[np.ndarray, bool]:
-    """Logical positions for ``index`` in ``[0, size)``; negative ones count from the end.
-    Raises IndexError for anything out of range (unwritten rows are never read)."""
-    if isinstance(index, int | np.integer):
-        i = int(index)
-        if not -size <= i < size:
-            raise IndexError(f"index {i} is out of range for {size} stored items")
-        return np.array([i % size], dtype=np.int64), True
-    if isinstance(index, slice):
-        return np.arange(*index.indices(size), dtype=np.int64), False
-    if isinstance(index, torch.Tensor):
-        index = index.cpu().numpy()
-    positions = np.asarray(index)
-    if positions.dtype.kind not in "iu" and positions.size:  # bool masks, floats
-        raise IndexError(f"indices must be integers, got dtype {positions.dtype}")
-    positions = positions.astype(np.int64, copy=False).reshape(-1)  # read, never written
-    if not positions.size:
-        return positions, False
-    # Two reductions decide the usual case, all in [0, size): nothing to check or wrap
-    # (the four comparisons and the modulo of a mask-and-wrap cost more than these two).
-    lowest, highest = int(np.minimum.reduce(positions)), int(np.maximum.reduce(positions))
-    if lowest >= 0 and highest < size:
-        return positions, False
-    if lowest < -size or highest >= size:
-        bad = (positions < -size) | (positions >= size)
-        raise IndexError(
-            f"indices {positions[bad][:5].tolist()} are out of range for {size} stored items"
-        )
-    return positions % size, False

@@ -11,7 +11,8 @@ arguments (a negative or NaN priority, an index out of range, a call the sampler
 in this unit) raise :class:`~shmbuffer.errors.InvalidArgumentError` with nothing changed; a
 sample over the protocol's limits (``MAX_SAMPLE`` items, ``MAX_SAMPLE_ROWS`` rows:
 ``protocol.py``, their one home) raises :class:`~shmbuffer.errors.LimitExceededError` before
-anything is drawn, in process as in a daemon.
+anything is drawn, in process as in a daemon. The counts, a slice's length and strictness and
+a rank are checked by :mod:`shmbuffer.reads`, as the daemon's Reader checks them.
 
 With a :class:`~shmbuffer.ringstate.SampleLog` (the daemon's journal) every draw is told to it
 before the caller hands the rows out: the call, its size and the rows counted by the limiter
@@ -23,7 +24,6 @@ cost is one small record (``bench/sample_journal.py``).
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -31,7 +31,13 @@ import numpy as np
 import numpy.typing as npt
 
 from shmbuffer.errors import WaitTimeoutError
-from shmbuffer.protocol import MAX_SAMPLE, check_sample_size
+from shmbuffer.reads import (
+    check_episode_args,
+    check_rank,
+    check_sample_args,
+    check_slice_args,
+    expand_slices,
+)
 from shmbuffer.ringstate import (
     F64,
     I64,
@@ -43,8 +49,8 @@ from shmbuffer.ringstate import (
     as_invalid_argument,
     raise_invalid,
 )
-from shmbuffer.rows import episode_rows, slice_rows
-from shmbuffer.samplers.base import check_beta, check_count, check_generation, check_update
+from shmbuffer.rows import episode_rows
+from shmbuffer.samplers.base import check_beta, check_generation, check_update
 from shmbuffer.spans import loaded_draws
 
 _ONE_USE = np.int32(1)  # count_use's increment, of use_counts' dtype (numpy's fast add.at)
@@ -172,9 +178,7 @@ class SamplingOps(RingState):
         log = self.sample_log
         limiter = self.rate_limiter
         try:
-            n = check_count(n, "n")
-            if n > MAX_SAMPLE:
-                check_sample_size(n)
+            n = check_sample_args(n, "n")
             if beta is not None:
                 check_beta(beta)
             if not limiter.can_sample(n):
@@ -219,11 +223,9 @@ class SamplingOps(RingState):
         """``n`` whole episodes by the sampler. The limiter is asked about ``n`` times the mean
         stored episode length (the lengths are known only after the draw, which the sampler
         counts) and told the rows actually handed out."""
-        with as_invalid_argument:
-            n = check_count(n, "n")
         episodes = len(self.registry)
         mean = max(1, round(self.registry.num_rows / episodes)) if episodes else 1
-        check_sample_size(n, mean)  # by the mean length: the lengths are known after the draw
+        n = check_episode_args(n, mean)  # by the mean length: the lengths come with the draw
         expected = n * mean
         log = self.sample_log
         with as_invalid_argument:
@@ -249,9 +251,7 @@ class SamplingOps(RingState):
         """``n`` slices of ``length`` consecutive rows, each inside one episode (see
         :meth:`Sampler.sample_slices`; ``strict=False`` admits shorter episodes, padded). The
         limiter counts ``n * length`` rows; use counts only the real ones."""
-        with as_invalid_argument:
-            n, length = check_count(n, "n"), check_count(length, "length")
-        check_sample_size(n, length)
+        n, length = check_slice_args(n, length, strict)
         log = self.sample_log
         with as_invalid_argument:
             self._admit(n * length, f"{n} slices of {length} rows", beta)
@@ -262,14 +262,8 @@ class SamplingOps(RingState):
                 self._draw_refused(SLICES, n, length, strict, rng)
                 raise
             weight = self._weights(draw.probability, beta)
-        mask = None
-        if strict:
-            flat = slice_rows(draw.starts, length)
-        else:  # a padding position repeats its slice's first row: always a live row
-            offsets = np.arange(length, dtype=np.int64)
-            mask = offsets < draw.lengths[:, None]
-            first = draw.starts[:, None]
-            flat = np.where(mask, first + offsets, first).reshape(-1)
+        # a padding position repeats its slice's first row: always a live row
+        flat, mask = expand_slices(draw.starts, length, None if strict else draw.lengths)
         self.rate_limiter.on_sample(n * length)
         self.count_use(flat if mask is None else flat[mask.reshape(-1)])
         if log is not None:
@@ -344,11 +338,7 @@ class SamplingOps(RingState):
         (a few rows then appear twice across ranks), with it the tail is dropped; rank ``r``
         takes every ``world_size``-th position from ``r``. The sampler and the limiter are
         neither asked nor told: this is the read-everything path, not a sample."""
-        with as_invalid_argument:
-            world_size = check_count(world_size, "world_size")
-            rank = operator.index(rank)
-            if not 0 <= rank < world_size:
-                raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        rank, world_size = check_rank(rank, world_size)
         total = self.registry.num_rows
         if shuffle:
             positions = np.random.default_rng(seed).permutation(total)

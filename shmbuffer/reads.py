@@ -65,37 +65,49 @@ def as_count(value: Any, name: str, lo: int = 1) -> int:
 def as_beta(value: Any) -> float:
     """An importance exponent as a float, finite and >= 0."""
     try:
-        return check_beta(value)
-    except (TypeError, ValueError) as exc:
+        beta = float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(
+            f"importance exponent beta must be a number, got {value!r}"
+        ) from None
+    try:
+        return check_beta(beta)
+    except ValueError as exc:
         raise InvalidArgumentError(str(exc)) from None
 
 
-def check_sample_args(n: Any, what: str = "batch_size") -> int:
-    """The item count of ``sample`` (called ``what``), within the protocol's limits."""
-    if type(n) is int and 0 < n <= MAX_SAMPLE:  # the usual case: nothing else to check
-        usual: int = n
-        return usual
-    count = as_count(n, what)
-    check_sample_size(count, what=what)
+def check_sample_args(n: Any, beta: Any = None, what: str = "batch_size") -> int:
+    """The item count of ``sample`` (called ``what``) within the protocol's limits, and
+    ``beta`` (None: the sampler's own)."""
+    count: int = n
+    if type(n) is not int or not 0 < n <= MAX_SAMPLE:  # the usual case skips these
+        count = as_count(n, what)
+        check_sample_size(count, what=what)
+    if beta is not None:
+        as_beta(beta)
     return count
 
 
-def check_slice_args(n: Any, length: Any, strict: Any) -> tuple[int, int]:
+def check_slice_args(n: Any, length: Any, strict: Any, beta: Any = None) -> tuple[int, int]:
     """``sample_slices``' ``n`` and ``length`` (``n * length`` rows within the protocol's
-    limits), and ``strict`` a bool."""
+    limits), ``strict`` a bool, and ``beta``."""
     if type(strict) is not bool:
         raise TypeError(f"strict must be True or False, got {strict!r}")
     count, rows = as_count(n, "n"), as_count(length, "length")
     check_sample_size(count, rows)
+    if beta is not None:
+        as_beta(beta)
     return count, rows
 
 
-def check_episode_args(n: Any, mean_length: int = 1) -> int:
+def check_episode_args(n: Any, mean_length: int = 1, beta: Any = None) -> int:
     """``sample_episodes``' ``n``, within the protocol's limits for episodes of
     ``mean_length`` rows (the lengths are known only after the draw; a client, which does
-    not know them, checks the item count alone)."""
+    not know them, checks the item count alone), and ``beta``."""
     count = as_count(n, "n")
     check_sample_size(count, mean_length)
+    if beta is not None:
+        as_beta(beta)
     return count
 
 

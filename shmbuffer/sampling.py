@@ -50,7 +50,7 @@ from shmbuffer.ringstate import (
     raise_invalid,
 )
 from shmbuffer.rows import episode_rows
-from shmbuffer.samplers.base import check_beta, check_generation, check_update
+from shmbuffer.samplers.base import check_generation, check_update
 from shmbuffer.spans import loaded_draws
 
 _ONE_USE = np.int32(1)  # count_use's increment, of use_counts' dtype (numpy's fast add.at)
@@ -145,11 +145,9 @@ class SamplingOps(RingState):
             return None
         return self.rate_limiter.blocked_reason()
 
-    def _admit(self, rows: int, what: str, beta: float | None) -> None:
+    def _admit(self, rows: int, what: str) -> None:
         """What a draw needs checked before the sampler runs: samplers count a sample when
         they return it (FIFO consumption, epochs, ``max_times_sampled``)."""
-        if beta is not None:
-            check_beta(beta)
         if not self.rate_limiter.can_sample(rows):
             raise self._refused(what)
 
@@ -178,9 +176,7 @@ class SamplingOps(RingState):
         log = self.sample_log
         limiter = self.rate_limiter
         try:
-            n = check_sample_args(n, "n")
-            if beta is not None:
-                check_beta(beta)
+            n = check_sample_args(n, beta, "n")
             if not limiter.can_sample(n):
                 raise self._refused(f"{n} rows")
             rng = None if log is None else self._before_draw(log, n)
@@ -225,11 +221,11 @@ class SamplingOps(RingState):
         counts) and told the rows actually handed out."""
         episodes = len(self.registry)
         mean = max(1, round(self.registry.num_rows / episodes)) if episodes else 1
-        n = check_episode_args(n, mean)  # by the mean length: the lengths come with the draw
+        n = check_episode_args(n, mean, beta)  # by the mean length: the lengths come with the draw
         expected = n * mean
         log = self.sample_log
         with as_invalid_argument:
-            self._admit(expected, f"{n} episodes", beta)
+            self._admit(expected, f"{n} episodes")
             rng = None if log is None else self._before_draw(log, n)
             try:
                 draw = self.sampler.sample_episodes(n, self.rng)
@@ -251,10 +247,10 @@ class SamplingOps(RingState):
         """``n`` slices of ``length`` consecutive rows, each inside one episode (see
         :meth:`Sampler.sample_slices`; ``strict=False`` admits shorter episodes, padded). The
         limiter counts ``n * length`` rows; use counts only the real ones."""
-        n, length = check_slice_args(n, length, strict)
+        n, length = check_slice_args(n, length, strict, beta)
         log = self.sample_log
         with as_invalid_argument:
-            self._admit(n * length, f"{n} slices of {length} rows", beta)
+            self._admit(n * length, f"{n} slices of {length} rows")
             rng = None if log is None else self._before_draw(log, n)
             try:
                 draw = self.sampler.sample_slices(n, length, self.rng, strict)

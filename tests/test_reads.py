@@ -62,7 +62,7 @@ def test_sample_names_its_count_as_the_caller_knows_it() -> None:
     with pytest.raises(LimitExceededError, match=f"batch_size={MAX_SAMPLE + 1:,}"):
         check_sample_args(MAX_SAMPLE + 1)
     with pytest.raises(InvalidArgumentError, match="n must be >= 1"):
-        check_sample_args(-3, "n")
+        check_sample_args(-3, what="n")
 
 
 def test_slices_check_n_length_and_strict() -> None:
@@ -98,11 +98,22 @@ def test_iterate_checks_its_batch_size_and_rank() -> None:
         check_rank(0.5, 2)
 
 
-@pytest.mark.parametrize("beta", [-1.0, math.nan, math.inf])
-def test_a_bad_beta_is_refused_naming_it(beta: float) -> None:
+@pytest.mark.parametrize("beta", [-1.0, math.nan, math.inf, "high"])
+def test_a_bad_beta_is_refused_naming_it(beta: object) -> None:
     with pytest.raises(InvalidArgumentError, match="beta"):
         as_beta(beta)
+    with pytest.raises(InvalidArgumentError, match="beta"):
+        check_sample_args(4, beta)
+    with pytest.raises(InvalidArgumentError, match="beta"):
+        check_slice_args(4, 2, True, beta)
+    with pytest.raises(InvalidArgumentError, match="beta"):
+        check_episode_args(4, beta=beta)
+
+
+def test_a_good_beta_passes() -> None:
     assert as_beta(np.float32(0.5)) == 0.5
+    assert check_sample_args(4, 0.0) == 4
+    assert check_slice_args(4, 2, False, np.float64(1.0)) == (4, 2)
 
 
 def test_a_padded_slice_may_not_shadow_a_mask_key() -> None:

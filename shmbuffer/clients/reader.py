@@ -43,7 +43,6 @@ from shmbuffer.protocol import (
     encode_i64,
 )
 from shmbuffer.reads import (
-    as_beta,
     as_count,
     check_iterate_args,
     check_mask_free,
@@ -113,7 +112,7 @@ class Reader(EpisodeReads):
         ``[batch_size]``. ``beta`` overrides the importance exponent for this call. A FIFO or
         consume-once sampler (and the rate limiter) may hold the call in the daemon for up to
         ``sample_timeout`` seconds, then WaitTimeoutError."""
-        n = check_sample_args(batch_size)
+        n = check_sample_args(batch_size, beta)
         fields = self._fields("rows", n, return_info, beta)
         reply, frames = self._sample_ahead(**fields)
         items = self._items(reply, return_info, ())
@@ -143,7 +142,7 @@ class Reader(EpisodeReads):
         their first row and is zero-padded, and a bool ``"mask"`` entry ``[n, length]`` is
         True on real rows (a prefix). ``return_info`` and ``beta`` as for :meth:`sample`, per
         slice (``index`` is its first row, whose priority it carries)."""
-        n, length = check_slice_args(n, length, strict)
+        n, length = check_slice_args(n, length, strict, beta)
         self._ready()
         check_mask_free(self.schema, strict)
         fields = self._fields("slices", n, return_info, beta)
@@ -173,7 +172,7 @@ class Reader(EpisodeReads):
         if info:
             fields["info"] = True
         if beta is not None:
-            fields["beta"] = as_beta(beta)
+            fields["beta"] = float(beta)  # checked by the caller; a plain float for msgpack
         if self.consumes and not self.remote:
             # What a consume-once sampler hands out may be overwritten as soon as it is
             # consumed (a writer waits for exactly that): leased until this copy is checked,

@@ -293,7 +293,7 @@ class ClusterReader(ShardFanout):
     ) -> TensorDict | tuple[TensorDict, dict[str, torch.Tensor]]:
         """``batch_size`` transitions across the shards (a copy), as ``Reader.sample``;
         ``info`` as described in the module docstring, plus ``info["shard"]``."""
-        n = check_sample_args(batch_size)  # the whole call's, not each shard's part
+        n = check_sample_args(batch_size, beta)  # the whole call's, not each shard's part
         pieces = self._draw("rows", n, beta=beta)
         merged: Any = self._merge(pieces, return_info, beta)
         return merged
@@ -308,7 +308,7 @@ class ClusterReader(ShardFanout):
     ) -> TensorDict | tuple[TensorDict, dict[str, torch.Tensor]]:
         """``[n, length]`` runs of rows, each inside one episode of one shard, as
         ``Reader.sample_slices`` (``strict=False``: padded, with a ``"mask"``)."""
-        n, length = check_slice_args(n, length, strict)
+        n, length = check_slice_args(n, length, strict, beta)
         pieces = self._draw("slices", n, length, strict, beta)
         merged: Any = self._merge(pieces, return_info, beta)
         return merged

@@ -1,10 +1,13 @@
-"""The in-process Buffer and the daemon's Reader check a read's arguments by the same rules
-(shmbuffer/reads.py): the same class and words for each bad argument, before anything is drawn
-or sent."""
+"""The in-process Buffer, the daemon's Reader and the cluster's ClusterReader check a read's
+arguments by the same rules (shmbuffer/reads.py): the same class and words for each bad
+argument, before anything is drawn or sent. The ClusterReader here reads one shard, the fake
+daemon, on this host (outside Ray: no cluster is started)."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -27,12 +30,50 @@ def refusal(call: Callable[[], object]) -> tuple[type[BaseException], str]:
 
 
 def episodes(api: Any, n: int) -> None:
-    """``sample_episodes(n)`` as each API hands them out (the Reader's is a block)."""
-    if isinstance(api, Reader):
+    """``sample_episodes(n)`` as each API hands them out (the readers' is a block)."""
+    if isinstance(api, Buffer):
+        api.sample_episodes(n)
+    else:
         with api.sample_episodes(n):
             pass
-    else:
-        api.sample_episodes(n)
+
+
+@dataclass
+class OneShard:
+    """The part of a ShardedBuffer a ClusterReader reads: one shard, the fake daemon."""
+
+    capacity: int
+    name: str = "fake"
+    unit: str = "transition"
+    shards: list[Any] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        from shmbuffer.cluster.placement import Shard
+
+        host = socket.gethostname()  # this host: the shard's Reader is a local one
+        self.shards = [Shard(0, "node-0", None, "fake", host, "fake", None)]
+
+    @property
+    def nodes(self) -> list[str]:
+        return ["node-0"]
+
+    def shard_list(self) -> list[Any]:
+        return self.shards
+
+    def local_shard(self, node_id: str | None = None) -> Any:
+        return self.shards[0]
+
+    def refresh(self, shard: Any, timeout: float = 1.0) -> Any:
+        return shard
+
+
+def open_reader(kind: str) -> Any:
+    if kind == "reader":
+        return Reader("fake", prefetch=False)
+    pytest.importorskip("ray")  # the cluster package imports it
+    from shmbuffer.cluster.reader import ClusterReader
+
+    return ClusterReader(OneShard(CAPACITY))  # type: ignore[arg-type]
 
 
 CALLS: dict[str, Callable[[Any], object]] = {
@@ -57,11 +98,21 @@ CALLS: dict[str, Callable[[Any], object]] = {
 }
 
 
-@pytest.mark.parametrize("call", sorted(CALLS))
-def test_a_bad_read_argument_is_refused_alike(fake: MakeDaemon, call: str) -> None:
+#: The calls a ClusterReader has (it has no ``iterate``).
+CLUSTER_CALLS = sorted(name for name in CALLS if not name.startswith(("batch", "rank", "world")))
+
+
+@pytest.mark.parametrize(
+    ("kind", "call"),
+    [("reader", call) for call in sorted(CALLS)] + [("cluster", call) for call in CLUSTER_CALLS],
+)
+def test_a_bad_read_argument_is_refused_alike(fake: MakeDaemon, kind: str, call: str) -> None:
     daemon = fake(capacity=CAPACITY, sampler="prioritized")
     buf = Buffer(CAPACITY, sampler="prioritized")
-    with Reader("fake", prefetch=False) as reader:
+    reader = open_reader(kind)
+    try:
         expected = refusal(lambda: CALLS[call](buf))
         assert refusal(lambda: CALLS[call](reader)) == expected
+    finally:
+        reader.close()
     assert [r.op for r in daemon.log if r.op in ("sample", "iterate", "update_priorities")] == []

@@ -39,14 +39,13 @@ from shmbuffer.reads import (
     Index,
     check_iterate_args,
     check_mask_free,
-    check_update_args,
     mask_slices,
     normalize_index,
 )
 from shmbuffer.recent import RecentSamples
 from shmbuffer.samplers import OPTIONS, RateLimiter, Sampler, build_rate_limiter, build_sampler
 from shmbuffer.samplers.base import Priority
-from shmbuffer.schema import Schema
+from shmbuffer.schema import Schema, to_host
 from shmbuffer.segment import LocalSegment, Segment
 from shmbuffer.writeplan import plan_write, vector_episode, write_priority
 
@@ -351,14 +350,14 @@ class Buffer:
         ``info["index"]`` is ``index`` (as :meth:`Reader.update_priorities`). A bad index,
         priority or length raises InvalidArgumentError and applies nothing."""
         self._check_open()
-        physical, values, seen = check_update_args(index, priority, generation, self.capacity)
         if self.segment is None:
             stamps = np.zeros(self.capacity, dtype=np.int64)
         else:
             stamps = self.segment.generations
-        if seen is None:
-            seen = self._recent.generations_of(physical)
-        return self.container.update_priorities(physical, values, seen, stamps)
+        index = to_host(index)
+        seen = self._recent.generations_of(index) if generation is None else generation
+        # checked once, by the container (reads.check_update_args, as a Reader checks them)
+        return self.container.update_priorities(index, priority, seen, stamps)
 
     def sample_episodes(
         self, n: int, out: TensorDict | Mapping[str, Any] | None = None

@@ -19,6 +19,7 @@ sample.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -167,13 +168,14 @@ def mask_slices(data: TensorDict, mask: Mask, device: str | torch.device | None 
 
 
 def check_update_args(
-    index: Any, priority: Any, generation: Any, capacity: int
+    index: Any, priority: Any, generation: Any, capacity: int, most: float = math.inf
 ) -> tuple[I64, F64, I64 | None]:
     """``update_priorities``' arguments (tensors on any device, arrays, sequences; a priority
-    may be one number for all) as int64 rows below ``capacity``, float64 priorities and int64
-    stamps (None when not given)."""
+    may be one number for all) as int64 rows below ``capacity``, float64 priorities (at most
+    ``most``: the sampler's limit, where it is known) and int64 stamps (None when not
+    given)."""
     try:
-        rows, values = check_update(to_host(index), to_host(priority), capacity)
+        rows, values = check_update(to_host(index), to_host(priority), capacity, most)
         if generation is None:
             return rows, values, None
         return rows, values, check_generation(to_host(generation), rows)

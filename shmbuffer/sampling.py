@@ -36,6 +36,7 @@ from shmbuffer.reads import (
     check_rank,
     check_sample_args,
     check_slice_args,
+    check_update_args,
     expand_slices,
 )
 from shmbuffer.ringstate import (
@@ -50,7 +51,6 @@ from shmbuffer.ringstate import (
     raise_invalid,
 )
 from shmbuffer.rows import episode_rows
-from shmbuffer.samplers.base import check_generation, check_update
 from shmbuffer.spans import loaded_draws
 
 _ONE_USE = np.int32(1)  # count_use's increment, of use_counts' dtype (numpy's fast add.at)
@@ -281,19 +281,22 @@ class SamplingOps(RingState):
         InvalidArgumentError for an index out of range, a negative, NaN or too large priority
         (one whose weight could overflow the sampler's sums), lengths that differ, or a
         sampler that keeps no priorities."""
-        with as_invalid_argument:
-            index, given = check_update(rows, priority, self.capacity, self.sampler.priority_limit)
-            if not self.sampler.has_priorities:
-                self.sampler.update_priorities(index, given)  # its refusal, naming it
-            if generation is None:
-                return PriorityUpdate(index, given, 0)
-            if stamps is None:
-                raise TypeError("check_priorities: generation given without stamps")
-            fresh = stamps[index] == check_generation(generation, index)
-            stale = int(index.size - np.count_nonzero(fresh))
-            if stale:
-                index, given = index[fresh], given[fresh]
-            return PriorityUpdate(index, given, stale)
+        sampler = self.sampler
+        index, given, seen = check_update_args(
+            rows, priority, generation, self.capacity, sampler.priority_limit
+        )
+        if not sampler.has_priorities:
+            with as_invalid_argument:
+                sampler.update_priorities(index, given)  # its refusal, naming it
+        if seen is None:
+            return PriorityUpdate(index, given, 0)
+        if stamps is None:
+            raise TypeError("check_priorities: generation given without stamps")
+        fresh = stamps[index] == seen
+        stale = int(index.size - np.count_nonzero(fresh))
+        if stale:
+            index, given = index[fresh], given[fresh]
+        return PriorityUpdate(index, given, stale)
 
     def apply_priorities(self, update: PriorityUpdate) -> int:
         """Apply a checked update; return how many rows it set (rows holding no data are

@@ -46,6 +46,9 @@ class WritePlan(NamedTuple):
         return [self.num_rows // self.episodes] * self.episodes
 
 
+_new_tuple = tuple.__new__
+
+
 def plan_write(
     schema: Schema | None, batch: Mapping[str, Any], num_sub: int, capacity: int, mode: str
 ) -> WritePlan | None:
@@ -70,7 +73,9 @@ def plan_write(
             RuntimeWarning,
             stacklevel=4,
         )
-    return WritePlan(schema, leaves, first_row, num_rows, kept, num_sub)
+    # tuple.__new__, not WritePlan(...): its generated constructor is a Python-level call,
+    # on the path of every write however small
+    return _new_tuple(WritePlan, (schema, leaves, first_row, num_rows, kept, num_sub))
 
 
 def tail_that_fits(num_rows: int, num_sub: int, capacity: int) -> tuple[int, int, int]:

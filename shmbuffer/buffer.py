@@ -243,7 +243,7 @@ class Buffer:
             return []
         container = self.container
         items = None
-        if priority is not None:  # checked before anything is evicted
+        if priority is not None:  # checked before anything is evicted, as the sampler would
             sampler = container.sampler
             items = write_priority(
                 priority,
@@ -253,7 +253,6 @@ class Buffer:
                 keeps=sampler.has_priorities,
                 most=sampler.priority_limit,
             )
-            container.check_priority(plan.num_rows, plan.episodes, items)
         reservation = container.reserve_rows(plan.num_rows, plan.episodes)
         if self.segment is None:
             try:

@@ -238,14 +238,21 @@ class Buffer:
     ) -> list[int]:
         # A lazy schema is fixed by the first batch accepted, never by one refused (a bad
         # batch, priority, or more rows than a fixed buffer holds): rows are reserved first.
-        plan = plan_write(self.schema, batch, num_sub_episodes, self.capacity, self.mode)
+        segment = self.segment
+        plan = plan_write(
+            None if segment is None else segment.schema,
+            batch,
+            num_sub_episodes,
+            self.capacity,
+            self.mode,
+        )
         if plan is None:
             return []
+        schema, leaves, first_row, num_rows, kept, _ = plan
         container = self.container
-        items = None
         if priority is not None:  # checked before anything is evicted, as the sampler would
             sampler = container.sampler
-            items = write_priority(
+            priority = write_priority(
                 priority,
                 plan,
                 self.unit,
@@ -253,15 +260,15 @@ class Buffer:
                 keeps=sampler.has_priorities,
                 most=sampler.priority_limit,
             )
-        reservation = container.reserve_rows(plan.num_rows, plan.episodes)
-        if self.segment is None:
+        reservation = container.reserve_rows(num_rows, kept)
+        if segment is None:
             try:
-                self._allocate(plan.schema)
+                self._allocate(schema)
             except BaseException:  # out of memory, say: as if the batch had never come
                 container.abort(reservation.id, 0)
                 raise
-        segment = self.segment
-        assert segment is not None
+            segment = self.segment
+            assert segment is not None
         generations = segment.generations
         for start, stop in reservation.ranges:  # what update_priorities' staleness check reads
             generations[start:stop] += 1
@@ -269,14 +276,9 @@ class Buffer:
         # what the reservation evicted comes back wherever the copy had not reached.
         with rows.Progress(functools.partial(container.abort, reservation.id)) as progress:
             rows.write(
-                segment.columns,
-                segment.arrays,
-                reservation.ranges,
-                plan.leaves,
-                plan.first_row,
-                progress,
+                segment.columns, segment.arrays, reservation.ranges, leaves, first_row, progress
             )
-        return container.commit(reservation.id, items)
+        return container.commit(reservation.id, priority)
 
     def _allocate(self, schema: Schema) -> None:
         streamcopy.warm(schema.row_nbytes)  # large rows: writes stream (streamcopy.py)

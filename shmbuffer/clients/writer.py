@@ -189,19 +189,21 @@ class Writer:
         plan = plan_write(self.schema, batch, num_sub_episodes, self.capacity, self.mode)
         if plan is None:
             return
-        items = write_priority(
-            priority, plan, self.unit, sampler=self.sampler, keeps=self._keeps_priorities
-        )
+        schema, leaves, first_row, num_rows, kept, _ = plan
+        items = None
+        if priority is not None:
+            items = write_priority(
+                priority, plan, self.unit, sampler=self.sampler, keeps=self._keeps_priorities
+            )
         one = compact(items)  # refuses too many distinct values before anything is sent
-        leaves, first_row, num_rows = plan.leaves, plan.first_row, plan.num_rows
         if self.remote:  # its rows travel as one payload
-            self.conn.check_payload("write", num_rows * plan.schema.row_nbytes)
+            self.conn.check_payload("write", num_rows * schema.row_nbytes)
         pipe = self._pipe
         if self.schema is None:  # SchemaError if another writer defined a different one
-            pipe.adopt(self.conn.call("define_schema", schema=plan.schema.to_spec())["buffer"])
+            pipe.adopt(self.conn.call("define_schema", schema=schema.to_spec())["buffer"])
         assert self.schema is not None
         if self.remote:
-            pipe.write_remote(leaves, first_row, num_rows, plan.episodes, one)
+            pipe.write_remote(leaves, first_row, num_rows, kept, one)
         elif self._gathers(num_rows):
             pipe.stage(leaves, first_row, num_rows, plan.lengths, items)
         else:

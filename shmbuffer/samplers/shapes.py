@@ -219,14 +219,14 @@ class SelectorSampler(Sampler):
 
     # -- drawing -----------------------------------------------------------------------------
 
-    def _items_word(self) -> str:
-        items = "rows" if self.unit == "transition" else "episodes"
-        return f"{items} ({self._held} live{' and unretired' if self.max_times_sampled else ''})"
+    def _live(self) -> str:
+        return f"{self._held} live{' and unretired' if self.max_times_sampled else ''}"
 
     def _select(self, n: int, rng: np.random.Generator) -> Selection:
         if n > self._held:
+            items = "rows" if self.unit == "transition" else "episodes"
             raise EmptyBufferError(
-                f"the {self.name} sampler cannot hand out {n} distinct {self._items_word()}"
+                f"the {self.name} sampler cannot hand out {n} distinct {items}: {self._live()}"
             )
         return self.selector.select(n, rng)
 
@@ -234,7 +234,7 @@ class SelectorSampler(Sampler):
         """The selector's best ``first`` items, then ``_GROWTH`` times as many each time the
         caller asks again, up to every held item."""
         if self._held == 0:
-            raise EmptyBufferError(f"the {self.name} sampler holds no {self._items_word()}")
+            raise EmptyBufferError(f"the {self.name} sampler holds nothing: {self._live()}")
         m = min(max(first, 1), self._held)
         while True:
             yield self.selector.select(m, rng)
@@ -265,8 +265,8 @@ class SelectorSampler(Sampler):
                 self._count(starts[:k])
                 return Draw(_runs(first, take, step), np.repeat(picked.probability[:k], take))
         raise EmptyBufferError(
-            f"the {self.name} sampler cannot hand out {n} distinct rows: its "
-            f"{self._items_word()} hold {total}"
+            f"the {self.name} sampler cannot hand out {n} distinct rows: {total} live, in "
+            f"{self._live()} episodes"
         )
 
     def sample_episodes(self, n: int, rng: np.random.Generator) -> EpisodeDraw:
@@ -321,7 +321,7 @@ class SelectorSampler(Sampler):
                 return SliceDraw(first, stop - first, picked.probability[taken])
         raise EmptyBufferError(
             f"the {self.name} sampler cannot hand out {n} disjoint slices of {length} rows: "
-            f"{found} fit its {self._items_word()}"
+            f"{found} fit its rows ({self._live()})"
         )
 
     def _disjoint(self, candidates: I64, lo: I64, hi: I64, n: int) -> I64:
@@ -365,7 +365,7 @@ class SelectorSampler(Sampler):
                 return SliceDraw(first, lengths, picked.probability[take])
         raise EmptyBufferError(
             f"the {self.name} sampler cannot hand out {n} slices of {length} rows: {found} of "
-            f"its {self._items_word()} are that long"
+            f"its episodes ({self._live()}) are that long"
         )
 
     # -- priorities --------------------------------------------------------------------------

@@ -303,7 +303,9 @@ class SelectorSampler(Sampler):
             return self._episode_slices(n, length, rng, strict)
         index, end_anchor = self.index, self.selector.anchor == "end"
         found = 0
-        for picked in self._ranked(n, rng):
+        # Disjoint slices of rows ranked in runs (LIFO's, equal priorities) take about
+        # ``length`` rows each: ask for that many at once rather than grow towards it.
+        for picked in self._ranked((n + 1) * length, rng):
             rows = picked.slots
             ends = index.end_of_row[rows].astype(np.int64)
             firsts = index.start_by_end[ends].astype(np.int64)

@@ -38,7 +38,7 @@ import numpy.typing as npt
 
 from shmbuffer.names import UNITS, check_choice
 from shmbuffer.registry import Episode, EpisodeRegistry
-from shmbuffer.samplers.declare import Declared, Option
+from shmbuffer.samplers.declare import Declared, Option, declared
 from shmbuffer.samplers.index import EpisodeIndex
 
 __all__ = ["MAX_TIMES_SAMPLED", "Draw", "EpisodeDraw", "Sampler", "SliceDraw", "check_priority"]
@@ -293,8 +293,10 @@ class Sampler(Declared, ABC):
 
         Rows holding no committed data are skipped. Only prioritized samplers keep priorities.
         """
+        keeping = ", ".join(name for name, kind in declared().items() if kind.has_priorities)
         raise ValueError(
-            f"update_priorities needs --sampler prioritized; this buffer's sampler is {self.name!r}"
+            f"update_priorities needs a sampler that keeps priorities ({keeping}); this "
+            f"buffer's sampler is {self.name!r}"
         )
 
     def set_priorities(self, rows: I64, priority: F64) -> int:

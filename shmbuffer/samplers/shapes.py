@@ -333,9 +333,9 @@ class SelectorSampler(Sampler):
         firsts: list[int] = []  # the slices taken, sorted by first row (they are disjoint)
         stops: list[int] = []
         out: list[int] = []
-        starts, ends = lo.tolist(), hi.tolist()
-        for i in candidates.tolist():
-            a, b = starts[i], ends[i]
+        starts, stops_at = lo[candidates].tolist(), hi[candidates].tolist()
+        pieces = zip(candidates.tolist(), starts, stops_at, strict=True)
+        for i, a, b in pieces:
             j = bisect.bisect_right(firsts, a)
             if (j and stops[j - 1] > a) or (j < len(firsts) and firsts[j] < b):
                 continue

@@ -34,8 +34,9 @@ names each one by two integers (:class:`Items`):
   shared layer, which applies that option for every selector.
 * :meth:`select` is called with ``1 <= n <=`` the number of items held: the shared layer checks,
   and raises :class:`~shmbuffer.errors.EmptyBufferError` naming how many are live otherwise.
-  It returns ``n`` *distinct* held items, best first, and the probability each was selected
-  with. It is a function of the items held (slots, seqs, priorities), the selector's
+  It returns ``n`` *distinct* held items (no slot twice in one selection; a later call may
+  select an item again, unless the shared layer retired it), best first, and the probability
+  each was selected with. It is a function of the items held (slots, seqs, priorities), the selector's
   :meth:`state_dict` and the generator only, and changes nothing unless the class declares
   ``draws_change_state``: a journal's replay must select again exactly what was selected.
 * Priorities are float64, finite and >= 0, checked by the shared layer as the prioritized

@@ -291,7 +291,8 @@ class Sampler(Declared, ABC):
     def update_priorities(self, rows: npt.ArrayLike, priority: npt.ArrayLike) -> int:
         """Set the priority of the items holding physical ``rows``; return how many were set.
 
-        Rows holding no committed data are skipped. Only prioritized samplers keep priorities.
+        Rows holding no committed data are skipped. Only samplers that declare
+        ``has_priorities`` keep priorities.
         """
         keeping = ", ".join(name for name, kind in declared().items() if kind.has_priorities)
         raise ValueError(

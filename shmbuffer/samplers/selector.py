@@ -36,9 +36,10 @@ names each one by two integers (:class:`Items`):
   and raises :class:`~shmbuffer.errors.EmptyBufferError` naming how many are live otherwise.
   It returns ``n`` *distinct* held items (no slot twice in one selection; a later call may
   select an item again, unless the shared layer retired it), best first, and the probability
-  each was selected with. It is a function of the items held (slots, seqs, priorities), the selector's
-  :meth:`state_dict` and the generator only, and changes nothing unless the class declares
-  ``draws_change_state``: a journal's replay must select again exactly what was selected.
+  each was selected with. It is a function of the items held (slots, seqs, priorities), the
+  selector's :meth:`state_dict` and the generator only, and changes nothing unless the class
+  declares ``draws_change_state``: a journal's replay must select again exactly what was
+  selected.
 * Priorities are float64, finite and >= 0, checked by the shared layer as the prioritized
   sampler checks them (:func:`~shmbuffer.samplers.base.check_priority`), which also gives new
   data its default (the largest priority seen so far). A selector that declares

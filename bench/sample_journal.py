@@ -78,12 +78,13 @@ def timed(step: Callable[[], None], between: Callable[[], None] | None, n: int) 
 
 
 class Hooks:
-    """Turns what the journal hooks into the container and the lease table off and on."""
+    """Turns what the journal hooks into the container's table and the lease table off and
+    on."""
 
     def __init__(self, service: BufferService) -> None:
-        self.container, self.leases = service.container, service.leases
-        self.on = (self.container.sample_log, self.leases.log, self.container.use_counts)
-        self.anonymous = np.array(self.container.use_counts)
+        self.table, self.leases = service.container.table, service.leases
+        self.on = (self.table.sample_log, self.leases.log, self.table.use_counts)
+        self.anonymous = np.array(self.table.use_counts)
 
     def set(self, on: bool) -> None:
         if on:
@@ -92,7 +93,7 @@ class Hooks:
         else:
             log, lease_log, counts = None, None, self.anonymous
             counts[:] = self.on[2]
-        self.container.sample_log, self.leases.log, self.container.use_counts = (
+        self.table.sample_log, self.leases.log, self.table.use_counts = (
             log,
             lease_log,
             counts,

@@ -1,73 +1,180 @@
-"""Where the next rows go: the ring pointer, two-phase reservations, eviction and restore.
+"""The ring of rows: where the next rows go, two-phase reservations, eviction and restore.
+
+The ring is metadata only (it never touches row data) and knows nothing of samplers or rate
+limiters: it tells its listeners what happened (:class:`~shmbuffer.listeners.RingListener`:
+rows committed, evicted, restored, cleared, a saved state loaded) and asks them, while it plans
+a reservation, whether it must wait. The tables over it (:mod:`shmbuffer.table`) are such
+listeners.
 
 Writing is two-phase, which is what keeps readers from ever seeing a torn episode:
 
-1. ``reserve(n)`` picks the rows, evicts every committed episode they overlap (samplers stop
-   returning them at once) and hands out the physical row ranges;
+1. ``plan(n)`` decides the rows, what they evict and whether flow control holds them back,
+   changing nothing; ``reserve(plan)`` evicts every committed episode the rows overlap
+   (listeners hear it at once, so samplers stop returning them) and hands out the physical
+   row ranges;
 2. the caller copies the data into those rows;
 3. ``commit(reservation)`` publishes the episodes in the registry; only then can they be read.
 
 A reservation whose copy fails is aborted: what it evicted is published again wherever the
-copy left the rows untouched and no later reservation has reached them
-(:meth:`ReservationOps.abort`), so a failed write loses nothing that was stored (in-process it
-leaves the container exactly as before ``reserve``).
+copy left the rows untouched and no later reservation has reached them (:meth:`Ring.abort`), so
+a failed write loses nothing that was stored (in-process it leaves the ring exactly as before
+``reserve``).
 
 Units: in ``"transition"`` unit ``len()`` counts rows and a chunk may wrap around the end of
 the ring (split in two ranges); in ``"episode"`` unit ``len()`` counts episodes and an episode
 never wraps: when it does not fit before the end, the writer wraps early to row 0 and the rows
 it skipped are evicted too, so eviction stays FIFO over whole episodes.
 
-Every change to the registry here tells the sampler (each eviction after the registry changed,
-once per evicted range; each commit after the registry add; a restore, which replaces the
-registry object; a clear) and the rate limiter (rows inserted, deleted, given back), through
-:meth:`ReservationOps._evict_ranges`, :meth:`ReservationOps._published`,
-:meth:`ReservationOps.restore` and :meth:`ReservationOps.clear` only: journal replay
-(:mod:`shmbuffer.persistence`) goes through the same four.
+Listeners are told through :meth:`Ring._evict_ranges`, :meth:`Ring.commit`,
+:meth:`Ring.restore`, :meth:`Ring.clear` and :meth:`Ring.load` only; the journal's replay
+(``replay_*``) goes through the same ones.
+
+Not thread-safe: the owner (buffer or daemon loop) serialises calls.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
-
-import numpy as np
+from dataclasses import dataclass, field
 
 from shmbuffer.errors import CapacityError, NotFoundError, WaitTimeoutError
-from shmbuffer.registry import Episode
-from shmbuffer.ringstate import (
-    F64,
-    Plan,
-    PriorityUpdate,
-    Range,
-    Reservation,
-    RingState,
-    as_invalid_argument,
-)
-from shmbuffer.samplers.base import Priority
-from shmbuffer.samplers.index import rows_of
+from shmbuffer.listeners import F64, Range, RingListener
+from shmbuffer.names import MODES, UNITS, check_choice
+from shmbuffer.registry import Episode, EpisodeRegistry
+
+__all__ = ["Plan", "Range", "Reservation", "Ring", "episode_lengths"]
 
 
-class ReservationOps(RingState):
-    """The write side of the container: plan, reserve, commit, abort, restore, clear."""
+@dataclass(slots=True)
+class Reservation:
+    """Rows handed to one writer: physical ``ranges`` filled in order, episodes to publish."""
+
+    id: int
+    ranges: list[Range]
+    #: ``(start, end)`` physical bounds of each (sub-)episode, registered at commit.
+    episodes: list[Range]
+    owner: object = None
+    evicted: list[Episode] = field(default_factory=list)
+    #: When an owner that never commits loses the rows (monotonic seconds; daemon only).
+    deadline: float = math.inf
+    #: Chunks whose front this reservation trimmed (transition unit), with their old bounds.
+    trimmed: list[Episode] = field(default_factory=list)
+    #: ``(pointer, rows_written, travelled)`` before it, and ``travelled`` after it: what an
+    #: abort needs to tell whether later reservations reached the rows it evicted.
+    before: tuple[int, int, int] = (0, 0, 0)
+    travelled: int = 0
+    #: The (sub-)episodes it publishes: what ``episodes_committed`` counts. ``episodes`` can
+    #: hold one more entry, for the one the ring's end splits in two.
+    num_episodes: int = 1
+
+    @property
+    def num_rows(self) -> int:
+        return sum(stop - start for start, stop in self.ranges)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What a reservation of ``num_rows`` would do, decided once against the ring as it
+    stands (:meth:`Ring.plan`) and consumed by :meth:`Ring.reserve`: its rows, what it
+    evicts, and why it must wait if it must. Valid only while the ring has not moved."""
+
+    num_rows: int
+    #: Each episode's length, validated (a count of equal ones, or the lengths given).
+    lengths: list[int]
+    ranges: list[Range]
+    evict: list[Range]
+    #: Open reservations holding rows it would evict: writers still copying there.
+    busy: list[Reservation]
+    #: Why a listener's flow control holds it back (a rate limiter, rows a consuming reader
+    #: has not read yet), or None.
+    blocked: str | None
+    #: ``(pointer, rows_written)`` it was made at.
+    at: tuple[int, int]
+
+    @property
+    def episodes(self) -> int:
+        return len(self.lengths)
+
+
+class Ring:
+    """``capacity`` rows written in order; see the module docstring.
+
+    ``mode``: ``"circular"`` (overwrite the oldest) or ``"fixed"`` (refuse once full);
+    ``unit``: ``"transition"`` or ``"episode"``.
+    """
+
+    def __init__(self, capacity: int, *, mode: str = "circular", unit: str = "transition") -> None:
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        self.capacity = capacity
+        self.mode = check_choice("mode", mode, MODES)
+        self.unit = check_choice("unit", unit, UNITS)
+        self.registry = EpisodeRegistry(capacity)
+        self.pointer = 0  # next physical row to write
+        self.rows_written = 0  # rows ever reserved, for stats and the fixed-mode limit
+        #: Rows the pointer has moved, early-wrap skips included (not journaled: after a
+        #: restart no reservation is open to compare it with).
+        self.travelled = 0
+        self.reservations: dict[int, Reservation] = {}
+        self._next_reservation = 1
+        # A tuple: every change walks it, and it changes only when a listener registers.
+        self._listeners: tuple[RingListener, ...] = ()
+
+    def listen(self, listener: RingListener) -> None:
+        """Tell ``listener`` every change from now on, after those registered before it (see
+        :class:`~shmbuffer.listeners.RingListener` for what it is told and its calling rule).
+        ValueError if it listens already."""
+        if any(other is listener for other in self._listeners):
+            raise ValueError(f"{listener!r} already listens to this ring")
+        self._listeners = (*self._listeners, listener)
+
+    @property
+    def listeners(self) -> tuple[RingListener, ...]:
+        return self._listeners
+
+    # -- sizes ------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.registry.num_rows if self.unit == "transition" else len(self.registry)
+
+    @property
+    def num_rows(self) -> int:
+        return self.registry.num_rows
+
+    @property
+    def num_episodes(self) -> int:
+        return len(self.registry)
+
+    @property
+    def reserved_rows(self) -> int:
+        return sum(r.num_rows for r in self.reservations.values())
+
+    @property
+    def next_reservation(self) -> int:
+        """The id the next :meth:`reserve` hands out (journaled with every reservation)."""
+        return self._next_reservation
+
+    # -- reserving ----------------------------------------------------------------------------
 
     def plan(self, num_rows: int, episodes: int | Sequence[int] = 1) -> Plan:
         """Decide a reservation of ``num_rows`` for ``episodes`` (a count of equal
         sub-episodes, or their lengths: a writer that batches several small episodes into one
         round trip) without changing anything: its rows, its evictions, the writers it would
-        lap and whether flow control holds it back. An owner checks its own rules against it
+        lap and whether a listener holds it back. An owner checks its own rules against it
         (the daemon: leases on the evicted rows) and then hands it to :meth:`reserve`.
         CapacityError/ValueError for a request that can never fit."""
         lengths = episode_lengths(num_rows, episodes)
         ranges, evict = self._plan(num_rows)
         busy = self.conflicts(evict) if self.reservations else []
+        blocked = None
+        for listener in self._listeners:
+            blocked = listener.insert_blocker(num_rows, evict)
+            if blocked is not None:
+                break
         return Plan(
-            num_rows,
-            lengths,
-            ranges,
-            evict,
-            busy,
-            self._insert_blocker(num_rows, evict),
-            (self.pointer, self.rows_written),
+            num_rows, lengths, ranges, evict, busy, blocked, (self.pointer, self.rows_written)
         )
 
     def _plan(self, num_rows: int) -> tuple[list[Range], list[Range]]:
@@ -89,7 +196,7 @@ class ReservationOps(RingState):
     def reserve(self, plan: Plan, owner: object = None) -> Reservation:
         """Carry out ``plan`` (made by :meth:`plan` since the ring last moved): evict, move the
         ring, open the reservation. CapacityError if it would lap a writer still copying,
-        WaitTimeoutError if flow control holds it back (an owner that waits asked the plan
+        WaitTimeoutError if a listener holds it back (an owner that waits asked the plan
         first), ValueError for a plan the ring has moved past."""
         if plan.at != (self.pointer, self.rows_written):
             raise ValueError(f"a plan made at {plan.at}: the ring has moved since")
@@ -154,68 +261,6 @@ class ReservationOps(RingState):
         self.reservations[reservation_id] = reservation
         return reservation
 
-    def _insert_blocker(self, num_rows: int, evict: list[Range]) -> str | None:
-        # Rows reserved and not yet committed count as inserted already: the limiter counts
-        # inserts at commit, and a writer may hold several reservations (a batch reserved
-        # ahead), each admitted against a count that did not include the others. Summed only
-        # for a limiter that bounds inserts: the default one never looks.
-        limiter = self.rate_limiter
-        pending = self.reserved_rows if limiter.bounds_inserts else 0
-        if not limiter.can_insert(num_rows + pending):
-            return limiter.blocked_reason()
-        for start, stop in evict:
-            if self.sampler.blocks_overwrite(start, stop):
-                return (
-                    f"rows [{start}, {stop}) hold data the {self.sampler.name} sampler has not "
-                    f"handed out max_times_sampled={self.sampler.max_times_sampled} times yet; "
-                    "writers wait for readers to consume it instead of overwriting it"
-                )
-        return None
-
-    def _evict_ranges(self, evict: Sequence[Range], trimmed: list[Episode]) -> list[Episode]:
-        """Evict each range, telling the sampler after each (the registry already changed)
-        and the limiter how many rows stopped holding data."""
-        rows_before = self.registry.num_rows
-        evicted: list[Episode] = []
-        for start, stop in evict:
-            count = len(evicted) + len(trimmed)
-            evicted += self._evict(start, stop, trimmed)
-            if len(evicted) + len(trimmed) > count:  # nothing was live there: nothing to tell
-                self.sampler.on_evict(start, stop)
-        deleted = rows_before - self.registry.num_rows
-        if deleted:
-            self.rate_limiter.on_delete(deleted)
-        return evicted
-
-    def _evict(self, start: int, stop: int, trimmed: list[Episode] | None = None) -> list[Episode]:
-        """Unpublish rows ``start:stop``. Episode unit drops every episode they touch; transition
-        unit keeps the surviving tail of a chunk the ring only partly overwrites (its old
-        bounds are appended to ``trimmed``)."""
-        use_counts, registry = self.use_counts, self.registry
-        use_counts[start:stop] = -1
-        # An episode's rows inside [start, stop) were just marked; only one reaching outside
-        # the range needs a second fill (an early wrap's or a misaligned chunk's).
-        if self.unit == "episode":
-            evicted = registry.evict(start, stop)
-            for ep in evicted:
-                if ep.start < start or ep.end > stop:
-                    use_counts[ep.start : ep.end] = -1
-            return evicted
-        evicted, kept = [], []
-        for ep in registry.overlapping(start, stop):
-            if start <= ep.start and ep.end > stop:
-                kept.append(ep)  # at most one: the chunk holding row ``stop``
-            else:
-                evicted.append(ep)
-                if ep.start < start:
-                    use_counts[ep.start : ep.end] = -1
-        registry.remove_many([ep.id for ep in evicted])
-        for ep in kept:  # after the removals: the oldest left, so its trim is O(1)
-            registry.trim_front(ep.id, stop)
-            if trimmed is not None:
-                trimmed.append(ep)
-        return evicted
-
     def conflicts(self, ranges: list[Range]) -> list[Reservation]:
         """Open reservations holding any row of ``ranges`` (a writer still copying there)."""
         return [
@@ -224,65 +269,56 @@ class ReservationOps(RingState):
             if any(s < stop and start < e for s, e in other.ranges for start, stop in ranges)
         ]
 
-    def check_priority(
-        self, num_rows: int, episodes: int | Sequence[int], priority: Priority
-    ) -> F64 | None:
-        """The per-item priorities a commit of ``num_rows`` rows in ``episodes`` would store
-        (None: the sampler's default for new data); InvalidArgumentError for a priority that is
-        negative, NaN, of the wrong length, or given to a sampler that keeps none. Lets an owner
-        refuse a bad priority before it reserves (and so evicts) anything."""
-        if priority is None:
-            return None
-        with as_invalid_argument:
-            lengths = episode_lengths(num_rows, episodes)
-            return self.sampler.check_commit_priority([Episode(0, 0, n) for n in lengths], priority)
+    # -- eviction -----------------------------------------------------------------------------
 
-    def commit_priorities(self, reservation_id: int, priority: Priority) -> PriorityUpdate | None:
-        """What ``commit(reservation_id, priority)`` would store, as a priority update of the
-        rows carrying the priorities (every row in transition unit, each episode's first row in
-        episode unit): what the daemon journals to replay it. None for ``priority=None``;
-        InvalidArgumentError for a bad one; nothing changes."""
-        reservation = self.reservations.get(reservation_id)
-        if reservation is None:
-            raise NotFoundError(f"no open reservation {reservation_id}")
-        given = self._commit_priority(reservation, priority)
-        if given is None:
-            return None
-        starts = [s for s, _ in reservation.episodes]
+    def _evict_ranges(self, evict: Sequence[Range], trimmed: list[Episode]) -> list[Episode]:
+        """Evict each range, telling the listeners after each (the registry already changed)
+        where anything was live; returns the episodes dropped whole."""
+        registry = self.registry
+        evicted: list[Episode] = []
+        for start, stop in evict:
+            rows_before, trims = registry.num_rows, len(trimmed)
+            gone = self._evict(start, stop, trimmed)
+            if gone or len(trimmed) > trims:  # nothing was live there: nothing to tell
+                rows = rows_before - registry.num_rows
+                for listener in self._listeners:
+                    listener.on_evict(start, stop, gone, rows)
+                evicted += gone
+        return evicted
+
+    def _evict(self, start: int, stop: int, trimmed: list[Episode]) -> list[Episode]:
+        """Unpublish rows ``start:stop``. Episode unit drops every episode they touch; transition
+        unit keeps the surviving tail of a chunk the ring only partly overwrites (its old
+        bounds are appended to ``trimmed``)."""
+        registry = self.registry
         if self.unit == "episode":
-            return PriorityUpdate(np.array(starts, dtype=np.int64), given, 0)
-        return PriorityUpdate(rows_of(starts, [e for _, e in reservation.episodes]), given, 0)
+            return registry.evict(start, stop)
+        evicted, kept = [], []
+        for ep in registry.overlapping(start, stop):
+            if start <= ep.start and ep.end > stop:
+                kept.append(ep)  # at most one: the chunk holding row ``stop``
+            else:
+                evicted.append(ep)
+        registry.remove_many([ep.id for ep in evicted])
+        for ep in kept:  # after the removals: the oldest left, so its trim is O(1)
+            registry.trim_front(ep.id, stop)
+            trimmed.append(ep)
+        return evicted
 
-    def _commit_priority(self, reservation: Reservation, priority: Priority) -> F64 | None:
-        if priority is None:
-            return None
-        bounds = [Episode(0, s, e) for s, e in reservation.episodes]
-        with as_invalid_argument:
-            return self.sampler.check_commit_priority(bounds, priority)
+    # -- committing, aborting, restoring, clearing --------------------------------------------
 
-    def commit(self, reservation_id: int, priority: Priority = None) -> list[int]:
-        """Publish a reservation's episodes; return their ids in order.
-
-        ``priority``: None (the sampler's default: the largest seen so far), a scalar, or one
-        value per row (transition unit) or per episode (episode unit), validated before
-        anything is published (InvalidArgumentError leaves the reservation open)."""
-        reservation = self.reservations.get(reservation_id)
+    def commit(self, reservation_id: int, priority: F64 | None = None) -> list[int]:
+        """Publish a reservation's episodes; return their ids in order. ``priority``: one
+        checked value per item for the listeners that keep priorities (None: none given);
+        the committer checks it first (``Container.commit`` asks its tables)."""
+        reservation = self.reservations.pop(reservation_id, None)
         if reservation is None:
             raise NotFoundError(f"no open reservation {reservation_id}")
-        given = None if priority is None else self._commit_priority(reservation, priority)
-        del self.reservations[reservation_id]
-        num_rows = 0
-        for start, stop in reservation.ranges:
-            self.use_counts[start:stop] = 0
-            num_rows += stop - start
         first = self.registry.add_run(reservation.episodes)
         episodes = [Episode(first + i, s, e) for i, (s, e) in enumerate(reservation.episodes)]
-        self._published(episodes, given, num_rows)
+        for listener in self._listeners:
+            listener.on_commit(episodes, reservation.ranges, priority)
         return [ep.id for ep in episodes]
-
-    def _published(self, episodes: list[Episode], priority: F64 | None, num_rows: int) -> None:
-        self.sampler.on_commit(episodes, priority)
-        self.rate_limiter.on_insert(num_rows)
 
     def abort(self, reservation_id: int, written: int | None = None) -> list[Episode]:
         """Give rows back unpublished (a writer that died or failed mid-copy).
@@ -294,7 +330,10 @@ class ReservationOps(RingState):
         touched and no reservation came after it, the ring pointer goes back too, as if
         ``reserve`` had never run. Returns the episodes published again (restored bounds).
         """
-        reservation = self._pop(reservation_id)
+        try:
+            reservation = self.reservations.pop(reservation_id)
+        except KeyError:
+            raise NotFoundError(f"no open reservation {reservation_id}") from None
         if written is None:
             return []
         later = self.travelled - reservation.travelled
@@ -317,24 +356,14 @@ class ReservationOps(RingState):
     def restore(self, episodes: Sequence[Episode]) -> None:
         """Publish ``episodes`` again under their old ids; a live id (a trimmed chunk) gets the
         given bounds back (aborts and their journal replay). O(live episodes) vectorised, plus
-        the sampler's O(rows restored).
-        Use counters of the restored rows restart at 0."""
+        what the listeners do with the rows restored (a sampler: O(rows restored))."""
         if not episodes:
             return
         rows_before = self.registry.num_rows
         self.registry.restore(episodes)  # ValueError before it changes anything
-        for ep in episodes:
-            self.use_counts[ep.start : ep.end] = 0
-        self.sampler.on_restore(episodes, self.registry)
         back = self.registry.num_rows - rows_before
-        if back > 0:
-            self.rate_limiter.on_restore(back)
-
-    def _pop(self, reservation_id: int) -> Reservation:
-        try:
-            return self.reservations.pop(reservation_id)
-        except KeyError:
-            raise NotFoundError(f"no open reservation {reservation_id}") from None
+        for listener in self._listeners:
+            listener.on_restore(episodes, back)
 
     def clear(self) -> None:
         """Forget every committed row; open reservations stay valid (but an abort no longer
@@ -343,12 +372,63 @@ class ReservationOps(RingState):
             reservation.evicted, reservation.trimmed = [], []
         rows = self.registry.num_rows
         self.registry.clear()
-        self.sampler.on_clear()
-        if rows:
-            self.rate_limiter.on_delete(rows)
-        self.use_counts[:] = -1
         if not self.reservations:
             self.pointer = 0
+        for listener in self._listeners:
+            listener.on_clear(rows)
+
+    # -- saved states and the journal's replay ------------------------------------------------
+
+    def load(
+        self, registry: EpisodeRegistry, pointer: int, rows_written: int, next_reservation: int
+    ) -> None:
+        """Take over a saved ``registry`` and position (a checkpoint, a journal snapshot):
+        open reservations are dropped (their rows were never published) and every listener
+        starts over from the new registry."""
+        if registry.capacity != self.capacity:
+            raise ValueError(
+                f"a registry of {registry.capacity} rows for a ring of {self.capacity}"
+            )
+        self.registry = registry
+        self.reservations.clear()
+        self.pointer, self.rows_written = pointer, rows_written
+        self._next_reservation = next_reservation
+        self.travelled = 0
+        for listener in self._listeners:
+            listener.on_load()
+
+    def replay_reserve(
+        self, evicted: Sequence[Range], pointer: int, rows_written: int, next_reservation: int
+    ) -> None:
+        """Redo a reservation: evict ``evicted`` (telling the listeners) and move the ring to
+        where it stood after it. No reservation is opened: its rows were never committed, so
+        they are never published."""
+        self._evict_ranges(evicted, [])
+        self.pointer, self.rows_written = pointer, rows_written
+        self._next_reservation = next_reservation
+
+    def replay_commit(self, episodes: Sequence[tuple[int, int, int]]) -> None:
+        """Redo a commit of ``(id, start, end)`` episodes (one reservation's); ValueError if
+        the registry hands out other ids (the journal does not fit this state). Priorities a
+        writer gave are journaled apart and replayed as a priority update."""
+        published: list[Episode] = []
+        for episode_id, start, end in episodes:
+            got = self.registry.add(start, end)
+            if got != episode_id:
+                raise ValueError(f"replayed episode got id {got}, journal says {episode_id}")
+            published.append(Episode(got, start, end))
+        bounds = [(ep.start, ep.end) for ep in published]
+        for listener in self._listeners:
+            listener.on_commit(published, bounds, None)
+
+    def replay_restore(self, episodes: Sequence[Episode], pointer: int, rows_written: int) -> None:
+        """Redo an abort that published ``episodes`` again (see :meth:`abort`)."""
+        self.restore(episodes)
+        self.pointer, self.rows_written = pointer, rows_written
+
+    def replay_clear(self, pointer: int) -> None:
+        self.clear()
+        self.pointer = pointer
 
 
 def episode_lengths(num_rows: int, episodes: int | Sequence[int]) -> list[int]:

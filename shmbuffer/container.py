@@ -138,10 +138,6 @@ class Container:
         return self.ring.rows_written
 
     @property
-    def travelled(self) -> int:
-        return self.ring.travelled
-
-    @property
     def reservations(self) -> dict[int, Reservation]:
         return self.ring.reservations
 
@@ -180,9 +176,6 @@ class Container:
     ) -> Reservation:
         """:meth:`Ring.hold <shmbuffer.ring.Ring.hold>`."""
         return self.ring.hold(reservation_id, ranges, episodes)
-
-    def conflicts(self, ranges: list[Range]) -> list[Reservation]:
-        return self.ring.conflicts(ranges)
 
     def commit(self, reservation_id: int, priority: Priority = None) -> list[int]:
         """Publish a reservation's episodes; return their ids in order.
@@ -352,10 +345,6 @@ class Container:
         """:func:`persistence.load_state <shmbuffer.persistence.load_state>` into the ring and
         the default table; every other table starts over from the loaded registry."""
         persistence.load_state(self.ring, self.table, state)
-
-    def adopt_use_counts(self, saved: npt.ArrayLike) -> None:
-        """:func:`persistence.adopt_use_counts <shmbuffer.persistence.adopt_use_counts>`."""
-        persistence.adopt_use_counts(self.table, saved)
 
     def replay_reserve(
         self, evicted: Sequence[Range], pointer: int, rows_written: int, next_reservation: int

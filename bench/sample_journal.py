@@ -5,8 +5,8 @@
     .venv/bin/python -m bench.sample_journal [--blocks 40] [--block 100]
 
 Each case fills a 100k-row buffer (episodes of 100 rows, obs f32[8]) on /dev/shm, then
-alternates blocks of ``--block`` requests with the journal's sample hooks off (the container
-and the lease table tell nobody, use counters in anonymous memory: what a daemon did before)
+alternates blocks of ``--block`` requests with the journal's sample hooks off (the container's
+table and the lease table tell nobody, use counters in anonymous memory: what a daemon did before)
 and on, in one process, so both halves see the same machine load; it prints the median and
 the minimum over blocks of the CPU microseconds per request (``time.process_time``: the
 daemon thread's CPU, not the machine's). The cases are what a daemon serves most:

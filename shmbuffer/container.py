@@ -88,6 +88,8 @@ class Container:
         self.table = Table(self.ring, sampler=sampler, rate_limiter=rate_limiter, seed=seed)
         #: Every table over the ring, by name; each hears the ring in this order.
         self.tables: dict[str, Table] = {"default": self.table}
+        #: The ring's open reservations (its dict, which it never replaces).
+        self.reservations: dict[int, Reservation] = self.ring.reservations
 
     def add_table(
         self,
@@ -136,10 +138,6 @@ class Container:
     @property
     def rows_written(self) -> int:
         return self.ring.rows_written
-
-    @property
-    def reservations(self) -> dict[int, Reservation]:
-        return self.ring.reservations
 
     @property
     def next_reservation(self) -> int:
@@ -278,7 +276,8 @@ class Container:
         return self.table.check_priority(num_rows, episodes, priority)
 
     def commit_priorities(self, reservation_id: int, priority: Priority) -> PriorityUpdate | None:
-        """:meth:`Table.commit_priorities <shmbuffer.table.Table.commit_priorities>`."""
+        """:meth:`Table.commit_priorities <shmbuffer.table.Table.commit_priorities>` of the
+        default table."""
         return self.table.commit_priorities(reservation_id, priority)
 
     def check_priorities(

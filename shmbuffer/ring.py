@@ -117,8 +117,10 @@ class Ring:
         #: Rows the pointer has moved, early-wrap skips included (not journaled: after a
         #: restart no reservation is open to compare it with).
         self.travelled = 0
+        #: Open reservations by id; this dict is never replaced (its owner may keep it).
         self.reservations: dict[int, Reservation] = {}
-        self._next_reservation = 1
+        #: The id the next :meth:`reserve` hands out (journaled with every reservation).
+        self.next_reservation = 1
         # A tuple: every change walks it, and it changes only when a listener registers.
         self._listeners: tuple[RingListener, ...] = ()
 
@@ -150,11 +152,6 @@ class Ring:
     @property
     def reserved_rows(self) -> int:
         return sum(r.num_rows for r in self.reservations.values())
-
-    @property
-    def next_reservation(self) -> int:
-        """The id the next :meth:`reserve` hands out (journaled with every reservation)."""
-        return self._next_reservation
 
     # -- reserving ----------------------------------------------------------------------------
 
@@ -218,7 +215,7 @@ class Ring:
         for start, stop in plan.evict:  # the evicted span is where the pointer moved
             self.travelled += stop - start
         reservation = Reservation(
-            self._next_reservation,
+            self.next_reservation,
             ranges,
             _episode_bounds(ranges, plan.lengths),
             owner,
@@ -228,7 +225,7 @@ class Ring:
             travelled=self.travelled,
             num_episodes=plan.episodes,
         )
-        self._next_reservation += 1
+        self.next_reservation += 1
         self.reservations[reservation.id] = reservation
         return reservation
 
@@ -247,7 +244,7 @@ class Ring:
         replay of its reserve: no new reservation is granted over its rows until it is
         committed or aborted (a writer that outlived its daemon may still copy there).
         ValueError if its id is taken or still to come, or the split does not fit."""
-        if reservation_id in self.reservations or reservation_id >= self._next_reservation:
+        if reservation_id in self.reservations or reservation_id >= self.next_reservation:
             raise ValueError(f"reservation {reservation_id} cannot be held again")
         held = [(int(s), int(e)) for s, e in ranges]
         lengths = episode_lengths(sum(e - s for s, e in held), episodes)
@@ -392,7 +389,7 @@ class Ring:
         self.registry = registry
         self.reservations.clear()
         self.pointer, self.rows_written = pointer, rows_written
-        self._next_reservation = next_reservation
+        self.next_reservation = next_reservation
         self.travelled = 0
         for listener in self._listeners:
             listener.on_load()
@@ -405,7 +402,7 @@ class Ring:
         they are never published."""
         self._evict_ranges(evicted, [])
         self.pointer, self.rows_written = pointer, rows_written
-        self._next_reservation = next_reservation
+        self.next_reservation = next_reservation
 
     def replay_commit(self, episodes: Sequence[tuple[int, int, int]]) -> None:
         """Redo a commit of ``(id, start, end)`` episodes (one reservation's); ValueError if

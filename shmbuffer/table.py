@@ -512,6 +512,10 @@ class Table(RingListener):
         update of the rows carrying the priorities (every row in transition unit, each
         episode's first row in episode unit): what the daemon journals to replay it. None for
         ``priority=None``; InvalidArgumentError for a bad one; nothing changes."""
+        if priority is None:  # the daemon asks at every commit: a lookup and no more
+            if reservation_id not in self.ring.reservations:
+                raise NotFoundError(f"no open reservation {reservation_id}")
+            return None
         given = self.commit_priority(reservation_id, priority)
         if given is None:
             return None

@@ -25,9 +25,11 @@ the ring (split in two ranges); in ``"episode"`` unit ``len()`` counts episodes 
 never wraps: when it does not fit before the end, the writer wraps early to row 0 and the rows
 it skipped are evicted too, so eviction stays FIFO over whole episodes.
 
-Listeners are told through :meth:`Ring._evict_ranges`, :meth:`Ring.commit`,
-:meth:`Ring.restore`, :meth:`Ring.clear` and :meth:`Ring.load` only; the journal's replay
-(``replay_*``) goes through the same ones.
+Listeners are told from :meth:`Ring._evict_ranges`, :meth:`Ring.commit`,
+:meth:`Ring.restore`, :meth:`Ring.clear` and :meth:`Ring.load` only (and
+:meth:`Ring.replay_commit`, which publishes episodes under the ids the journal names); the
+journal's other ``replay_*`` methods go through the same ones, so a resumed daemon's tables
+hear what the live ones heard.
 
 Not thread-safe: the owner (buffer or daemon loop) serialises calls.
 """

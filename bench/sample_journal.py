@@ -5,8 +5,8 @@
     .venv/bin/python -m bench.sample_journal [--blocks 40] [--block 100]
 
 Each case fills a 100k-row buffer (episodes of 100 rows, obs f32[8]) on /dev/shm, then
-alternates blocks of ``--block`` requests with the journal's sample hooks off (the container
-and the lease table tell nobody, use counters in anonymous memory: what a daemon did before)
+alternates blocks of ``--block`` requests with the journal's sample hooks off (the container's
+table and the lease table tell nobody, use counters in anonymous memory: what a daemon did before)
 and on, in one process, so both halves see the same machine load; it prints the median and
 the minimum over blocks of the CPU microseconds per request (``time.process_time``: the
 daemon thread's CPU, not the machine's). The cases are what a daemon serves most:
@@ -78,12 +78,13 @@ def timed(step: Callable[[], None], between: Callable[[], None] | None, n: int) 
 
 
 class Hooks:
-    """Turns what the journal hooks into the container and the lease table off and on."""
+    """Turns what the journal hooks into the container's table and the lease table off and
+    on."""
 
     def __init__(self, service: BufferService) -> None:
-        self.container, self.leases = service.container, service.leases
-        self.on = (self.container.sample_log, self.leases.log, self.container.use_counts)
-        self.anonymous = np.array(self.container.use_counts)
+        self.table, self.leases = service.container.table, service.leases
+        self.on = (self.table.sample_log, self.leases.log, self.table.use_counts)
+        self.anonymous = np.array(self.table.use_counts)
 
     def set(self, on: bool) -> None:
         if on:
@@ -92,7 +93,7 @@ class Hooks:
         else:
             log, lease_log, counts = None, None, self.anonymous
             counts[:] = self.on[2]
-        self.container.sample_log, self.leases.log, self.container.use_counts = (
+        self.table.sample_log, self.leases.log, self.table.use_counts = (
             log,
             lease_log,
             counts,

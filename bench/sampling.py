@@ -1,7 +1,7 @@
 """Sampling scenario (issue "sampling and flow control"): what one sample request costs the
 daemon, by buffer size, against the peers' samplers.
 
-Timed is the code the daemon runs per request, called in this process — the container's
+Timed is the code the daemon runs per request, called in this process — the container's table's
 ``sample_rows`` / ``sample_slices`` / ``update_priorities`` (sampler, weights, use counts,
 generation check), no socket and no row copy (``daemon.sample`` measures the wire) — at 10k,
 100k, 1M and 10M stored rows: uniform ``sample(256)``, prioritized ``sample(256)`` followed by
@@ -110,8 +110,8 @@ def _container(layout: Layout, sampler_name: str) -> Any:
 def shm_uniform(layout: Layout) -> Iterator[Offer]:
     container = _container(layout, "uniform")
     yield [
-        (SHM, "sample", lambda _: container.sample_rows(256)),
-        (SHM, "slices", lambda _: container.sample_slices(32, 16)),
+        (SHM, "sample", lambda _: container.table.sample_rows(256)),
+        (SHM, "slices", lambda _: container.table.sample_slices(32, 16)),
     ]
 
 
@@ -125,10 +125,12 @@ def shm_prioritized(layout: Layout) -> Iterator[Offer]:
     stamps = np.zeros(layout.size, dtype=np.int64)
     updates = layout.updates
 
+    table = container.table
+
     def sample_update(i: int) -> None:
-        drawn = container.sample_rows(256)
+        drawn = table.sample_rows(256)
         seen = stamps[drawn.rows]
-        container.update_priorities(drawn.rows, updates[i % PRIORITY_POOL], seen, stamps)
+        table.update_priorities(drawn.rows, updates[i % PRIORITY_POOL], seen, stamps)
 
     yield [(SHM, "sample+update", sample_update)]
 

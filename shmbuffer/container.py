@@ -1,32 +1,54 @@
-"""Where the next rows go and which rows a read gets: the container, one object over its parts.
+"""Where the next rows go and which rows a read gets: one ring and the tables over it.
 
 The container is metadata only. It never touches row data, so the same object serves the
 in-process :class:`~shmbuffer.Buffer` (which copies right after reserving) and the daemon
 (whose writers copy in their own processes between ``reserve`` and ``commit``).
 
-:class:`Container` is its jobs together, each a module of its own over one shared state (the
-daemon's service is split the same way):
+:class:`Container` is a composition, each part an object of its own:
 
-- :mod:`shmbuffer.ringstate`: the fields they share (ring pointer, modes, units, registry,
-  sampler, rate limiter, generator, use counters, open reservations) and the sizes;
-- :mod:`shmbuffer.reservations`: two-phase writing (``reserve`` / ``commit`` / ``abort``),
-  eviction, ``restore`` and ``clear``, each telling the sampler and the limiter;
-- :mod:`shmbuffer.sampling`: ``sample_rows`` / ``sample_episodes`` / ``sample_slices``,
-  priority updates, use counts, the limiter's ``sample_blocker``, ``rank_rows``, stats;
-- :mod:`shmbuffer.persistence`: ``state()`` / ``from_state()`` and the ``replay_*`` methods
-  the journal calls, running the same code as live requests.
+- :class:`~shmbuffer.ring.Ring` (``container.ring``): capacity, modes, units, the pointer,
+  the episode registry, two-phase reservations, eviction, restore and clear; it tells its
+  listeners (:class:`~shmbuffer.listeners.RingListener`) what happened and asks them before a
+  reservation whether it must wait;
+- :class:`~shmbuffer.table.Table` (``container.tables``, the first one ``container.table``,
+  named ``"default"``): a sampler, a rate limiter, a generator, use counts and priority
+  counters over the ring, listening to it; ``sample_rows`` / ``sample_episodes`` /
+  ``sample_slices``, priority updates, the limiter's ``sample_blocker``, ``rank_rows``, stats;
+- :mod:`shmbuffer.persistence`: ``state()`` / ``from_state()`` of the ring and the default
+  table, and the replayed draws of the journal.
 
-This module also hands on the few names of those parts that its importers use (they need not
-know the split).
+Its methods and attributes are the ring's and the default table's, handed on (one call each),
+so the daemon, the Buffer and the journal address one object; a second table is
+:meth:`Container.add_table`, and is read through the :class:`Table` it returns.
 
 Not thread-safe: the owner (buffer or daemon loop) serialises calls.
 """
 
 from __future__ import annotations
 
-from shmbuffer.persistence import PersistenceOps, decode_state
-from shmbuffer.ringstate import Plan, Range, Reservation, SampleRecord, as_invalid_argument
-from shmbuffer.sampling import EpisodeSample, RowSample, SliceSample
+import operator
+from collections.abc import Mapping, Sequence
+from typing import Any, Self
+
+import numpy as np
+import numpy.typing as npt
+
+from shmbuffer import persistence
+from shmbuffer.listeners import F64, Range, SampleLog, SampleRecord
+from shmbuffer.persistence import decode_state
+from shmbuffer.registry import Episode, EpisodeRegistry
+from shmbuffer.ring import Plan, Reservation, Ring
+from shmbuffer.samplers import RateLimiter, Sampler, make_rate_limiter, make_sampler
+from shmbuffer.samplers.base import Priority
+from shmbuffer.table import (
+    I64,
+    EpisodeSample,
+    PriorityUpdate,
+    RowSample,
+    SliceSample,
+    Table,
+    as_invalid_argument,
+)
 
 __all__ = [
     "Container",
@@ -42,11 +64,308 @@ __all__ = [
 ]
 
 
-class Container(PersistenceOps):
-    """The ring of ``capacity`` rows; see the module docstring.
+class Container:
+    """A ring of ``capacity`` rows and its tables; see the module docstring.
 
     ``mode``: ``"circular"`` or ``"fixed"``; ``unit``: ``"transition"`` or ``"episode"``.
-    ``sampler``: a :class:`~shmbuffer.samplers.Sampler` (None: uniform), ``rate_limiter`` a
-    :class:`~shmbuffer.samplers.RateLimiter` (None: no limit); both belong to this container
-    from now on. ``seed`` seeds ``rng``, the generator every draw uses.
+    ``sampler``, ``rate_limiter`` and ``seed`` make the default table (see
+    :class:`~shmbuffer.table.Table`): a sampler (None: uniform) and a limiter (None: no limit)
+    that belong to this container from now on, and the seed of the generator its draws use.
     """
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        mode: str = "circular",
+        unit: str = "transition",
+        sampler: Sampler | None = None,
+        rate_limiter: RateLimiter | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.ring = Ring(capacity, mode=mode, unit=unit)
+        #: The table the container's own sampling methods and attributes address.
+        self.table = Table(self.ring, sampler=sampler, rate_limiter=rate_limiter, seed=seed)
+        #: Every table over the ring, by name; each hears the ring in this order.
+        self.tables: dict[str, Table] = {"default": self.table}
+        #: The ring's open reservations (its dict, which it never replaces).
+        self.reservations: dict[int, Reservation] = self.ring.reservations
+
+    def add_table(
+        self,
+        name: str,
+        *,
+        sampler: Sampler | None = None,
+        rate_limiter: RateLimiter | None = None,
+        seed: int | None = None,
+    ) -> Table:
+        """Another table over the ring (as :class:`~shmbuffer.table.Table` takes its
+        arguments), from now on told everything the ring does, its writes held back by its
+        flow control as by the default table's. In process only: :meth:`state` keeps the
+        default table's parts, and a load starts the others over from the loaded registry.
+        ValueError for a name taken."""
+        if name in self.tables:
+            raise ValueError(f"a table named {name!r} exists already")
+        table = Table(self.ring, sampler=sampler, rate_limiter=rate_limiter, seed=seed)
+        self.tables[name] = table
+        return table
+
+    # -- the ring's -------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.ring)
+
+    @property
+    def capacity(self) -> int:
+        return self.ring.capacity
+
+    @property
+    def mode(self) -> str:
+        return self.ring.mode
+
+    @property
+    def unit(self) -> str:
+        return self.ring.unit
+
+    @property
+    def registry(self) -> EpisodeRegistry:
+        return self.ring.registry
+
+    @property
+    def pointer(self) -> int:
+        return self.ring.pointer
+
+    @property
+    def rows_written(self) -> int:
+        return self.ring.rows_written
+
+    @property
+    def next_reservation(self) -> int:
+        return self.ring.next_reservation
+
+    @property
+    def reserved_rows(self) -> int:
+        return self.ring.reserved_rows
+
+    @property
+    def num_rows(self) -> int:
+        return self.ring.registry.num_rows
+
+    @property
+    def num_episodes(self) -> int:
+        return len(self.ring.registry)
+
+    def plan(self, num_rows: int, episodes: int | Sequence[int] = 1) -> Plan:
+        """:meth:`Ring.plan <shmbuffer.ring.Ring.plan>`."""
+        return self.ring.plan(num_rows, episodes)
+
+    def reserve(self, plan: Plan, owner: object = None) -> Reservation:
+        """:meth:`Ring.reserve <shmbuffer.ring.Ring.reserve>`."""
+        return self.ring.reserve(plan, owner)
+
+    def reserve_rows(
+        self, num_rows: int, episodes: int | Sequence[int] = 1, owner: object = None
+    ) -> Reservation:
+        """:meth:`Ring.reserve_rows <shmbuffer.ring.Ring.reserve_rows>`."""
+        return self.ring.reserve(self.ring.plan(num_rows, episodes), owner)
+
+    def hold(
+        self, reservation_id: int, ranges: Sequence[Range], episodes: int | Sequence[int]
+    ) -> Reservation:
+        """:meth:`Ring.hold <shmbuffer.ring.Ring.hold>`."""
+        return self.ring.hold(reservation_id, ranges, episodes)
+
+    def commit(self, reservation_id: int, priority: Priority = None) -> list[int]:
+        """Publish a reservation's episodes; return their ids in order.
+
+        ``priority``: None (the sampler's default: the largest seen so far), a scalar, or one
+        value per row (transition unit) or per episode (episode unit), checked by the default
+        table and every other table keeping priorities before anything is published
+        (InvalidArgumentError leaves the reservation open); tables that keep none ignore it."""
+        if priority is None:
+            return self.ring.commit(reservation_id)
+        given = self.table.commit_priority(reservation_id, priority)
+        for table in self.tables.values():
+            if table is not self.table and table.sampler.has_priorities:
+                table.commit_priority(reservation_id, given)
+        return self.ring.commit(reservation_id, given)
+
+    def abort(self, reservation_id: int, written: int | None = None) -> list[Episode]:
+        """:meth:`Ring.abort <shmbuffer.ring.Ring.abort>`."""
+        return self.ring.abort(reservation_id, written)
+
+    def restore(self, episodes: Sequence[Episode]) -> None:
+        self.ring.restore(episodes)
+
+    def clear(self) -> None:
+        """:meth:`Ring.clear <shmbuffer.ring.Ring.clear>`."""
+        self.ring.clear()
+
+    # -- the default table's ----------------------------------------------------------------
+
+    @property
+    def sampler(self) -> Sampler:
+        return self.table.sampler
+
+    @property
+    def rate_limiter(self) -> RateLimiter:
+        return self.table.rate_limiter
+
+    @property
+    def rng(self) -> np.random.Generator:
+        return self.table.rng
+
+    @property
+    def use_counts(self) -> npt.NDArray[np.int32]:
+        return self.table.use_counts
+
+    @property
+    def sample_log(self) -> SampleLog | None:
+        return self.table.sample_log
+
+    @property
+    def rng_unlogged(self) -> bool:
+        return self.table.rng_unlogged
+
+    @property
+    def priority_updates(self) -> int:
+        return self.table.priority_updates
+
+    @property
+    def priority_updates_stale(self) -> int:
+        return self.table.priority_updates_stale
+
+    def sample_rows(self, n: int, *, beta: float | None = None) -> RowSample:
+        """:meth:`Table.sample_rows <shmbuffer.table.Table.sample_rows>`."""
+        return self.table.sample_rows(n, beta=beta)
+
+    def sample_episodes(self, n: int, *, beta: float | None = None) -> EpisodeSample:
+        """:meth:`Table.sample_episodes <shmbuffer.table.Table.sample_episodes>`."""
+        return self.table.sample_episodes(n, beta=beta)
+
+    def sample_slices(
+        self, n: int, length: int, *, strict: bool = True, beta: float | None = None
+    ) -> SliceSample:
+        """:meth:`Table.sample_slices <shmbuffer.table.Table.sample_slices>`."""
+        return self.table.sample_slices(n, length, strict=strict, beta=beta)
+
+    def count_use(self, rows: np.ndarray) -> None:
+        self.table.count_use(rows)
+
+    def sample_blocker(self, rows: int) -> str | None:
+        return self.table.sample_blocker(rows)
+
+    def rank_rows(
+        self,
+        rank: int = 0,
+        world_size: int = 1,
+        *,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        seed: int | Sequence[int] = 0,
+    ) -> I64:
+        """:meth:`Table.rank_rows <shmbuffer.table.Table.rank_rows>`."""
+        return self.table.rank_rows(
+            rank, world_size, shuffle=shuffle, drop_last=drop_last, seed=seed
+        )
+
+    def check_priority(
+        self, num_rows: int, episodes: int | Sequence[int], priority: Priority
+    ) -> F64 | None:
+        """:meth:`Table.check_priority <shmbuffer.table.Table.check_priority>`."""
+        return self.table.check_priority(num_rows, episodes, priority)
+
+    def commit_priorities(self, reservation_id: int, priority: Priority) -> PriorityUpdate | None:
+        """:meth:`Table.commit_priorities <shmbuffer.table.Table.commit_priorities>` of the
+        default table."""
+        return self.table.commit_priorities(reservation_id, priority)
+
+    def check_priorities(
+        self,
+        rows: npt.ArrayLike,
+        priority: npt.ArrayLike,
+        generation: npt.ArrayLike | None = None,
+        stamps: I64 | None = None,
+    ) -> PriorityUpdate:
+        """:meth:`Table.check_priorities <shmbuffer.table.Table.check_priorities>`."""
+        return self.table.check_priorities(rows, priority, generation, stamps)
+
+    def apply_priorities(self, update: PriorityUpdate) -> int:
+        return self.table.apply_priorities(update)
+
+    def update_priorities(
+        self,
+        rows: npt.ArrayLike,
+        priority: npt.ArrayLike,
+        generation: npt.ArrayLike | None = None,
+        stamps: I64 | None = None,
+    ) -> int:
+        """:meth:`Table.update_priorities <shmbuffer.table.Table.update_priorities>`."""
+        return self.table.update_priorities(rows, priority, generation, stamps)
+
+    def stats(self) -> dict[str, Any]:
+        return self.table.stats()
+
+    # -- saved states and the journal's replay (shmbuffer.persistence) ------------------------
+
+    def state(self) -> dict[str, Any]:
+        """:func:`persistence.state_of <shmbuffer.persistence.state_of>` the ring and the
+        default table."""
+        return persistence.state_of(self.ring, self.table)
+
+    @classmethod
+    def from_state(
+        cls,
+        state: Mapping[str, Any],
+        *,
+        sampler: Sampler | None = None,
+        rate_limiter: RateLimiter | None = None,
+    ) -> Self:
+        """A container in ``state``. ``sampler``/``rate_limiter`` None: the saved kinds with
+        their saved settings (uniform / no limit for a state saved before samplers existed).
+        ValueError (KeyError, TypeError) when the state is inconsistent."""
+        saved = state.get("sampler") or {}
+        if sampler is None and "name" in saved:
+            sampler = make_sampler(saved["name"], **dict(saved.get("settings") or {}))
+        limiter = state.get("rate_limiter") or {}
+        if rate_limiter is None and "name" in limiter:
+            rate_limiter = make_rate_limiter(limiter["name"], **dict(limiter.get("settings") or {}))
+        container = cls(
+            operator.index(state["capacity"]),
+            mode=state["mode"],
+            unit=state["unit"],
+            sampler=sampler,
+            rate_limiter=rate_limiter,
+        )
+        container.load_state(state)
+        return container
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """:func:`persistence.load_state <shmbuffer.persistence.load_state>` into the ring and
+        the default table; every other table starts over from the loaded registry."""
+        persistence.load_state(self.ring, self.table, state)
+
+    def replay_reserve(
+        self, evicted: Sequence[Range], pointer: int, rows_written: int, next_reservation: int
+    ) -> None:
+        """:meth:`Ring.replay_reserve <shmbuffer.ring.Ring.replay_reserve>`."""
+        self.ring.replay_reserve(evicted, pointer, rows_written, next_reservation)
+
+    def replay_commit(self, episodes: Sequence[tuple[int, int, int]]) -> None:
+        """:meth:`Ring.replay_commit <shmbuffer.ring.Ring.replay_commit>`."""
+        self.ring.replay_commit(episodes)
+
+    def replay_restore(self, episodes: Sequence[Episode], pointer: int, rows_written: int) -> None:
+        self.ring.replay_restore(episodes, pointer, rows_written)
+
+    def replay_clear(self, pointer: int) -> None:
+        self.ring.replay_clear(pointer)
+
+    def replay_priorities(self, rows: npt.ArrayLike, priority: npt.ArrayLike) -> int:
+        """Redo a priority update (stale rows were already left out when it was journaled)."""
+        return self.table.update_priorities(rows, priority)
+
+    def replay_sample(self, draw: SampleRecord) -> bool:
+        """:func:`persistence.replay_sample <shmbuffer.persistence.replay_sample>` on the
+        default table."""
+        return persistence.replay_sample(self.table, draw)

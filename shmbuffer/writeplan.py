@@ -22,6 +22,7 @@ import torch
 
 from shmbuffer.errors import CapacityError, InvalidArgumentError, SchemaError
 from shmbuffer.samplers.base import check_priority
+from shmbuffer.samplers.declare import declared
 from shmbuffer.schema import Schema, to_host
 
 #: A write's priorities as checked here: none (the sampler's default for new data), one number
@@ -107,9 +108,10 @@ def write_priority(
     if priority is None:
         return None
     if not keeps:
+        keeping = ", ".join(name for name, kind in declared().items() if kind.has_priorities)
         raise InvalidArgumentError(
-            f"priority given, but the sampler {sampler!r} keeps no priorities (only a "
-            "prioritized one does: sampler='prioritized', --sampler prioritized for a daemon)"
+            f"priority given, but the sampler {sampler!r} keeps no priorities (these do: "
+            f"{keeping})"
         )
     value = to_host(priority)
     try:

@@ -33,13 +33,13 @@ from shmbuffer.daemon.journal import (
 )
 from shmbuffer.daemon.leases import ORPHAN, LeaseTable
 from shmbuffer.errors import CapacityError, EmptyBufferError, InvalidArgumentError, OutOfSpaceError
+from shmbuffer.listeners import rng_words, set_rng_words
 from shmbuffer.samplers import (
     FifoSampler,
     PrioritizedSampler,
     SampleToInsertRatio,
     make_sampler,
 )
-from shmbuffer.sampling import rng_words, set_rng_words
 
 
 @pytest.fixture

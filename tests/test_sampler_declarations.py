@@ -5,13 +5,19 @@ the cluster's daemon options, ``settings()`` and the ``hello`` reply derive from
 from __future__ import annotations
 
 import inspect
+import os
+import shutil
+import subprocess
+import sys
 import tempfile
 import uuid
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import shmbuffer
 from shmbuffer.buffer import Buffer
 from shmbuffer.cli import build_parser
 from shmbuffer.clients.readerstate import CONSUMING_SAMPLERS, consumes
@@ -92,3 +98,78 @@ def test_the_reader_takes_the_daemons_word_over_the_name() -> None:
     # a sampler this side does not know, or one it knows by another declaration
     assert consumes({"sampler": "not-known-here", "max_times_sampled": None, "consumes": True})
     assert not consumes({"sampler": "fifo", "max_times_sampled": None, "consumes": False})
+
+
+@pytest.mark.parametrize("name", SAMPLERS)
+def test_every_sampler_is_a_choice_of_every_door(name: str) -> None:
+    args = build_parser().parse_args(["start", "--sampler", name])
+    assert args.sampler == name
+    assert build_parser().parse_args(start_flags({"sampler": name}, 0)).sampler == name
+    assert DaemonConfig(sampler=name).make_sampler().name == name
+    with Buffer(16, sampler=name) as buf:
+        assert buf.sampler.name == name and buf.stats()["sampler"]["sampler"] == name
+
+
+NEW_SAMPLER = """
+import numpy as np
+
+from shmbuffer.samplers.selector import Selection, Selector
+
+
+class OldestSelector(Selector):
+    name = "test-oldest"
+    uses_rng = False
+
+    def clear(self, capacity):
+        self.seqs = {}
+
+    def insert(self, items, priority):
+        self.seqs.update(zip(items.slots.tolist(), items.seqs.tolist()))
+
+    def delete(self, slots):
+        for slot in slots.tolist():
+            del self.seqs[slot]
+
+    def update(self, slots, priority):
+        pass
+
+    def select(self, n, rng):
+        oldest = sorted(self.seqs, key=self.seqs.get)[:n]
+        return Selection(np.array(oldest, dtype=np.int64), np.ones(n))
+"""
+
+PROBE = """
+from shmbuffer.cli import build_parser
+from shmbuffer.container import Container
+from shmbuffer.daemon.config import DaemonConfig
+from shmbuffer.samplers import SAMPLERS
+
+print(list(SAMPLERS))
+assert build_parser().parse_args(["start", "--sampler", "test-oldest"]).sampler == "test-oldest"
+container = Container(8, sampler=DaemonConfig(sampler="test-oldest").make_sampler())
+for n in (4, 4, 4):  # the third write overwrites the first
+    container.commit(container.reserve_rows(n).id)
+print(container.sample_rows(3).rows.tolist())
+"""
+
+
+def test_a_new_sampler_is_one_module_added_to_the_package(tmp_path: Path) -> None:
+    """A module dropped into ``shmbuffer/samplers`` is listed, a ``--sampler`` choice and
+    served, with no other file changed."""
+    package = Path(shmbuffer.__file__).parent
+    shutil.copytree(package, tmp_path / "shmbuffer", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "shmbuffer" / "samplers" / "oldest.py").write_text(NEW_SAMPLER)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        env=env,
+        cwd=tmp_path,  # ``-c`` puts the working directory first on the path
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,  # the assertion shows stderr
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    names, rows = out.stdout.splitlines()
+    assert eval(names) == [*SAMPLERS, "test-oldest"]  # the package's own first, then it
+    assert eval(rows) == [4, 5, 6]  # rows 0..3 were overwritten: the oldest live ones

@@ -599,7 +599,7 @@ def test_make_sampler_names_and_options() -> None:
     for name in ("uniform", "without-replacement", "prioritized", "fifo"):
         assert make_sampler(name).name == name
     with pytest.raises(ValueError, match="expected one of"):
-        make_sampler("lifo")
+        make_sampler("no-such-sampler")
     with pytest.raises(ValueError, match="priority_exponent"):
         make_sampler("uniform", priority_exponent=0.5)
     with pytest.raises(ValueError, match="max_times_sampled"):

@@ -242,15 +242,15 @@ class Journal:
         pins: PinTable | None = None,
     ) -> None:
         """Keep what samples and leases change across a resume (call before :meth:`start`):
-        the container tells this journal every draw (SAMPLE records) where a draw changes
-        anything but the generator and figures (:func:`journals_samples`), and its use
-        counters move into ``use_counts.bin`` beside it (their current values copied; written
-        in place from then on); ``leases`` tell it grants, renewals and releases and go into
+        the container's table tells this journal every draw (SAMPLE records; the journal is
+        its :class:`~shmbuffer.listeners.SampleLog`) where a draw changes anything but the
+        generator and figures (:func:`journals_samples`), and its use counters move into
+        ``use_counts.bin`` beside it (their current values copied; written in place from then
+        on); ``leases`` tell it grants, renewals and releases and go into
         every snapshot, matched to processes through ``clients``; ``iterate_seed`` too."""
-        container.keep_state_in(
-            file_backed(self.folder / USE_COUNTS_FILE, container.use_counts),
-            sample_log_for(container, self),
-        )
+        table = container.table
+        table.keep_use_counts_in(file_backed(self.folder / USE_COUNTS_FILE, table.use_counts))
+        table.listen(sample_log_for(container, self))
         if leases is not None:
             leases.log = self
             if clients is not None:
@@ -265,7 +265,7 @@ class Journal:
         self.reserve(_SAMPLE_BYTES + record_bytes(LEASE_FIELDS + n))
 
     def sampled(self, draw: SampleRecord) -> None:
-        """Append a SAMPLE record (see :class:`~shmbuffer.ringstate.SampleLog`)."""
+        """Append a SAMPLE record (see :class:`~shmbuffer.listeners.SampleLog`)."""
         if self._fd is None:
             return
         call, n, length, strict, handed, refused, rng = draw

@@ -21,7 +21,7 @@ from shmbuffer.daemon.clients import ClientTable
 from shmbuffer.daemon.leases import holder
 from shmbuffer.daemon.records import LEASE_FIELDS, record_bytes
 from shmbuffer.errors import OutOfSpaceError
-from shmbuffer.ringstate import SampleLog
+from shmbuffer.listeners import SampleLog
 
 
 class _Journal(SampleLog, Protocol):

@@ -62,6 +62,7 @@ class SampleOps(DaemonState):
         consume-once sampler hands its items out for good."""
         kind, n, beta = fields["kind"], fields["n"], fields.get("beta")
         c = self.container
+        table = c.table  # the table a request draws from (the container's one, today)
         reply: dict[str, Any] = {}
         drawn: RowSample | SliceSample | EpisodeSample
         leased = fields.get("lease", False) and not fields.get("payload", False)
@@ -73,14 +74,14 @@ class SampleOps(DaemonState):
             )
         if kind == "rows":
             self._check_sample_size(n, fields)
-            drawn = c.sample_rows(n, beta=beta)
+            drawn = table.sample_rows(n, beta=beta)
             physical = index = drawn.rows
             reply["rows"] = encode_i64(physical)
         elif kind == "slices":
             length = fields["length"]  # validation made sure of it
             self._check_sample_size(n * length, fields)
             strict = fields.get("strict", True)
-            sliced = c.sample_slices(n, length, strict=strict, beta=beta)
+            sliced = table.sample_slices(n, length, strict=strict, beta=beta)
             drawn, physical, index = sliced, sliced.rows, sliced.starts
             reply["starts"] = encode_i64(sliced.starts)
             if not strict:  # a padded slice's real rows: a prefix of its length
@@ -88,7 +89,7 @@ class SampleOps(DaemonState):
         else:
             if c.num_episodes:  # the lengths are known after the draw: judge by the mean
                 self._check_sample_size(n * max(1, c.num_rows // c.num_episodes), fields)
-            episodes = c.sample_episodes(n, beta=beta)
+            episodes = table.sample_episodes(n, beta=beta)
             ids, index = episodes.ids, episodes.starts
             drawn, physical = episodes, episodes.rows
             if not c.sampler.waits_when_empty:  # drawn for good otherwise: never refuse them now
@@ -151,9 +152,10 @@ class SampleOps(DaemonState):
         """Set priorities of sampled rows (the ``update_priorities`` op's work): validated
         (invalid_argument, nothing done), rows whose generation stamp changed since the sample
         left out and counted stale, the rest journaled (PRIORITY) before the reply."""
-        update = self.container.check_priorities(rows, priority, generation, self.generations)
+        table = self.container.table
+        update = table.check_priorities(rows, priority, generation, self.generations)
         self._journal_room(record_bytes(1 + 2 * update.rows.size))
-        applied = self.container.apply_priorities(update)
+        applied = table.apply_priorities(update)
         if self.journal is not None and update.rows.size:
             self.journal.append_priorities(update.rows, update.priority)
         return applied

@@ -1,19 +1,28 @@
-"""Samplers and rate limiters: the contracts (``base``, ``rate_limiter``) and one file each.
+"""Samplers and rate limiters: the contracts (``base``, ``selector``, ``rate_limiter``) and one
+file each.
 
 This package only hands names on, plus the registry of samplers (``SAMPLERS``, and
-``OPTIONS``: every option they declare) and the factories the configuration uses.
+``OPTIONS``: every option they declare) and the factories the configuration uses. A sampler
+registers itself: every module of the package is imported here, and each class that declares
+a ``name`` is listed (``declare.Declared``), so adding a sampler is adding its module, written
+against the narrow item contract (``selector.Selector``) and served by the shared layer
+(``shapes.SelectorSampler``).
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import pkgutil
 from typing import Any
 
 from shmbuffer.samplers.base import Draw, EpisodeDraw, Sampler, SliceDraw, check_priority
-from shmbuffer.samplers.declare import Option
+from shmbuffer.samplers.declare import Declared, Option, declared
 from shmbuffer.samplers.fifo import FifoSampler
 from shmbuffer.samplers.prioritized import PrioritizedSampler
 from shmbuffer.samplers.rate_limiter import MinSize, NoLimit, RateLimiter, SampleToInsertRatio
+from shmbuffer.samplers.selector import Items, Selection, Selector
+from shmbuffer.samplers.shapes import SelectorSampler
 from shmbuffer.samplers.sumtree import MinTree, SumTree
 from shmbuffer.samplers.uniform import UniformSampler
 from shmbuffer.samplers.without_replacement import WithoutReplacementSampler
@@ -22,9 +31,11 @@ __all__ = [
     "OPTIONS",
     "RATE_LIMITERS",
     "SAMPLERS",
+    "Declared",
     "Draw",
     "EpisodeDraw",
     "FifoSampler",
+    "Items",
     "MinSize",
     "MinTree",
     "NoLimit",
@@ -33,6 +44,9 @@ __all__ = [
     "RateLimiter",
     "SampleToInsertRatio",
     "Sampler",
+    "Selection",
+    "Selector",
+    "SelectorSampler",
     "SliceDraw",
     "SumTree",
     "UniformSampler",
@@ -45,10 +59,24 @@ __all__ = [
     "takers",
 ]
 
-SAMPLERS: dict[str, type[Sampler]] = {
-    cls.name: cls
-    for cls in (UniformSampler, WithoutReplacementSampler, PrioritizedSampler, FifoSampler)
-}
+#: The samplers that came first, in the order they came: listed first, in this order.
+_FIRST = ("uniform", "without-replacement", "prioritized", "fifo")
+
+
+def _discover() -> dict[str, type[Declared]]:
+    """Every sampler the package's modules declare: those of :data:`_FIRST` in that order,
+    then the others in module order. Private modules (``_jit``: numba) are not imported."""
+    for module in pkgutil.iter_modules(__path__):
+        if not module.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{module.name}")
+    kinds = declared()
+    first = {name: kinds[name] for name in _FIRST}
+    return first | {name: cls for name, cls in kinds.items() if name not in first}
+
+
+#: Every sampler by its ``--sampler`` name: a wide :class:`Sampler` or a narrow
+#: :class:`Selector` (which :func:`make_sampler` serves through :class:`SelectorSampler`).
+SAMPLERS: dict[str, type[Declared]] = _discover()
 
 
 def _options() -> tuple[Option[Any], ...]:
@@ -93,7 +121,8 @@ def _build(kind: str, name: str, cls: Any, options: dict[str, Any]) -> Any:
 
 def make_sampler(name: str, **options: Any) -> Sampler:
     """A sampler by its ``--sampler`` name; ValueError for an unknown name or option."""
-    sampler: Sampler = _build("sampler", name, _lookup("sampler", name, SAMPLERS), options)
+    made = _build("sampler", name, _lookup("sampler", name, SAMPLERS), options)
+    sampler: Sampler = SelectorSampler(made) if isinstance(made, Selector) else made
     return sampler
 
 
@@ -119,7 +148,7 @@ def build_sampler(name: str, **options: Any) -> Sampler:
     """A sampler from flag-style options (``--sampler`` and its settings), where None means
     "not given": the sampler's default. An option given that ``name`` does not take (say
     ``priority_exponent`` for ``uniform``) is refused with a ValueError naming it."""
-    cls: type[Sampler] = _lookup("sampler", name, SAMPLERS)
+    cls: type[Declared] = _lookup("sampler", name, SAMPLERS)
     takes = [option.name for option in cls.options]
     return make_sampler(name, **_given("sampler", name, takes, options))
 

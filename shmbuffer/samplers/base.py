@@ -31,14 +31,14 @@ import math
 import operator
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from shmbuffer.names import UNITS, check_choice
 from shmbuffer.registry import Episode, EpisodeRegistry
-from shmbuffer.samplers.declare import Option
+from shmbuffer.samplers.declare import Declared, Option, declared
 from shmbuffer.samplers.index import EpisodeIndex
 
 __all__ = ["MAX_TIMES_SAMPLED", "Draw", "EpisodeDraw", "Sampler", "SliceDraw", "check_priority"]
@@ -161,34 +161,24 @@ MAX_TIMES_SAMPLED: Option[int | None] = Option(
 )
 
 
-class Sampler(ABC):
+class Sampler(Declared, ABC):
     """Which committed rows, episodes or slices a read gets; see the module docstring.
 
-    A sampler declares itself in class attributes, read by whatever configures or serves
-    it: its ``name`` (``--sampler``), its constructor ``options`` and its capabilities
-    (``has_priorities``, ``consumes``, ``waits_for_data``).
+    A sampler declares itself (:class:`~shmbuffer.samplers.declare.Declared`): its ``name``
+    (``--sampler``), its constructor ``options`` and its capabilities (``has_priorities``,
+    ``consumes``, ``waits_for_data``), read by whatever configures or serves it. A new
+    sampler is best written against the narrow item contract instead
+    (:class:`~shmbuffer.samplers.selector.Selector`), which the shared layer
+    (:class:`~shmbuffer.samplers.shapes.SelectorSampler`) serves through this one.
     """
 
-    name: ClassVar[str]
-    #: The constructor's keyword options, each declared once (``declare.Option``): flags,
-    #: config keys, ``Buffer`` keywords and :meth:`settings` derive from them.
-    options: ClassVar[tuple[Option[Any], ...]] = (MAX_TIMES_SAMPLED,)
-    #: Whether ``update_priorities`` and a ``priority`` on commit mean anything here.
-    has_priorities: ClassVar[bool] = False
-    #: Whether a sample must be drawn when the learner asks for it, never ahead: what one
-    #: hands out decides what later ones get (a shared walk, consume-once queues, the oldest
-    #: data first), so a sample sent ahead would take data the learner never asked for.
-    #: ``max_times_sampled`` makes any sampler consume (:attr:`consuming`).
-    consumes: ClassVar[bool] = False
-    #: Whether a sample that finds nothing to hand out waits for writers instead of failing
-    #: at once; ``max_times_sampled`` makes any sampler wait (:attr:`waits_when_empty`).
-    waits_for_data: ClassVar[bool] = False
+    options: tuple[Option[Any], ...] = (MAX_TIMES_SAMPLED,)
     #: The largest priority it can keep (``check_priority``'s ``most``): what its sums stay
     #: finite with; set once attached to a capacity.
     priority_limit: float = math.inf
     #: Whether draws take numbers from the generator (the journal then keeps its state where
     #: a refused call may have moved it; see ``daemon/journal.py``).
-    uses_rng: ClassVar[bool] = True
+    uses_rng: bool = True
 
     def __init__(self, *, max_times_sampled: int | None = None) -> None:
         if max_times_sampled is not None:
@@ -301,10 +291,13 @@ class Sampler(ABC):
     def update_priorities(self, rows: npt.ArrayLike, priority: npt.ArrayLike) -> int:
         """Set the priority of the items holding physical ``rows``; return how many were set.
 
-        Rows holding no committed data are skipped. Only prioritized samplers keep priorities.
+        Rows holding no committed data are skipped. Only samplers that declare
+        ``has_priorities`` keep priorities.
         """
+        keeping = ", ".join(name for name, kind in declared().items() if kind.has_priorities)
         raise ValueError(
-            f"update_priorities needs --sampler prioritized; this buffer's sampler is {self.name!r}"
+            f"update_priorities needs a sampler that keeps priorities ({keeping}); this "
+            f"buffer's sampler is {self.name!r}"
         )
 
     def set_priorities(self, rows: I64, priority: F64) -> int:

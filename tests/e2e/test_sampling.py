@@ -587,7 +587,7 @@ def test_sampler_and_limiter_settings_from_a_toml_file(tmp_path: Any) -> None:
         ('sampler = "fifo"\npriority_eps = 0.1\n', ["--priority-eps", "fifo"]),
         ('sampler = "prioritized"\npriority_exponent = "high"\n', ["--priority-exponent"]),
         ('rate_limiter = "min-size"\nmin_size = 2.5\n', ["--min-size", "integer"]),
-        ('sampler = "lifo"\n', ["--sampler", "'lifo'", "fifo"]),
+        ('sampler = "no-such-sampler"\n', ["--sampler", "'no-such-sampler'", "fifo"]),
     ]:
         bad = tmp_path / "bad.toml"
         bad.write_text(text)

@@ -1,0 +1,578 @@
+"""A table over a ring: which rows a read gets, and what reads change.
+
+A :class:`Table` is a :class:`~shmbuffer.samplers.Sampler`, a
+:class:`~shmbuffer.samplers.RateLimiter`, a random generator, per-row use counts and priority
+counters over one :class:`~shmbuffer.ring.Ring` (Reverb's ``Table``: a sampler, a rate limiter
+and extensions as separate objects). It is a :class:`~shmbuffer.listeners.RingListener`: the
+ring tells it every commit, eviction, restore, clear and load, and it tells its sampler and
+limiter and keeps its use counts; before a reservation the ring asks it whether its limiter or
+its sampler's unconsumed rows hold the writes back. Several tables over one ring each draw with
+their own sampler, generator, counts and limiter.
+
+The in-process :class:`~shmbuffer.Buffer` and the daemon call the same ``sample_*`` methods
+here, so both run the same code. Every draw is counted in the per-row use counters and told to
+the limiter. A request the limiter (or a FIFO sampler holding unconsumed rows) refuses raises
+:class:`~shmbuffer.errors.WaitTimeoutError`; the daemon asks :meth:`Table.sample_blocker`
+(and, for writes, the ``blocked`` of a ``plan``) first and parks the request instead. Bad
+arguments (a negative or NaN priority, an index out of range, a call the sampler does not serve
+in this unit) raise :class:`~shmbuffer.errors.InvalidArgumentError` with nothing changed; a
+sample over the protocol's limits (``MAX_SAMPLE`` items, ``MAX_SAMPLE_ROWS`` rows:
+``protocol.py``, their one home) raises :class:`~shmbuffer.errors.LimitExceededError` before
+anything is drawn, in process as in a daemon. The counts, a slice's length and strictness and
+a rank are checked by :mod:`shmbuffer.reads`, as the daemon's Reader checks them.
+
+With a :class:`~shmbuffer.listeners.SampleLog` (:meth:`Table.listen`: the daemon's journal)
+every draw is told to it before the caller hands the rows out: the call, its size and the rows
+counted by the limiter (a resumed daemon draws again, ``persistence.replay_sample``), plus the
+generator's state when a refused draw may have moved it since. Nothing more is logged per
+sample, so the cost is one small record (``bench/sample_journal.py``).
+
+Not thread-safe: the ring's owner serialises calls, as the listener contract says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, NamedTuple, NoReturn
+
+import numpy as np
+import numpy.typing as npt
+
+from shmbuffer.errors import InvalidArgumentError, NotFoundError, ShmBufferError, WaitTimeoutError
+from shmbuffer.listeners import (
+    EPISODES,
+    F64,
+    ROWS,
+    SLICES,
+    Range,
+    RingListener,
+    SampleLog,
+    SampleRecord,
+    rng_words,
+)
+from shmbuffer.reads import (
+    check_episode_args,
+    check_rank,
+    check_sample_args,
+    check_slice_args,
+    check_update_args,
+    expand_slices,
+)
+from shmbuffer.registry import Episode
+from shmbuffer.ring import Ring, episode_lengths
+from shmbuffer.rows import episode_rows
+from shmbuffer.samplers import NoLimit, RateLimiter, Sampler, UniformSampler
+from shmbuffer.samplers.base import (
+    Priority,
+)
+from shmbuffer.samplers.index import rows_of
+from shmbuffer.spans import loaded_draws
+
+I64 = npt.NDArray[np.int64]
+Mask = npt.NDArray[np.bool_]
+_ONE_USE = np.int32(1)  # count_use's increment, of use_counts' dtype (numpy's fast add.at)
+
+
+class _Arguments:
+    """Turns a sampler's plain ValueError/IndexError into InvalidArgumentError (a class with
+    ``__enter__``/``__exit__``: cheaper than ``contextlib.contextmanager`` on the hot path)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        # TypeError stays what it is: a wrong type is the caller's bug, not a bad value.
+        if isinstance(exc, ValueError | IndexError) and not isinstance(exc, ShmBufferError):
+            raise InvalidArgumentError(str(exc)) from exc
+
+
+#: ``with as_invalid_argument:`` around argument checks (the Buffer uses it too).
+as_invalid_argument = _Arguments()
+
+
+def raise_invalid(exc: ValueError | IndexError) -> NoReturn:
+    """Raise ``exc`` as InvalidArgumentError (as it is if it is a ShmBufferError already)."""
+    if isinstance(exc, ShmBufferError):
+        raise exc
+    raise InvalidArgumentError(str(exc)) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityUpdate:
+    """A validated priority update: the rows to set (stale ones left out), their priorities,
+    and how many stale rows were left out (a commit's priorities travel as one too)."""
+
+    rows: I64
+    priority: F64
+    stale: int
+
+
+class RowSample(NamedTuple):
+    """Rows a read gets: physical ``rows``, each one's draw ``probability`` and importance
+    ``weight`` (ones unless the sampler keeps priorities). The arrays may be read-only and
+    shared between calls: copy before changing them. A NamedTuple, as the samplers' draws:
+    half the cost of a frozen dataclass to build, on the hot path of every sample."""
+
+    rows: I64
+    probability: F64
+    weight: F64
+
+
+class EpisodeSample(NamedTuple):
+    """Whole episodes: ids, physical bounds ``[starts, ends)``, probability and weight per
+    episode, and ``rows``, their physical rows concatenated."""
+
+    ids: I64
+    starts: I64
+    ends: I64
+    probability: F64
+    weight: F64
+    rows: I64
+
+
+class SliceSample(NamedTuple):
+    """``n`` slices of ``length`` rows: first rows, real lengths (``< length`` only when not
+    strict), probability and weight per slice; ``rows`` holds ``n * length`` physical rows
+    (a padding position repeats its slice's first row) and ``mask`` ``[n, length]`` is True on
+    real rows (a prefix; None for strict slices, which are all real)."""
+
+    starts: I64
+    lengths: I64
+    probability: F64
+    weight: F64
+    rows: I64
+    mask: Mask | None
+
+
+class Table(RingListener):
+    """Draws over ``ring``; see the module docstring. Listens to ``ring`` from construction
+    on, after the tables made before it.
+
+    ``sampler``: a :class:`~shmbuffer.samplers.Sampler` (None: uniform), ``rate_limiter`` a
+    :class:`~shmbuffer.samplers.RateLimiter` (None: no limit); both belong to this table from
+    now on (InvalidArgumentError for a sampler another table has). ``seed`` seeds ``rng``,
+    the generator every draw uses. Episodes the ring holds already count as just committed.
+    """
+
+    def __init__(
+        self,
+        ring: Ring,
+        *,
+        sampler: Sampler | None = None,
+        rate_limiter: RateLimiter | None = None,
+        seed: int | None = None,
+    ) -> None:
+        if sampler is not None and _attached(sampler):  # two tables under one sampler: garbage
+            raise InvalidArgumentError(
+                f"this {sampler.name} sampler already belongs to a buffer; make one per buffer"
+            )
+        self.ring = ring
+        self.sampler: Sampler = UniformSampler() if sampler is None else sampler
+        self.rate_limiter: RateLimiter = NoLimit() if rate_limiter is None else rate_limiter
+        try:
+            self.rate_limiter.bind(ring.capacity)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        self.rng = np.random.default_rng(seed)
+        #: Priority updates applied, and skipped because the row was overwritten since its
+        #: sample (its generation stamp changed; the owner compares the stamps).
+        self.priority_updates = 0
+        self.priority_updates_stale = 0
+        self._ones: F64 = np.ones(0)
+        #: Reads per row since it was committed; -1 for rows that hold no committed data. An
+        #: owner may keep it elsewhere (:meth:`keep_use_counts_in`): only ever written in place.
+        self.use_counts = np.full(ring.capacity, -1, dtype=np.int32)
+        #: Told every sample (None: nobody, as in-process); see :meth:`listen`.
+        self.sample_log: SampleLog | None = None
+        #: A refused draw may have moved the generator since the last sample logged.
+        self.rng_unlogged = False
+        self.sampler.attach(ring.registry, ring.unit, ring.capacity)
+        if ring.num_rows:
+            self._count_committed()
+            self.rate_limiter.on_insert(ring.num_rows)
+        ring.listen(self)
+
+    def listen(self, log: SampleLog | None) -> None:
+        """Tell ``log`` every draw from now on (None: nobody): how the daemon's journal hears
+        what reads change (``daemon/journal.py``). One log at a time: a draw asks it for room
+        before anything changes, and two could each refuse alone."""
+        self.sample_log = log
+
+    def keep_use_counts_in(self, use_counts: npt.NDArray[np.int32]) -> None:
+        """Keep the use counters in ``use_counts`` (an array of the ring's size holding the
+        same values, say file-backed: how the journal keeps them across a crash). ValueError
+        for an array of another shape or dtype."""
+        if use_counts.shape != self.use_counts.shape or use_counts.dtype != np.int32:
+            raise ValueError(
+                f"use counts of {use_counts.dtype} {use_counts.shape}, the ring keeps int32 "
+                f"{self.use_counts.shape}"
+            )
+        self.use_counts = use_counts
+
+    def _count_committed(self) -> None:
+        """Use counts as for a ring just loaded: 0 for every committed row, -1 elsewhere."""
+        use_counts = self.use_counts
+        use_counts[:] = -1
+        for ep in self.ring.registry:
+            use_counts[ep.start : ep.end] = 0
+
+    # -- what the ring tells it ---------------------------------------------------------------
+
+    def insert_blocker(self, num_rows: int, evict: Sequence[Range]) -> str | None:
+        # Rows reserved and not yet committed count as inserted already: the limiter counts
+        # inserts at commit, and a writer may hold several reservations (a batch reserved
+        # ahead), each admitted against a count that did not include the others. Summed only
+        # for a limiter that bounds inserts: the default one never looks.
+        limiter = self.rate_limiter
+        pending = self.ring.reserved_rows if limiter.bounds_inserts else 0
+        if not limiter.can_insert(num_rows + pending):
+            return limiter.blocked_reason()
+        sampler = self.sampler
+        for start, stop in evict:
+            if sampler.blocks_overwrite(start, stop):
+                return (
+                    f"rows [{start}, {stop}) hold data the {sampler.name} sampler has not "
+                    f"handed out max_times_sampled={sampler.max_times_sampled} times yet; "
+                    "writers wait for readers to consume it instead of overwriting it"
+                )
+        return None
+
+    def on_commit(
+        self, episodes: Sequence[Episode], ranges: Sequence[Range], priority: F64 | None
+    ) -> None:
+        use_counts = self.use_counts
+        num_rows = 0
+        for start, stop in ranges:
+            use_counts[start:stop] = 0
+            num_rows += stop - start
+        sampler = self.sampler
+        sampler.on_commit(episodes, priority if sampler.has_priorities else None)
+        self.rate_limiter.on_insert(num_rows)
+
+    def on_evict(self, start: int, stop: int, evicted: Sequence[Episode], rows: int) -> None:
+        use_counts = self.use_counts
+        use_counts[start:stop] = -1
+        # An episode's rows inside [start, stop) were just marked; only one reaching outside
+        # the range needs a second fill (an early wrap's or a misaligned chunk's).
+        for ep in evicted:
+            if ep.start < start or ep.end > stop:
+                use_counts[ep.start : ep.end] = -1
+        self.sampler.on_evict(start, stop)
+        if rows:
+            self.rate_limiter.on_delete(rows)
+
+    def on_restore(self, episodes: Sequence[Episode], rows: int) -> None:
+        for ep in episodes:  # their counters restart at 0
+            self.use_counts[ep.start : ep.end] = 0
+        self.sampler.on_restore(episodes, self.ring.registry)
+        if rows > 0:
+            self.rate_limiter.on_restore(rows)
+
+    def on_clear(self, rows: int) -> None:
+        self.sampler.on_clear()
+        if rows:
+            self.rate_limiter.on_delete(rows)
+        self.use_counts[:] = -1
+
+    def on_load(self) -> None:
+        """Start over from the ring's new registry: counters at 0 for its rows, the sampler
+        attached to it, the limiter counting them inserted and nothing sampled (a saved
+        table's own state goes on top: ``persistence.load_state``)."""
+        ring = self.ring
+        self._count_committed()
+        self.sampler.attach(ring.registry, ring.unit, ring.capacity)
+        counts = {"inserted": ring.num_rows, "sampled": 0, "deleted": 0}
+        self.rate_limiter.load_state_dict({**counts, "limiter": self.rate_limiter.name})
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def count_use(self, rows: np.ndarray) -> None:
+        """Count one read of each row, duplicates included (an accumulating scatter, not
+        ``+=``, which counts a repeated index once). ``np.add.at`` with an int32 one takes
+        numpy's fast path; with a Python ``1`` it is the slow generic one, and torch's
+        ``index_add_`` with its tensor wrapping is slower too. The compiled loop, once the draws
+        are (``spans.compiled_draws``), is faster still (figures in ``docs/sampling.md``)."""
+        kernels = loaded_draws()
+        if kernels is None or rows.dtype != np.int64 or not rows.flags.c_contiguous:
+            np.add.at(self.use_counts, rows, _ONE_USE)  # (another layout: not compiled for it)
+        elif kernels.add_one(self.use_counts, rows) >= 0:
+            raise IndexError(f"rows out of range for {self.use_counts.size} rows")
+
+    def sample_blocker(self, rows: int) -> str | None:
+        """Why a sample of ``rows`` rows must wait now (the rate limiter's reason), or None."""
+        if self.rate_limiter.can_sample(rows):
+            return None
+        return self.rate_limiter.blocked_reason()
+
+    def _admit(self, rows: int, what: str) -> None:
+        """What a draw needs checked before the sampler runs: samplers count a sample when
+        they return it (FIFO consumption, epochs, ``max_times_sampled``)."""
+        if not self.rate_limiter.can_sample(rows):
+            raise self._refused(what)
+
+    def _refused(self, what: str) -> WaitTimeoutError:
+        return WaitTimeoutError(f"cannot sample {what} now: {self.rate_limiter.blocked_reason()}")
+
+    def _weights(self, probability: F64, beta: float | None) -> F64:
+        if self.sampler.has_priorities:
+            return self.sampler.weights(probability, beta)
+        # What every other sampler returns: ones, kept read-only and reused (a fresh array
+        # per call was a visible share of a uniform Buffer.sample(256)).
+        ones = self._ones
+        if ones.size != probability.size:
+            ones = self._ones = np.ones(probability.size)
+            ones.setflags(write=False)
+        return ones
+
+    def sample_rows(self, n: int, *, beta: float | None = None) -> RowSample:
+        """``n`` rows by the sampler, counted as read and told to the limiter. ``beta``: the
+        importance exponent of the weights (None: the sampler's default).
+
+        EmptyBufferError when the sampler has nothing to hand out, WaitTimeoutError when the
+        limiter refuses, InvalidArgumentError for bad arguments; nothing is counted then."""
+        # try/except, not ``with as_invalid_argument``: free on this hot path (Python 3.11's
+        # zero-cost exceptions), where the ``with`` was a visible share of a sample.
+        log = self.sample_log
+        limiter = self.rate_limiter
+        try:
+            n = check_sample_args(n, beta, "n")
+            if not limiter.can_sample(n):
+                raise self._refused(f"{n} rows")
+            rng = None if log is None else self._before_draw(log, n)
+            try:
+                draw = self.sampler.sample_rows(n, self.rng)
+            except BaseException:
+                self._draw_refused(ROWS, n, 0, True, rng)
+                raise
+            weight = self._weights(draw.probability, beta)
+        except (ValueError, IndexError) as exc:
+            raise_invalid(exc)
+        limiter.on_sample(n)
+        self.count_use(draw.rows)
+        if log is not None:
+            log.sampled(SampleRecord(ROWS, n, 0, True, n, False, rng))
+        return RowSample(draw.rows, draw.probability, weight)
+
+    def _before_draw(self, log: SampleLog, n: int) -> list[int] | None:
+        """Room in the log first; the generator's state if a refused draw moved it."""
+        log.room_for_sample(n)
+        if self.rng_unlogged and self.sampler.uses_rng:
+            self.rng_unlogged = False
+            return rng_words(self.rng)
+        return None
+
+    def _draw_refused(
+        self, call: int, n: int, length: int, strict: bool, rng: list[int] | None
+    ) -> None:
+        """A draw raised: it may have moved the generator; one that changed the sampler
+        anyway (a FIFO's drops) is logged as refused, so a replay redoes it."""
+        sampler = self.sampler
+        if sampler.changed_on_refusal:
+            sampler.changed_on_refusal = False
+            if self.sample_log is not None:
+                self.sample_log.sampled(SampleRecord(call, n, length, strict, 0, True, rng))
+        if sampler.uses_rng:
+            self.rng_unlogged = True
+
+    def sample_episodes(self, n: int, *, beta: float | None = None) -> EpisodeSample:
+        """``n`` whole episodes by the sampler. The limiter is asked about ``n`` times the mean
+        stored episode length (the lengths are known only after the draw, which the sampler
+        counts) and told the rows actually handed out."""
+        registry = self.ring.registry
+        episodes = len(registry)
+        mean = max(1, round(registry.num_rows / episodes)) if episodes else 1
+        n = check_episode_args(n, mean, beta)  # by the mean length: the lengths come with the draw
+        expected = n * mean
+        log = self.sample_log
+        with as_invalid_argument:
+            self._admit(expected, f"{n} episodes")
+            rng = None if log is None else self._before_draw(log, n)
+            try:
+                draw = self.sampler.sample_episodes(n, self.rng)
+            except BaseException:
+                self._draw_refused(EPISODES, n, 0, True, rng)
+                raise
+            weight = self._weights(draw.probability, beta)
+        lengths = draw.ends - draw.starts
+        physical = episode_rows(draw.starts, lengths)
+        self.rate_limiter.on_sample(physical.size)
+        self.count_use(physical)
+        if log is not None:
+            log.sampled(SampleRecord(EPISODES, n, 0, True, physical.size, False, rng))
+        return EpisodeSample(draw.ids, draw.starts, draw.ends, draw.probability, weight, physical)
+
+    def sample_slices(
+        self, n: int, length: int, *, strict: bool = True, beta: float | None = None
+    ) -> SliceSample:
+        """``n`` slices of ``length`` consecutive rows, each inside one episode (see
+        :meth:`Sampler.sample_slices`; ``strict=False`` admits shorter episodes, padded). The
+        limiter counts ``n * length`` rows; use counts only the real ones."""
+        n, length = check_slice_args(n, length, strict, beta)
+        log = self.sample_log
+        with as_invalid_argument:
+            self._admit(n * length, f"{n} slices of {length} rows")
+            rng = None if log is None else self._before_draw(log, n)
+            try:
+                draw = self.sampler.sample_slices(n, length, self.rng, strict)
+            except BaseException:
+                self._draw_refused(SLICES, n, length, strict, rng)
+                raise
+            weight = self._weights(draw.probability, beta)
+        # a padding position repeats its slice's first row: always a live row
+        flat, mask = expand_slices(draw.starts, length, None if strict else draw.lengths)
+        self.rate_limiter.on_sample(n * length)
+        self.count_use(flat if mask is None else flat[mask.reshape(-1)])
+        if log is not None:
+            log.sampled(SampleRecord(SLICES, n, length, strict, n * length, False, rng))
+        return SliceSample(draw.starts, draw.lengths, draw.probability, weight, flat, mask)
+
+    def rank_rows(
+        self,
+        rank: int = 0,
+        world_size: int = 1,
+        *,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        seed: int | Sequence[int] = 0,
+    ) -> I64:
+        """This rank's share of every stored row, each once (PyTorch ``DistributedSampler``'s
+        convention), as physical rows in the order to read them.
+
+        Positions ``0..rows-1`` (oldest first) are permuted by a generator seeded with
+        ``seed`` (every rank must pass the same one) unless ``shuffle`` is False; without
+        ``drop_last`` the list is padded by wrapping around to a multiple of ``world_size``
+        (a few rows then appear twice across ranks), with it the tail is dropped; rank ``r``
+        takes every ``world_size``-th position from ``r``. The sampler and the limiter are
+        neither asked nor told: this is the read-everything path, not a sample."""
+        rank, world_size = check_rank(rank, world_size)
+        registry = self.ring.registry
+        total = registry.num_rows
+        if shuffle:
+            positions = np.random.default_rng(seed).permutation(total)
+        else:
+            positions = np.arange(total, dtype=np.int64)
+        if drop_last:
+            positions = positions[: total // world_size * world_size]
+        elif total % world_size and total:
+            pad = world_size - total % world_size
+            positions = np.concatenate([positions, np.resize(positions, pad)])
+        mine = positions[rank::world_size]
+        return registry.rows_at(mine) if mine.size else mine.astype(np.int64)
+
+    # -- priorities ---------------------------------------------------------------------------
+
+    def check_priority(
+        self, num_rows: int, episodes: int | Sequence[int], priority: Priority
+    ) -> F64 | None:
+        """The per-item priorities a commit of ``num_rows`` rows in ``episodes`` would store
+        (None: the sampler's default for new data); InvalidArgumentError for a priority that is
+        negative, NaN, of the wrong length, or given to a sampler that keeps none. Lets an owner
+        refuse a bad priority before it reserves (and so evicts) anything."""
+        if priority is None:
+            return None
+        with as_invalid_argument:
+            lengths = episode_lengths(num_rows, episodes)
+            return self.sampler.check_commit_priority([Episode(0, 0, n) for n in lengths], priority)
+
+    def commit_priority(self, reservation_id: int, priority: Priority) -> F64 | None:
+        """``priority`` checked for a commit of open reservation ``reservation_id``: one value
+        per item (None for None); NotFoundError, InvalidArgumentError; nothing changes."""
+        reservation = self.ring.reservations.get(reservation_id)
+        if reservation is None:
+            raise NotFoundError(f"no open reservation {reservation_id}")
+        if priority is None:
+            return None
+        bounds = [Episode(0, s, e) for s, e in reservation.episodes]
+        with as_invalid_argument:
+            return self.sampler.check_commit_priority(bounds, priority)
+
+    def commit_priorities(self, reservation_id: int, priority: Priority) -> PriorityUpdate | None:
+        """What a commit of ``reservation_id`` with ``priority`` would store, as a priority
+        update of the rows carrying the priorities (every row in transition unit, each
+        episode's first row in episode unit): what the daemon journals to replay it. None for
+        ``priority=None``; InvalidArgumentError for a bad one; nothing changes."""
+        if priority is None:  # the daemon asks at every commit: a lookup and no more
+            if reservation_id not in self.ring.reservations:
+                raise NotFoundError(f"no open reservation {reservation_id}")
+            return None
+        given = self.commit_priority(reservation_id, priority)
+        if given is None:
+            return None
+        episodes = self.ring.reservations[reservation_id].episodes
+        starts = [s for s, _ in episodes]
+        if self.ring.unit == "episode":
+            return PriorityUpdate(np.array(starts, dtype=np.int64), given, 0)
+        return PriorityUpdate(rows_of(starts, [e for _, e in episodes]), given, 0)
+
+    def check_priorities(
+        self,
+        rows: npt.ArrayLike,
+        priority: npt.ArrayLike,
+        generation: npt.ArrayLike | None = None,
+        stamps: I64 | None = None,
+    ) -> PriorityUpdate:
+        """Validate a priority update and leave out its stale rows; nothing changes.
+
+        ``priority``: a scalar or one value per row. ``generation``: each row's stamp when it
+        was sampled, compared with ``stamps`` (the owner's current per-row generation stamps):
+        a row overwritten since is left out (``stale``), never applied to the new data.
+        InvalidArgumentError for an index out of range, a negative, NaN or too large priority
+        (one whose weight could overflow the sampler's sums), lengths that differ, or a
+        sampler that keeps no priorities."""
+        sampler = self.sampler
+        index, given, seen = check_update_args(
+            rows, priority, generation, self.ring.capacity, sampler.priority_limit
+        )
+        if not sampler.has_priorities:
+            with as_invalid_argument:
+                sampler.update_priorities(index, given)  # its refusal, naming it
+        if seen is None:
+            return PriorityUpdate(index, given, 0)
+        if stamps is None:
+            raise TypeError("check_priorities: generation given without stamps")
+        fresh = stamps[index] == seen
+        stale = int(index.size - np.count_nonzero(fresh))
+        if stale:
+            index, given = index[fresh], given[fresh]
+        return PriorityUpdate(index, given, stale)
+
+    def apply_priorities(self, update: PriorityUpdate) -> int:
+        """Apply a checked update; return how many rows it set (rows holding no data are
+        skipped) and count its stale rows in ``priority_updates_stale``."""
+        with as_invalid_argument:  # checked already: not validated twice
+            applied = self.sampler.set_priorities(update.rows, update.priority)
+        self.priority_updates += applied
+        self.priority_updates_stale += update.stale
+        return applied
+
+    def update_priorities(
+        self,
+        rows: npt.ArrayLike,
+        priority: npt.ArrayLike,
+        generation: npt.ArrayLike | None = None,
+        stamps: I64 | None = None,
+    ) -> int:
+        """:meth:`check_priorities` then :meth:`apply_priorities`: set the priority of the
+        items holding physical ``rows``; return how many were applied. The daemon calls the
+        two halves apart, to journal exactly what it applies."""
+        return self.apply_priorities(self.check_priorities(rows, priority, generation, stamps))
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "sampler": self.sampler.stats(),
+            "rate_limiter": self.rate_limiter.stats(),
+            "priority_updates": self.priority_updates,
+            "priority_updates_stale": self.priority_updates_stale,
+        }
+
+
+def _attached(sampler: Sampler) -> bool:
+    try:
+        sampler.registry  # noqa: B018 (the property raises when not attached)
+    except RuntimeError:
+        return False
+    return True

@@ -110,8 +110,7 @@ def write_priority(
     if not keeps:
         keeping = ", ".join(name for name, kind in declared().items() if kind.has_priorities)
         raise InvalidArgumentError(
-            f"priority given, but the sampler {sampler!r} keeps no priorities (these do: "
-            f"{keeping})"
+            f"priority given, but the sampler {sampler!r} keeps no priorities (these do: {keeping})"
         )
     value = to_host(priority)
     try:

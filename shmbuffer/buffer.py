@@ -35,14 +35,19 @@ from shmbuffer.container import Container, as_invalid_argument
 from shmbuffer.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
 from shmbuffer.errors import ClosedError, InvalidArgumentError
 from shmbuffer.protocol import MAX_SAMPLE, check_sample_size
+from shmbuffer.reads import (
+    Index,
+    check_iterate_args,
+    check_mask_free,
+    mask_slices,
+    normalize_index,
+)
 from shmbuffer.recent import RecentSamples
 from shmbuffer.samplers import OPTIONS, RateLimiter, Sampler, build_rate_limiter, build_sampler
-from shmbuffer.samplers.base import Priority, check_count, check_priority
+from shmbuffer.samplers.base import Priority
 from shmbuffer.schema import Schema, to_host
 from shmbuffer.segment import LocalSegment, Segment
-from shmbuffer.writeplan import env_major, plan_write
-
-Index = int | np.integer | slice | Sequence[int] | np.ndarray | torch.Tensor
+from shmbuffer.writeplan import plan_write, vector_episode, write_priority
 
 
 class Buffer:
@@ -207,11 +212,8 @@ class Buffer:
         self._check_open()
         if num_envs == 1:
             return self._write(episode, priority=priority)
-        if priority is not None and self.unit == "transition" and np.ndim(priority) == 2:
-            priority = np.asarray(to_host(priority)).T.reshape(-1)  # env-major, as the rows are
-        return self._write(
-            env_major(episode, num_envs), num_sub_episodes=num_envs, priority=priority
-        )
+        batch, priority = vector_episode(episode, num_envs, self.unit, priority)
+        return self._write(batch, num_sub_episodes=num_envs, priority=priority)
 
     def add_transition(self, env_id: str, transition: Mapping[str, Any]) -> list[int]:
         """Append one step of ``env_id``; returns ids of episodes it finished (if any)."""
@@ -236,26 +238,37 @@ class Buffer:
     ) -> list[int]:
         # A lazy schema is fixed by the first batch accepted, never by one refused (a bad
         # batch, priority, or more rows than a fixed buffer holds): rows are reserved first.
-        schema = Schema.from_batch(batch) if self.segment is None else self.segment.schema
-        plan = plan_write(schema, batch, num_sub_episodes, self.capacity, self.mode)
+        segment = self.segment
+        plan = plan_write(
+            None if segment is None else segment.schema,
+            batch,
+            num_sub_episodes,
+            self.capacity,
+            self.mode,
+        )
         if plan is None:
             return []
-        leaves, first_row, num_rows, kept = plan
+        schema, leaves, first_row, num_rows, kept, _ = plan
         container = self.container
-        if priority is not None:  # checked before anything is evicted
-            priority = self._kept_priority(
-                to_host(priority), first_row, num_rows, num_sub_episodes, kept
+        if priority is not None:  # checked before anything is evicted, as the sampler would
+            sampler = container.sampler
+            priority = write_priority(
+                priority,
+                plan,
+                self.unit,
+                sampler=sampler.name,
+                keeps=sampler.has_priorities,
+                most=sampler.priority_limit,
             )
-            container.check_priority(num_rows, kept, priority)
         reservation = container.reserve_rows(num_rows, kept)
-        if self.segment is None:
+        if segment is None:
             try:
                 self._allocate(schema)
             except BaseException:  # out of memory, say: as if the batch had never come
                 container.abort(reservation.id, 0)
                 raise
-        segment = self.segment
-        assert segment is not None
+            segment = self.segment
+            assert segment is not None
         generations = segment.generations
         for start, stop in reservation.ranges:  # what update_priorities' staleness check reads
             generations[start:stop] += 1
@@ -266,18 +279,6 @@ class Buffer:
                 segment.columns, segment.arrays, reservation.ranges, leaves, first_row, progress
             )
         return container.commit(reservation.id, priority)
-
-    def _kept_priority(
-        self, priority: Priority, first_row: int, num_rows: int, num_sub: int, kept: int
-    ) -> Priority:
-        """The priorities of what ``plan_write`` kept of a batch too large for the ring (its
-        newest rows or sub-episodes), after checking them against the whole batch."""
-        if priority is None or np.ndim(priority) == 0 or first_row == 0:
-            return priority
-        with as_invalid_argument:
-            if self.unit == "episode":
-                return check_priority(priority, num_sub)[num_sub - kept :]
-            return check_priority(priority, first_row + num_rows)[first_row:]
 
     def _allocate(self, schema: Schema) -> None:
         streamcopy.warm(schema.row_nbytes)  # large rows: writes stream (streamcopy.py)
@@ -354,11 +355,10 @@ class Buffer:
             stamps = np.zeros(self.capacity, dtype=np.int64)
         else:
             stamps = self.segment.generations
-        if generation is None:
-            seen = self._recent.generations_of(to_host(index))
-        else:
-            seen = to_host(generation)
-        return self.container.update_priorities(to_host(index), to_host(priority), seen, stamps)
+        index = to_host(index)
+        seen = self._recent.generations_of(index) if generation is None else generation
+        # checked once, by the container (reads.check_update_args, as a Reader checks them)
+        return self.container.update_priorities(index, priority, seen, stamps)
 
     def sample_episodes(
         self, n: int, out: TensorDict | Mapping[str, Any] | None = None
@@ -407,20 +407,11 @@ class Buffer:
         True on real rows (a prefix). ``return_info`` as for :meth:`sample`, per slice, with
         ``index`` its first row (a prioritized slice carries its first row's priority)."""
         self._check_open()
-        if not strict and self.schema is not None and any(f.key[0] == "mask" for f in self.schema):
-            raise InvalidArgumentError(
-                "sample_slices(strict=False) adds a 'mask' entry, but the schema has a key "
-                "'mask' already"
-            )
+        check_mask_free(self.schema, strict)
         drawn = self.container.sample_slices(n, length, strict=strict, beta=beta)
         data = self._copy(drawn.rows).reshape(n, length)
         if drawn.mask is not None:
-            mask = torch.from_numpy(drawn.mask)
-            padding = ~mask
-            if bool(padding.any()):
-                for leaf in data.values(include_nested=True, leaves_only=True):
-                    leaf[padding] = 0
-            data.set("mask", mask)
+            mask_slices(data, drawn.mask)
         if not return_info:
             return data
         return data, self._info(drawn.starts, drawn.probability, drawn.weight)
@@ -443,9 +434,8 @@ class Buffer:
         rank's Buffer the same ``seed``). The rows are fixed when the call is made; do not
         write while iterating. The sampler and the rate limiter are not involved."""
         self._check_open()
-        with as_invalid_argument:
-            batch_size = check_count(batch_size, "batch_size")
-        key = (int(rank), int(world_size))
+        batch_size, rank, world_size = check_iterate_args(batch_size, rank, world_size)
+        key = (rank, world_size)
         k = self._passes.get(key, 0)
         physical = self.container.rank_rows(
             rank, world_size, shuffle=shuffle, drop_last=drop_last, seed=[self._iterate_seed, k]
@@ -558,34 +548,3 @@ def _part(what: str, part: Any, kind: type[Any], build: Callable[..., Any], **op
         return part
     with as_invalid_argument:
         return build(part, **options)
-
-
-def normalize_index(index: Index, size: int) -> tuple[np.ndarray, bool]:
-    """Logical positions for ``index`` in ``[0, size)``; negative ones count from the end.
-    Raises IndexError for anything out of range (unwritten rows are never read)."""
-    if isinstance(index, int | np.integer):
-        i = int(index)
-        if not -size <= i < size:
-            raise IndexError(f"index {i} is out of range for {size} stored items")
-        return np.array([i % size], dtype=np.int64), True
-    if isinstance(index, slice):
-        return np.arange(*index.indices(size), dtype=np.int64), False
-    if isinstance(index, torch.Tensor):
-        index = index.cpu().numpy()
-    positions = np.asarray(index)
-    if positions.dtype.kind not in "iu" and positions.size:  # bool masks, floats
-        raise IndexError(f"indices must be integers, got dtype {positions.dtype}")
-    positions = positions.astype(np.int64, copy=False).reshape(-1)  # read, never written
-    if not positions.size:
-        return positions, False
-    # Two reductions decide the usual case, all in [0, size): nothing to check or wrap
-    # (the four comparisons and the modulo of a mask-and-wrap cost more than these two).
-    lowest, highest = int(np.minimum.reduce(positions)), int(np.maximum.reduce(positions))
-    if lowest >= 0 and highest < size:
-        return positions, False
-    if lowest < -size or highest >= size:
-        bad = (positions < -size) | (positions >= size)
-        raise IndexError(
-            f"indices {positions[bad][:5].tolist()} are out of range for {size} stored items"
-        )
-    return positions % size, False

@@ -23,9 +23,10 @@ import numpy.typing as npt
 
 from shmbuffer.errors import ShmBufferError
 from shmbuffer.listeners import EPISODES, ROWS, SLICES, SampleRecord, set_rng_words
+from shmbuffer.reads import expand_slices
 from shmbuffer.registry import EpisodeRegistry
 from shmbuffer.ring import Ring
-from shmbuffer.rows import episode_rows, slice_rows
+from shmbuffer.rows import episode_rows
 from shmbuffer.table import Table
 
 
@@ -139,9 +140,8 @@ def replay_sample(table: Table, draw: SampleRecord) -> bool:
             got = rows.size
         elif call == SLICES:
             sliced = sampler.sample_slices(n, length, table.rng, strict)
-            rows = slice_rows(sliced.starts, length)
-            if not strict:  # the real rows only, as the live draw counted them
-                real = np.arange(length) < sliced.lengths[:, None]
+            rows, real = expand_slices(sliced.starts, length, None if strict else sliced.lengths)
+            if real is not None:  # the real rows only, as the live draw counted them
                 rows = rows[real.reshape(-1)]
             got = n * length
         else:

@@ -18,7 +18,8 @@ arguments (a negative or NaN priority, an index out of range, a call the sampler
 in this unit) raise :class:`~shmbuffer.errors.InvalidArgumentError` with nothing changed; a
 sample over the protocol's limits (``MAX_SAMPLE`` items, ``MAX_SAMPLE_ROWS`` rows:
 ``protocol.py``, their one home) raises :class:`~shmbuffer.errors.LimitExceededError` before
-anything is drawn, in process as in a daemon.
+anything is drawn, in process as in a daemon. The counts, a slice's length and strictness and
+a rank are checked by :mod:`shmbuffer.reads`, as the daemon's Reader checks them.
 
 With a :class:`~shmbuffer.listeners.SampleLog` (:meth:`Table.listen`: the daemon's journal)
 every draw is told to it before the caller hands the rows out: the call, its size and the rows
@@ -31,7 +32,6 @@ Not thread-safe: the ring's owner serialises calls, as the listener contract say
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -52,17 +52,20 @@ from shmbuffer.listeners import (
     SampleRecord,
     rng_words,
 )
-from shmbuffer.protocol import MAX_SAMPLE, check_sample_size
+from shmbuffer.reads import (
+    check_episode_args,
+    check_rank,
+    check_sample_args,
+    check_slice_args,
+    check_update_args,
+    expand_slices,
+)
 from shmbuffer.registry import Episode
 from shmbuffer.ring import Ring, episode_lengths
-from shmbuffer.rows import episode_rows, slice_rows
+from shmbuffer.rows import episode_rows
 from shmbuffer.samplers import NoLimit, RateLimiter, Sampler, UniformSampler
 from shmbuffer.samplers.base import (
     Priority,
-    check_beta,
-    check_count,
-    check_generation,
-    check_update,
 )
 from shmbuffer.samplers.index import rows_of
 from shmbuffer.spans import loaded_draws
@@ -305,11 +308,9 @@ class Table(RingListener):
             return None
         return self.rate_limiter.blocked_reason()
 
-    def _admit(self, rows: int, what: str, beta: float | None) -> None:
+    def _admit(self, rows: int, what: str) -> None:
         """What a draw needs checked before the sampler runs: samplers count a sample when
         they return it (FIFO consumption, epochs, ``max_times_sampled``)."""
-        if beta is not None:
-            check_beta(beta)
         if not self.rate_limiter.can_sample(rows):
             raise self._refused(what)
 
@@ -338,11 +339,7 @@ class Table(RingListener):
         log = self.sample_log
         limiter = self.rate_limiter
         try:
-            n = check_count(n, "n")
-            if n > MAX_SAMPLE:
-                check_sample_size(n)
-            if beta is not None:
-                check_beta(beta)
+            n = check_sample_args(n, beta, "n")
             if not limiter.can_sample(n):
                 raise self._refused(f"{n} rows")
             rng = None if log is None else self._before_draw(log, n)
@@ -385,16 +382,14 @@ class Table(RingListener):
         """``n`` whole episodes by the sampler. The limiter is asked about ``n`` times the mean
         stored episode length (the lengths are known only after the draw, which the sampler
         counts) and told the rows actually handed out."""
-        with as_invalid_argument:
-            n = check_count(n, "n")
         registry = self.ring.registry
         episodes = len(registry)
         mean = max(1, round(registry.num_rows / episodes)) if episodes else 1
-        check_sample_size(n, mean)  # by the mean length: the lengths are known after the draw
+        n = check_episode_args(n, mean, beta)  # by the mean length: the lengths come with the draw
         expected = n * mean
         log = self.sample_log
         with as_invalid_argument:
-            self._admit(expected, f"{n} episodes", beta)
+            self._admit(expected, f"{n} episodes")
             rng = None if log is None else self._before_draw(log, n)
             try:
                 draw = self.sampler.sample_episodes(n, self.rng)
@@ -416,12 +411,10 @@ class Table(RingListener):
         """``n`` slices of ``length`` consecutive rows, each inside one episode (see
         :meth:`Sampler.sample_slices`; ``strict=False`` admits shorter episodes, padded). The
         limiter counts ``n * length`` rows; use counts only the real ones."""
-        with as_invalid_argument:
-            n, length = check_count(n, "n"), check_count(length, "length")
-        check_sample_size(n, length)
+        n, length = check_slice_args(n, length, strict, beta)
         log = self.sample_log
         with as_invalid_argument:
-            self._admit(n * length, f"{n} slices of {length} rows", beta)
+            self._admit(n * length, f"{n} slices of {length} rows")
             rng = None if log is None else self._before_draw(log, n)
             try:
                 draw = self.sampler.sample_slices(n, length, self.rng, strict)
@@ -429,14 +422,8 @@ class Table(RingListener):
                 self._draw_refused(SLICES, n, length, strict, rng)
                 raise
             weight = self._weights(draw.probability, beta)
-        mask = None
-        if strict:
-            flat = slice_rows(draw.starts, length)
-        else:  # a padding position repeats its slice's first row: always a live row
-            offsets = np.arange(length, dtype=np.int64)
-            mask = offsets < draw.lengths[:, None]
-            first = draw.starts[:, None]
-            flat = np.where(mask, first + offsets, first).reshape(-1)
+        # a padding position repeats its slice's first row: always a live row
+        flat, mask = expand_slices(draw.starts, length, None if strict else draw.lengths)
         self.rate_limiter.on_sample(n * length)
         self.count_use(flat if mask is None else flat[mask.reshape(-1)])
         if log is not None:
@@ -461,11 +448,7 @@ class Table(RingListener):
         (a few rows then appear twice across ranks), with it the tail is dropped; rank ``r``
         takes every ``world_size``-th position from ``r``. The sampler and the limiter are
         neither asked nor told: this is the read-everything path, not a sample."""
-        with as_invalid_argument:
-            world_size = check_count(world_size, "world_size")
-            rank = operator.index(rank)
-            if not 0 <= rank < world_size:
-                raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        rank, world_size = check_rank(rank, world_size)
         registry = self.ring.registry
         total = registry.num_rows
         if shuffle:
@@ -540,21 +523,22 @@ class Table(RingListener):
         InvalidArgumentError for an index out of range, a negative, NaN or too large priority
         (one whose weight could overflow the sampler's sums), lengths that differ, or a
         sampler that keeps no priorities."""
-        with as_invalid_argument:
-            index, given = check_update(
-                rows, priority, self.ring.capacity, self.sampler.priority_limit
-            )
-            if not self.sampler.has_priorities:
-                self.sampler.update_priorities(index, given)  # its refusal, naming it
-            if generation is None:
-                return PriorityUpdate(index, given, 0)
-            if stamps is None:
-                raise TypeError("check_priorities: generation given without stamps")
-            fresh = stamps[index] == check_generation(generation, index)
-            stale = int(index.size - np.count_nonzero(fresh))
-            if stale:
-                index, given = index[fresh], given[fresh]
-            return PriorityUpdate(index, given, stale)
+        sampler = self.sampler
+        index, given, seen = check_update_args(
+            rows, priority, generation, self.ring.capacity, sampler.priority_limit
+        )
+        if not sampler.has_priorities:
+            with as_invalid_argument:
+                sampler.update_priorities(index, given)  # its refusal, naming it
+        if seen is None:
+            return PriorityUpdate(index, given, 0)
+        if stamps is None:
+            raise TypeError("check_priorities: generation given without stamps")
+        fresh = stamps[index] == seen
+        stale = int(index.size - np.count_nonzero(fresh))
+        if stale:
+            index, given = index[fresh], given[fresh]
+        return PriorityUpdate(index, given, stale)
 
     def apply_priorities(self, update: PriorityUpdate) -> int:
         """Apply a checked update; return how many rows it set (rows holding no data are

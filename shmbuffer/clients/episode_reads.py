@@ -21,10 +21,11 @@ from tensordict import TensorDict
 
 from shmbuffer import rows
 from shmbuffer.clients.leased import ClientLease, EpisodeViews
-from shmbuffer.clients.readerstate import ReaderState, as_count
+from shmbuffer.clients.readerstate import ReaderState
 from shmbuffer.clients.ticker import Ticker
 from shmbuffer.errors import NotFoundError, ShmBufferError, UnknownClientError
-from shmbuffer.protocol import check_sample_size, decode_i64
+from shmbuffer.protocol import decode_i64
+from shmbuffer.reads import check_episode_args
 
 
 class EpisodeReads(ReaderState):
@@ -55,8 +56,7 @@ class EpisodeReads(ReaderState):
         At most ``2**20`` episodes a call (the protocol's bound on ``n``), holding at most
         ``max_payload_bytes / 16`` rows (2**27 by default); more is refused by the daemon.
         """
-        n = as_count(n, "n")
-        check_sample_size(n)  # the rows are the daemon's to count: only it knows the lengths
+        n = check_episode_args(n)  # the rows are the daemon's to count: it knows the lengths
         self._ready()
         target = self._out_target(out)  # checked before anything is drawn, if possible
         if self.remote:

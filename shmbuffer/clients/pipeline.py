@@ -45,11 +45,7 @@ from shmbuffer.errors import InvalidArgumentError, UnstoredWritesWarning
 from shmbuffer.protocol import MAX_PRIORITIES, encode_f64
 from shmbuffer.schema import Schema
 from shmbuffer.segment import Segment
-
-#: A write's priority once checked: None (the daemon's default, the largest seen so far), one
-#: number for every item, or one float64 per item (row in transition unit, episode in episode
-#: unit).
-Items = float | np.ndarray | None
+from shmbuffer.writeplan import Items
 
 
 class WritePipeline:

@@ -33,18 +33,26 @@ from tensordict import TensorDict
 from shmbuffer import rows
 from shmbuffer.clients.episode_reads import EpisodeReads
 from shmbuffer.clients.leased import ClientLease, EpisodeViews
-from shmbuffer.clients.readerstate import CONSUMING_SAMPLERS, as_beta, as_count
-from shmbuffer.errors import InvalidArgumentError, ShmBufferError, TornReadError
+from shmbuffer.clients.readerstate import CONSUMING_SAMPLERS
+from shmbuffer.errors import ShmBufferError, TornReadError
 from shmbuffer.protocol import (
     MAX_UPDATES,
-    check_sample_size,
     decode_f64,
     decode_i64,
     encode_f64,
     encode_i64,
 )
-from shmbuffer.samplers.base import check_generation, check_update
-from shmbuffer.schema import to_host
+from shmbuffer.reads import (
+    as_count,
+    check_iterate_args,
+    check_mask_free,
+    check_sample_args,
+    check_slice_args,
+    check_update_args,
+    expand_slices,
+    mask_slices,
+    slice_mask,
+)
 
 __all__ = ["CONSUMING_SAMPLERS", "MAX_RESAMPLES", "ClientLease", "EpisodeViews", "Reader"]
 
@@ -55,30 +63,6 @@ _INFO = ("index", "generation", "probability", "weight")
 
 def _decode_item(name: str, data: bytes) -> np.ndarray:
     return decode_f64(data) if name in ("probability", "weight") else decode_i64(data)
-
-
-def _slice_rows(starts: np.ndarray, length: int, lengths: np.ndarray | None) -> np.ndarray:
-    """Physical rows of slices; past a padded slice's real ``lengths`` its first row again
-    (what the daemon's stamps and payload hold there)."""
-    if lengths is None:
-        return rows.slice_rows(starts, length)
-    offsets = np.arange(length, dtype=np.int64)
-    real = offsets < lengths[:, None]
-    return np.where(real, starts[:, None] + offsets, starts[:, None]).reshape(-1)
-
-
-def _check_update(
-    index: Any, priority: Any, generation: Any, capacity: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """``update_priorities``' arguments as int64 rows, float64 priorities and int64 stamps,
-    checked as the daemon checks them (InvalidArgumentError naming what is wrong)."""
-    try:
-        physical, values = check_update(to_host(index), to_host(priority), capacity)
-        if generation is None:
-            return physical, values, None
-        return physical, values, check_generation(to_host(generation), physical)
-    except (TypeError, ValueError, IndexError) as exc:
-        raise InvalidArgumentError(f"update_priorities: {exc}") from None
 
 
 class Reader(EpisodeReads):
@@ -128,8 +112,7 @@ class Reader(EpisodeReads):
         ``[batch_size]``. ``beta`` overrides the importance exponent for this call. A FIFO or
         consume-once sampler (and the rate limiter) may hold the call in the daemon for up to
         ``sample_timeout`` seconds, then WaitTimeoutError."""
-        n = as_count(batch_size, "batch_size")
-        check_sample_size(n, what="batch_size")
+        n = check_sample_args(batch_size, beta)
         fields = self._fields("rows", n, return_info, beta)
         reply, frames = self._sample_ahead(**fields)
         items = self._items(reply, return_info, ())
@@ -159,16 +142,9 @@ class Reader(EpisodeReads):
         their first row and is zero-padded, and a bool ``"mask"`` entry ``[n, length]`` is
         True on real rows (a prefix). ``return_info`` and ``beta`` as for :meth:`sample`, per
         slice (``index`` is its first row, whose priority it carries)."""
-        if type(strict) is not bool:
-            raise TypeError(f"strict must be True or False, got {strict!r}")
+        n, length = check_slice_args(n, length, strict, beta)
         self._ready()
-        if not strict and self.schema is not None and any(f.key[0] == "mask" for f in self.schema):
-            raise InvalidArgumentError(
-                "sample_slices(strict=False) adds a 'mask' entry, but the schema has a key "
-                "'mask' already"
-            )
-        n, length = as_count(n, "n"), as_count(length, "length")
-        check_sample_size(n, length)
+        check_mask_free(self.schema, strict)
         fields = self._fields("slices", n, return_info, beta)
         fields["length"] = length
         if not strict:
@@ -178,7 +154,7 @@ class Reader(EpisodeReads):
         if self.remote:
             data = self._from_frames(frames, [n * length])
         else:
-            physical = _slice_rows(decode_i64(reply["starts"]), length, items.get("lengths"))
+            physical, _ = expand_slices(decode_i64(reply["starts"]), length, items.get("lengths"))
             leases = [reply["lease"]] if "lease" in reply else []
             try:
                 gens = decode_i64(reply["gens"])
@@ -186,15 +162,9 @@ class Reader(EpisodeReads):
             finally:
                 self._release_soon(leases)
         data = data.reshape(n, length)
-        if not strict:
-            mask = torch.from_numpy(np.arange(length) < items["lengths"][:, None])
-            if self.segment is not None and self.segment.device != "cpu":
-                mask = mask.to(self.segment.device)  # beside the rows it masks
-            padding = ~mask
-            if bool(padding.any()):  # padding rows repeat the first row: zero them
-                for leaf in data.values(include_nested=True, leaves_only=True):
-                    leaf[padding] = 0
-            data.set("mask", mask)
+        if not strict:  # the lengths of the slices handed out, resampled ones included
+            device = None if self.segment is None else self.segment.device
+            mask_slices(data, slice_mask(items["lengths"], length), device)
         return (data, self._info(items)) if return_info else data
 
     def _fields(self, kind: str, n: int, info: bool, beta: float | None) -> dict[str, Any]:
@@ -202,7 +172,7 @@ class Reader(EpisodeReads):
         if info:
             fields["info"] = True
         if beta is not None:
-            fields["beta"] = as_beta(beta)
+            fields["beta"] = float(beta)  # checked by the caller; a plain float for msgpack
         if self.consumes and not self.remote:
             # What a consume-once sampler hands out may be overwritten as soon as it is
             # consumed (a writer waits for exactly that): leased until this copy is checked,
@@ -269,7 +239,7 @@ class Reader(EpisodeReads):
                 values[todo] = _decode_item(name, reply[name])
             if fields["kind"] == "slices":
                 lengths = items["lengths"][todo] if "lengths" in items else None
-                fresh = _slice_rows(decode_i64(reply["starts"]), group, lengths)
+                fresh, _ = expand_slices(decode_i64(reply["starts"]), group, lengths)
             else:
                 fresh = decode_i64(reply["rows"])
             where = rows.slice_rows(todo * group, group)
@@ -296,7 +266,7 @@ class Reader(EpisodeReads):
         (on any device), arrays and sequences are taken; a priority may be one number for
         all. Checked here first and again by the daemon: a bad index, priority or length
         raises InvalidArgumentError and applies nothing."""
-        rows_, values, stamps = _check_update(index, priority, generation, self.capacity)
+        rows_, values, stamps = check_update_args(index, priority, generation, self.capacity)
         if stamps is None:
             stamps = self._recent.generations_of(rows_)
         seqs = []
@@ -342,10 +312,7 @@ class Reader(EpisodeReads):
         rows are fixed when the call is made; a row a writer reaches before its batch is read
         raises TornReadError (do not write while iterating). Copies; the sampler and the rate
         limiter are not involved."""
-        batch_size = as_count(batch_size, "batch_size")
-        rank, world_size = as_count(rank, "rank", 0), as_count(world_size, "world_size")
-        if rank >= world_size:
-            raise InvalidArgumentError(f"rank must be in [0, {world_size}), got {rank}")
+        batch_size, rank, world_size = check_iterate_args(batch_size, rank, world_size)
         key = (rank, world_size)
         k = self._passes.get(key, 0) if epoch is None else as_count(epoch, "epoch", 0)
         self._passes[key] = k + 1

@@ -38,7 +38,6 @@ from shmbuffer.protocol import MAX_SAMPLE, MAX_SAMPLE_ROWS, encode_i64
 from shmbuffer.recent import RecentSamples
 from shmbuffer.rows import from_bytes, gather, nest
 from shmbuffer.samplers import SAMPLERS
-from shmbuffer.samplers.base import check_beta
 from shmbuffer.schema import Schema, to_host
 from shmbuffer.segment import Segment
 
@@ -98,26 +97,6 @@ def split_reply(reply: tuple[dict[str, Any], Any], parts: int) -> list[Any]:
                 part[name] = data[i * size : (i + 1) * size]
         out.append((part, frames))
     return out
-
-
-def as_count(value: Any, name: str, lo: int = 1) -> int:
-    """``value`` as a Python int (msgpack cannot send ``np.int64``); Buffer takes the same."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
-    if number < lo:
-        raise InvalidArgumentError(f"{name} must be >= {lo}, got {number}")
-    return number
-
-
-def as_beta(value: Any) -> float:
-    try:
-        return check_beta(value)
-    except (TypeError, ValueError) as exc:
-        raise InvalidArgumentError(str(exc)) from None
 
 
 def _row_numbers(value: Any, name: str, size: int | None = None) -> np.ndarray:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from shmbuffer.buffer import Buffer, Index, normalize_index
+from shmbuffer.buffer import Buffer
 from shmbuffer.clients.writer import Writer
 from shmbuffer.episodes import SEED_DONE_KEYS
 from shmbuffer.hooks import (
@@ -39,6 +39,7 @@ from shmbuffer.hooks import (
     is_env_ret,
 )
 from shmbuffer.names import MODES, UNITS, check_choice
+from shmbuffer.reads import Index, normalize_index
 
 __all__ = ["Storage"]
 

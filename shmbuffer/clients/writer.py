@@ -23,17 +23,13 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from shmbuffer.clients.connection import Connection
-from shmbuffer.clients.pipeline import Items, WritePipeline, compact
+from shmbuffer.clients.pipeline import WritePipeline, compact
 from shmbuffer.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
-from shmbuffer.errors import InvalidArgumentError
 from shmbuffer.samplers import SAMPLERS
-from shmbuffer.samplers.base import check_priority
-from shmbuffer.schema import Schema, to_host
+from shmbuffer.schema import Schema
 from shmbuffer.segment import Segment
-from shmbuffer.writeplan import env_major, plan_write
+from shmbuffer.writeplan import plan_write, vector_episode, write_priority
 
 #: The largest write the Writer gathers with others (see ``batch_bytes``): a larger one is
 #: stored at once, since copying it twice would cost more than its round trip. Batches are
@@ -161,11 +157,8 @@ class Writer:
             if num_envs == 1:
                 self._write(episode, priority=priority)
                 return
-            if priority is not None and self.unit == "transition":
-                value = to_host(priority)
-                if np.ndim(value) == 2:  # env-major, as the rows are
-                    priority = np.asarray(value).T.reshape(-1)
-            self._write(env_major(episode, num_envs), num_sub_episodes=num_envs, priority=priority)
+            batch, priority = vector_episode(episode, num_envs, self.unit, priority)
+            self._write(batch, num_sub_episodes=num_envs, priority=priority)
 
     def add_transition(self, env_id: str, transition: Mapping[str, Any]) -> None:
         self.conn.check()
@@ -191,19 +184,17 @@ class Writer:
         self, batch: Mapping[str, Any], num_sub_episodes: int = 1, priority: Any = None
     ) -> None:
         self._pipe.check_ticker()
-        if priority is not None and not self._keeps_priorities:  # before anything else
-            raise InvalidArgumentError(
-                f"priority given, but the daemon's sampler {self.sampler!r} keeps no "
-                "priorities (start it with --sampler prioritized)"
-            )
-        schema = self.schema if self.schema is not None else Schema.from_batch(batch)
         # Refused here, before any copy, if it does not fit the schema; and a lazy schema is
         # defined only by a batch that passed every check the Writer can make.
-        plan = plan_write(schema, batch, num_sub_episodes, self.capacity, self.mode)
+        plan = plan_write(self.schema, batch, num_sub_episodes, self.capacity, self.mode)
         if plan is None:
             return
-        leaves, first_row, num_rows, kept = plan
-        items = self._items(priority, first_row, num_rows, num_sub_episodes, kept)
+        schema, leaves, first_row, num_rows, kept, _ = plan
+        items = None
+        if priority is not None:
+            items = write_priority(
+                priority, plan, self.unit, sampler=self.sampler, keeps=self._keeps_priorities
+            )
         one = compact(items)  # refuses too many distinct values before anything is sent
         if self.remote:  # its rows travel as one payload
             self.conn.check_payload("write", num_rows * schema.row_nbytes)
@@ -211,14 +202,13 @@ class Writer:
         if self.schema is None:  # SchemaError if another writer defined a different one
             pipe.adopt(self.conn.call("define_schema", schema=schema.to_spec())["buffer"])
         assert self.schema is not None
-        lengths = [num_rows // kept] * kept
         if self.remote:
             pipe.write_remote(leaves, first_row, num_rows, kept, one)
         elif self._gathers(num_rows):
-            pipe.stage(leaves, first_row, num_rows, lengths, items)
+            pipe.stage(leaves, first_row, num_rows, plan.lengths, items)
         else:
             pipe.write_staged()  # what came first is stored first
-            pipe.write_local([(leaves, first_row, num_rows)], lengths, one)
+            pipe.write_local([(leaves, first_row, num_rows)], plan.lengths, one)
 
     def _gathers(self, num_rows: int) -> bool:
         """Whether a local write of ``num_rows`` is staged, to share a reservation with the
@@ -231,23 +221,6 @@ class Writer:
         return (
             self.mode == "circular" and nbytes <= STAGE_MAX_BYTES and nbytes * 2 <= self.batch_bytes
         )
-
-    def _items(
-        self, priority: Any, first_row: int, num_rows: int, num_sub: int, kept: int
-    ) -> Items:
-        """A write's priority, checked as the daemon checks it, for what ``plan_write`` kept
-        of it (the newest rows or sub-episodes of a batch too large for the ring)."""
-        if priority is None:
-            return None
-        value = to_host(priority)
-        try:
-            if np.ndim(value) == 0:
-                return float(check_priority(value, 1)[0])
-            if self.unit == "episode":
-                return check_priority(value, num_sub)[num_sub - kept :]
-            return check_priority(value, first_row + num_rows)[first_row:]
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgumentError(str(exc)) from None
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until everything written so far is committed and visible to readers.

@@ -45,7 +45,6 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from shmbuffer.clients.readerstate import as_count
 from shmbuffer.cluster.episodes import EpisodeCopies, ShardEpisodes
 from shmbuffer.cluster.fanout import DOWN, ShardFanout, ShardUnavailableWarning
 from shmbuffer.cluster.shard import Piece
@@ -53,13 +52,15 @@ from shmbuffer.cluster.split import apportion, rescale_weights, smallest_weight
 from shmbuffer.errors import (
     DaemonUnavailableError,
     EmptyBufferError,
-    InvalidArgumentError,
     ShmBufferError,
     WaitTimeoutError,
 )
-from shmbuffer.protocol import check_sample_size
-from shmbuffer.samplers.base import check_generation, check_update
-from shmbuffer.schema import to_host
+from shmbuffer.reads import (
+    check_episode_args,
+    check_sample_args,
+    check_slice_args,
+    check_update_args,
+)
 
 __all__ = ["DOWN", "MAX_ROUNDS", "ClusterReader", "ShardUnavailableWarning"]
 
@@ -292,8 +293,7 @@ class ClusterReader(ShardFanout):
     ) -> TensorDict | tuple[TensorDict, dict[str, torch.Tensor]]:
         """``batch_size`` transitions across the shards (a copy), as ``Reader.sample``;
         ``info`` as described in the module docstring, plus ``info["shard"]``."""
-        n = as_count(batch_size, "batch_size")
-        check_sample_size(n, what="batch_size")  # the whole call's, not each shard's part
+        n = check_sample_args(batch_size, beta)  # the whole call's, not each shard's part
         pieces = self._draw("rows", n, beta=beta)
         merged: Any = self._merge(pieces, return_info, beta)
         return merged
@@ -308,10 +308,7 @@ class ClusterReader(ShardFanout):
     ) -> TensorDict | tuple[TensorDict, dict[str, torch.Tensor]]:
         """``[n, length]`` runs of rows, each inside one episode of one shard, as
         ``Reader.sample_slices`` (``strict=False``: padded, with a ``"mask"``)."""
-        if type(strict) is not bool:
-            raise TypeError(f"strict must be True or False, got {strict!r}")
-        n, length = as_count(n, "n"), as_count(length, "length")
-        check_sample_size(n, length)
+        n, length = check_slice_args(n, length, strict, beta)
         pieces = self._draw("slices", n, length, strict, beta)
         merged: Any = self._merge(pieces, return_info, beta)
         return merged
@@ -321,8 +318,7 @@ class ClusterReader(ShardFanout):
         """``n`` whole episodes across the shards, as ``Reader.sample_episodes``: views under
         a lease from this node's shard (released when the block exits), copies from the
         others."""
-        n = as_count(n, "n")
-        check_sample_size(n)
+        n = check_episode_args(n)
         pieces = self._draw("episodes", n)
         with ExitStack() as stack:
             for piece in pieces:
@@ -337,11 +333,7 @@ class ClusterReader(ShardFanout):
         self._check_open()
         self._rejoin()
         total = self.capacity * len(self.buffer.shard_list())
-        try:
-            rows, values = check_update(to_host(index), to_host(priority), total)
-            stamps = None if generation is None else check_generation(to_host(generation), rows)
-        except (TypeError, ValueError, IndexError) as exc:
-            raise InvalidArgumentError(f"update_priorities: {exc}") from None
+        rows, values, stamps = check_update_args(index, priority, generation, total)
         shard_of = rows // self.capacity
         by_index = {link.index: link for link in self._links}
         jobs = []

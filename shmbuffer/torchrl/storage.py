@@ -41,7 +41,7 @@ from shmbuffer import rows
 from shmbuffer.clients.reader import Reader
 from shmbuffer.clients.writer import Writer
 from shmbuffer.errors import TornReadError, WaitTimeoutError
-from shmbuffer.schema import Schema
+from shmbuffer.schema import Schema, to_host
 
 __all__ = ["DaemonStorage", "daemon_storage_of"]
 
@@ -320,9 +320,7 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
         if isinstance(index, slice):
             positions = np.arange(len(self), dtype=np.int64)[index]
             return positions, positions.shape
-        if isinstance(index, torch.Tensor):
-            index = index.detach().cpu().numpy()
-        array = np.asarray(index)
+        array = np.asarray(to_host(index))
         if array.dtype == np.bool_:
             raise IndexError("DaemonStorage takes row numbers, not a boolean mask")
         if array.size and array.dtype.kind not in "iu":

@@ -88,7 +88,7 @@ def load_compiled_draws() -> ModuleType | None:
 
 
 def _load() -> ModuleType | None:
-    kernels = jit.load("shmbuffer._draw_jit")
+    kernels = jit.load("shmbuffer.registry._draw_jit")
     if kernels is None:
         return None
     began = time.perf_counter()

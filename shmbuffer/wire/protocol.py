@@ -2,7 +2,7 @@
 
 A message is a list of frames: one msgpack map (the header), then zero or more raw payload
 frames (row bytes, used only by remote clients). Clients use DEALER sockets, the daemon one
-ROUTER socket, or the local lane beside it (``protocol_unix.py``: the same messages).
+ROUTER socket, or the local lane beside it (``unix.py``: the same messages).
 ``docs/protocol.md`` is the specification; this module is its code (the msgpack codec itself is
 ``codec.py``), and a test checks that the two agree on the version.
 

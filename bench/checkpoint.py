@@ -177,7 +177,7 @@ def restore_seconds(storage: str, capacity: int, folder: Path) -> float:
     """Seconds to restore the checkpoint in ``folder`` into a fresh segment (then removed)."""
     from shmbuffer.daemon.config import DaemonConfig
     from shmbuffer.daemon.recovery import restore_service
-    from shmbuffer.segment import Segment
+    from shmbuffer.storage.segment import Segment
 
     name = f"bench-restore-{os.getpid()}"
     config = DaemonConfig(name=name, capacity=capacity, unit="transition", storage_dir=storage)

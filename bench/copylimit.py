@@ -1,7 +1,7 @@
 """The copy limit: the fastest single-thread copy of the same bytes found.
 
 Every copy is the fastest single-thread copy found for its rows: where rows are 4 KiB or more
-it goes through ``shmbuffer/streamcopy.py``, the copy shmbuffer itself makes: ranges stream
+it goes through ``shmbuffer/storage/streamcopy.py``, the copy shmbuffer itself makes: ranges stream
 (non-temporal stores: 25-40% faster than ``np.copyto`` for image rows on an AMD VM, level on an
 Intel one), and gathers take whichever way, streamed or ``np.take``, its trial found faster in
 this process (``GatherTrial``), so a limit made with numpy alone would sit below shmbuffer.
@@ -27,7 +27,7 @@ import numpy as np
 
 from bench.adapters import Adapter
 from bench.data import Batch, Spec, row_bytes
-from shmbuffer.streamcopy import copy_into, gather_into, warm
+from shmbuffer.storage.streamcopy import copy_into, gather_into, warm
 
 #: Bytes of rows the pool of draws names at least (a few times the 32 MiB L3 measured).
 POOL_BYTES = 128 * 2**20

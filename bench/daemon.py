@@ -258,7 +258,7 @@ def sample(ctx: Context) -> list[Row]:
 def messages(ctx: Context) -> list[Row]:
     """Control messages per second one daemon sustains: 1 and 2 client processes each sending
     ``ping`` requests, 100 in flight at a time, for 3 s."""
-    from shmbuffer.protocol import encode, request
+    from shmbuffer.wire.protocol import encode, request
 
     name = "daemon.messages"
     seconds, window = (0.5 if ctx.quick else 3.0), 100

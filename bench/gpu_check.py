@@ -460,7 +460,7 @@ def sample_paths(readers: dict[str, Any], b: int, gpu: str) -> dict[str, Any]:
         sync()
 
     def gather_alone() -> None:  # the GPU's part of from_cuda: no daemon, no stamps
-        from shmbuffer import cuda_rows
+        from shmbuffer.storage import cuda_rows
 
         reader = _reader(readers, "cuda")
         cuda_rows.gather_columns(reader.segment.columns, np.random.randint(0, 1000, b))

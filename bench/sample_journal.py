@@ -31,7 +31,7 @@ import numpy as np
 
 from shmbuffer.daemon.config import DaemonConfig
 from shmbuffer.daemon.service import BufferService
-from shmbuffer.protocol import request, validate_request
+from shmbuffer.wire.protocol import request, validate_request
 
 SPEC = {"obs": {"dtype": "float32", "shape": [8]}}
 CAPACITY = 100_000

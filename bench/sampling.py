@@ -92,9 +92,9 @@ class Layout:
 
 
 def _container(layout: Layout, sampler_name: str) -> Any:
-    from shmbuffer.container import Container
+    from shmbuffer.registry.spans import load_compiled_draws
+    from shmbuffer.ring.container import Container
     from shmbuffer.samplers import make_sampler
-    from shmbuffer.spans import load_compiled_draws
 
     load_compiled_draws()  # as a daemon has after its first LOAD_AFTER draws (spans.py)
 
@@ -207,11 +207,11 @@ def cpprb_prioritized(layout: Layout) -> Iterator[Offer]:
 Build = tuple[str, Callable[[Layout], contextlib.AbstractContextManager[Offer]], str]
 GROUPS: list[list[Build]] = [
     [
-        ("shmbuffer uniform", shm_uniform, "shmbuffer.container"),
+        ("shmbuffer uniform", shm_uniform, "shmbuffer.ring.container"),
         ("torchrl RandomSampler/SliceSampler", torchrl_samplers, "torchrl.data"),
     ],
     [
-        ("shmbuffer prioritized", shm_prioritized, "shmbuffer.container"),
+        ("shmbuffer prioritized", shm_prioritized, "shmbuffer.ring.container"),
         ("cpprb PrioritizedReplayBuffer", cpprb_prioritized, "cpprb"),
         # its sum tree is torchrl's C++ extension, which a torch of another ABI cannot load
         ("torchrl PrioritizedSampler", torchrl_prioritized, "torchrl._torchrl"),
@@ -335,8 +335,8 @@ def scaling(ctx: Context) -> list[Row]:
         "slowest; rows = rows handed out (256 per sample, 512 per slice call), bytes = their "
         f"int64 indices ({INDEX_BYTES} B each: no row data moves); pass=steady",
     )
+    from shmbuffer.registry.spans import load_compiled_draws
     from shmbuffer.samplers.sumtree import jit_available
-    from shmbuffer.spans import load_compiled_draws
 
     loops = "compiled (numba)" if jit_available() else "numpy loops (numba not installed)"
     draws = "compiled (numba)" if load_compiled_draws() else "numpy (numba not installed)"

@@ -53,14 +53,14 @@ if TYPE_CHECKING:
     from shmbuffer.clients.reader import Reader
     from shmbuffer.clients.storage import Storage
     from shmbuffer.clients.writer import Writer
-    from shmbuffer.schema import Schema
+    from shmbuffer.storage.schema import Schema
 
 _LAZY = {
     "Buffer": "shmbuffer.buffer",
     "Reader": "shmbuffer.clients.reader",
     "Storage": "shmbuffer.clients.storage",
     "Writer": "shmbuffer.clients.writer",
-    "Schema": "shmbuffer.schema",
+    "Schema": "shmbuffer.storage.schema",
     "checkpoint": "shmbuffer.clients.admin",
 }
 

@@ -6,7 +6,7 @@ Writer and Reader share: the same ingestion calls (``extend``, ``add_episode``,
 ``sample_slices``, logical indexing).
 
 With ``name=None`` rows live in private memory; with a name they live in a named shared-memory
-segment another process can attach to (:meth:`shmbuffer.segment.Segment.attach`).
+segment another process can attach to (:meth:`shmbuffer.storage.segment.Segment.attach`).
 
 Reads return copies: a caller can keep them while later writes overwrite the ring. Zero-copy
 views with a lease that holds off writers are the daemon Reader's job.
@@ -30,24 +30,24 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from shmbuffer import rows, streamcopy
-from shmbuffer.container import Container, as_invalid_argument
-from shmbuffer.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
-from shmbuffer.errors import ClosedError, InvalidArgumentError
-from shmbuffer.protocol import MAX_SAMPLE, check_sample_size
-from shmbuffer.reads import (
+from shmbuffer.api.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
+from shmbuffer.api.reads import (
     Index,
     check_iterate_args,
     check_mask_free,
     mask_slices,
     normalize_index,
 )
-from shmbuffer.recent import RecentSamples
+from shmbuffer.api.recent import RecentSamples
+from shmbuffer.api.writeplan import plan_write, vector_episode, write_priority
+from shmbuffer.errors import ClosedError, InvalidArgumentError
+from shmbuffer.ring.container import Container, as_invalid_argument
 from shmbuffer.samplers import OPTIONS, RateLimiter, Sampler, build_rate_limiter, build_sampler
 from shmbuffer.samplers.base import Priority
-from shmbuffer.schema import Schema, to_host
-from shmbuffer.segment import LocalSegment, Segment
-from shmbuffer.writeplan import plan_write, vector_episode, write_priority
+from shmbuffer.storage import rows, streamcopy
+from shmbuffer.storage.schema import Schema, to_host
+from shmbuffer.storage.segment import LocalSegment, Segment
+from shmbuffer.wire.protocol import MAX_SAMPLE, check_sample_size
 
 
 class Buffer:

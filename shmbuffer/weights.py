@@ -1,7 +1,7 @@
 """A versioned weights channel: one learner publishes a flat state dict, many workers read it.
 
 The learner's :class:`WeightsPublisher` owns a named shared-memory segment (a
-:class:`~shmbuffer.segment.Segment` of one row, one column per tensor, in the same storage
+:class:`~shmbuffer.storage.segment.Segment` of one row, one column per tensor, in the same storage
 folder as the buffers) and copies its tensors into it on :meth:`~WeightsPublisher.publish`.
 Each worker's :class:`WeightsSubscriber` maps the same segment. Checking for new weights is
 one int64 read (:attr:`WeightsSubscriber.version`); a worker calls
@@ -39,8 +39,8 @@ import numpy as np
 import torch
 
 from shmbuffer.errors import SchemaError, SegmentError, SegmentNotFoundError, WaitTimeoutError
-from shmbuffer.schema import Field, Schema, dtype_name
-from shmbuffer.segment import Segment
+from shmbuffer.storage.schema import Field, Schema, dtype_name
+from shmbuffer.storage.segment import Segment
 
 KIND = "weights"
 #: How long a subscriber keeps re-copying while publications overlap its copy: far longer

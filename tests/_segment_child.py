@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from shmbuffer.segment import Segment
+from shmbuffer.storage.segment import Segment
 
 
 def say(line: str) -> None:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from shmbuffer import Buffer
 from shmbuffer.errors import CapacityError, SchemaError
-from shmbuffer.segment import Segment
+from shmbuffer.storage.segment import Segment
 
 
 def ep(value: int, length: int = 4) -> dict[str, torch.Tensor]:

@@ -480,7 +480,7 @@ def test_a_sample_over_the_protocol_limits_is_refused_before_anything_is_drawn()
     """The in-process Buffer refuses what a daemon refuses: over ``MAX_SAMPLE`` items, or over
     ``MAX_SAMPLE_ROWS`` rows, with LimitExceededError naming the argument, nothing drawn."""
     from shmbuffer.errors import LimitExceededError
-    from shmbuffer.protocol import MAX_SAMPLE, MAX_SAMPLE_ROWS
+    from shmbuffer.wire.protocol import MAX_SAMPLE, MAX_SAMPLE_ROWS
 
     buf = Buffer(16, unit="episode", seed=0)
     buf.add_episode(rows(8))

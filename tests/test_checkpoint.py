@@ -23,8 +23,8 @@ from shmbuffer.daemon.config import DaemonConfig
 from shmbuffer.daemon.recovery import RecoveryError, restore_service
 from shmbuffer.daemon.service import BufferService
 from shmbuffer.errors import CheckpointError, NotFoundError, PermissionDeniedError, ShmBufferError
-from shmbuffer.protocol import request, validate_request
-from shmbuffer.segment import segment_path
+from shmbuffer.storage.segment import segment_path
+from shmbuffer.wire.protocol import request, validate_request
 
 SPEC = {"obs": {"dtype": "float32", "shape": [5]}, "act": {"dtype": "int64", "shape": []}}
 W, ADMIN = b"writer", b"admin"

@@ -17,7 +17,7 @@ import pytest
 
 from shmbuffer.daemon import checkpoint as ckpt
 from shmbuffer.errors import CheckpointError, RecoveryError
-from shmbuffer.segment import MANIFEST, segment_path
+from shmbuffer.storage.segment import MANIFEST, segment_path
 from tests.test_checkpoint import (
     ADMIN,
     W,

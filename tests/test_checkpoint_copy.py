@@ -19,8 +19,8 @@ from shmbuffer.daemon import checkpoint as ckpt
 from shmbuffer.daemon import checkpoint_job
 from shmbuffer.daemon.service import BufferService, Deferred
 from shmbuffer.errors import CheckpointError
-from shmbuffer.protocol import request, validate_request
-from shmbuffer.segment import MANIFEST
+from shmbuffer.storage.segment import MANIFEST
+from shmbuffer.wire.protocol import request, validate_request
 from tests.test_checkpoint import (
     ADMIN,
     W,

@@ -8,8 +8,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from shmbuffer.container import Container
 from shmbuffer.errors import CapacityError, InvalidArgumentError, NotFoundError, WaitTimeoutError
+from shmbuffer.ring.container import Container
 from shmbuffer.samplers import FifoSampler, MinSize, PrioritizedSampler
 
 

@@ -1,8 +1,8 @@
-"""Device copies (``shmbuffer/cuda_rows.py``): gathers and the staged writer.
+"""Device copies (``shmbuffer/storage/cuda_rows.py``): gathers and the staged writer.
 
 Each test runs on CPU tensors (the logic: indices, bounds, casts, staging slots, progress)
 and, marked ``gpu``, on a CUDA device (streams, pinned staging, host -> device and device ->
-device copies), compared with :mod:`shmbuffer.rows` on host columns as the reference.
+device copies), compared with :mod:`shmbuffer.storage.rows` on host columns as the reference.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from shmbuffer import cuda_rows, rows
-from shmbuffer.schema import Schema
+from shmbuffer.storage import cuda_rows, rows
+from shmbuffer.storage.schema import Schema
 
 CUDA = torch.cuda.is_available()
 DEVICES = [

@@ -1,4 +1,4 @@
-"""The CUDA tier's segment (``shmbuffer/cuda_segment.py``) and settings.
+"""The CUDA tier's segment (``shmbuffer/storage/cuda_segment.py``) and settings.
 
 On a machine without CUDA these check what is refused and how (each error names the device
 and what torch reports), the layout, and the carving of a buffer into columns, on a host
@@ -22,7 +22,9 @@ from typing import Any
 import pytest
 import torch
 
-from shmbuffer.cuda_segment import (
+from shmbuffer.daemon.config import DaemonConfig
+from shmbuffer.errors import ConfigError, OutOfSpaceError, SegmentError
+from shmbuffer.storage.cuda_segment import (
     CudaSegment,
     PinnedSegment,
     attach_segment,
@@ -34,10 +36,8 @@ from shmbuffer.cuda_segment import (
     device_views,
     normalize_device,
 )
-from shmbuffer.daemon.config import DaemonConfig
-from shmbuffer.errors import ConfigError, OutOfSpaceError, SegmentError
-from shmbuffer.schema import Schema
-from shmbuffer.segment import DATA_FILE, FORMAT_VERSION, MANIFEST, Segment, _layout
+from shmbuffer.storage.schema import Schema
+from shmbuffer.storage.segment import DATA_FILE, FORMAT_VERSION, MANIFEST, Segment, _layout
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -371,7 +371,8 @@ def test_module_touches_no_cuda_at_import() -> None:
     import sys
 
     code = (
-        "import torch, shmbuffer.cuda_segment, shmbuffer.cuda_rows, shmbuffer.clients.reader, "
+        "import torch, shmbuffer.storage.cuda_segment, shmbuffer.storage.cuda_rows, "
+        "shmbuffer.clients.reader, "
         "shmbuffer.clients.writer, shmbuffer.daemon.service; "
         "print(torch.cuda.is_initialized())"
     )

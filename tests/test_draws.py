@@ -1,6 +1,6 @@
-"""The two ways a uniform row draw runs (shmbuffer.spans and _draw_jit): numpy and the compiled
+"""The two ways a uniform row draw runs (shmbuffer.registry.spans and _draw_jit): numpy and the
 loop give the same rows from the same words, both are uniform, and a process switches to the
-compiled loop only after :data:`~shmbuffer.spans.LOAD_AFTER` draws."""
+compiled loop only after :data:`~shmbuffer.registry.spans.LOAD_AFTER` draws."""
 
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shmbuffer import jit, spans
-from shmbuffer.container import Container
-from shmbuffer.registry import EpisodeRegistry
+from shmbuffer import jit
+from shmbuffer.registry import spans
+from shmbuffer.registry.intervals import EpisodeRegistry
+from shmbuffer.ring.container import Container
 from tests._stats import P_MIN, chi2_p
 
 # The kernel module itself: loading it through spans would switch the whole test process
 # to the compiled draws from collection on.
-KERNELS = jit.load("shmbuffer._draw_jit")
+KERNELS = jit.load("shmbuffer.registry._draw_jit")
 needs_numba = pytest.mark.skipif(KERNELS is None, reason="numba (the fast extra) not installed")
 
 

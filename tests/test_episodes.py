@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from shmbuffer.episodes import (
+from shmbuffer.api.episodes import (
     DEFAULT_DONE_KEYS,
     EpisodeAssembler,
     FinishedEpisode,

@@ -27,12 +27,12 @@ import numpy as np
 import pytest
 import zmq
 
+from shmbuffer.cli.demo_loops import make_episode
 from shmbuffer.clients.connection import Connection
-from shmbuffer.demo import make_episode
 from shmbuffer.errors import all_codes
-from shmbuffer.protocol import MAX_HEADER_BYTES, MAX_INT, PROTOCOL_VERSION, REQUESTS
-from shmbuffer.schema import Schema
-from shmbuffer.segment import Segment
+from shmbuffer.storage.schema import Schema
+from shmbuffer.storage.segment import Segment
+from shmbuffer.wire.protocol import MAX_HEADER_BYTES, MAX_INT, PROTOCOL_VERSION, REQUESTS
 from tests.e2e.conftest import daemon, e2e_env  # noqa: F401  (fixtures)
 
 FRAMES = int(os.environ.get("SHMBUFFER_FUZZ_FRAMES", "0"))  # 0: 20k by default, 100k slow

@@ -12,10 +12,11 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from shmbuffer import Buffer, rows
+from shmbuffer import Buffer
 from shmbuffer.errors import InvalidArgumentError
-from shmbuffer.schema import Schema
-from shmbuffer.segment import LocalSegment
+from shmbuffer.storage import rows
+from shmbuffer.storage.schema import Schema
+from shmbuffer.storage.segment import LocalSegment
 
 SPEC = {
     "obs": {"dtype": "float32", "shape": [64]},

@@ -1,7 +1,7 @@
 """The daemon's handler tables against the protocol's tables: one handler per request op, and
 the replies a real BufferService sends match ``protocol.REPLIES`` field by field.
 
-Adding an op is two places, its table entries in ``shmbuffer/protocol.py`` and its handler in
+Adding an op is two places, its table entries in ``shmbuffer/wire/protocol.py`` and its handler in
 ``shmbuffer/daemon/service.py``; these tests fail until both (and ``docs/protocol.md``, see
 tests/test_protocol.py) agree.
 """
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from shmbuffer.daemon.service import BufferService
-from shmbuffer.protocol import (
+from shmbuffer.wire.protocol import (
     REPLIES,
     REQUESTS,
     VALIDATORS,

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from shmbuffer.episodes import SEED_DONE_KEYS, EpisodeAssembler
-from shmbuffer.hooks import (
+from shmbuffer.api.episodes import SEED_DONE_KEYS, EpisodeAssembler
+from shmbuffer.api.hooks import (
     TransitionPairer,
     default_postprocess_fn,
     default_preprocess_fn,

@@ -31,8 +31,8 @@ def test_module_does_not_import_tensordict(module: str) -> None:
 def test_segment_builds_its_tensordict_on_first_use() -> None:
     probe = (
         "import sys\n"
-        "from shmbuffer.schema import Schema\n"
-        "from shmbuffer.segment import LocalSegment\n"
+        "from shmbuffer.storage.schema import Schema\n"
+        "from shmbuffer.storage.segment import LocalSegment\n"
         "seg = LocalSegment(Schema.from_spec({'obs': {'dtype': 'float32', 'shape': [3]}}), 8)\n"
         "assert 'tensordict' not in sys.modules\n"
         "seg.columns[('obs',)][2] = 1.5\n"

@@ -1,13 +1,22 @@
-"""The package's import directions (``docs/architecture.md``), checked by an AST scan.
+"""The package's rooms and their import directions (``docs/architecture.md``), by an AST scan.
 
-- core (every module directly under ``shmbuffer/`` and ``shmbuffer/samplers/``, except the
-  layers above both sides) imports neither ``shmbuffer.daemon`` nor ``shmbuffer.clients``;
-- ``daemon/`` never imports ``clients/`` and ``clients/`` never imports ``daemon/``;
-- interop layers (``shmbuffer.torchrl``) sit above the clients: core and clients, never the
-  daemon;
-- the Ray scale-out (``shmbuffer.cluster``) sits above the clients too: it runs daemons as
-  ``shmbuffer-daemon start`` subprocesses, never by importing ``shmbuffer.daemon``;
-- no import circle anywhere, counting lazy imports and ``TYPE_CHECKING`` ones alike.
+Each module belongs to one room; a room imports only itself and the rooms below it (``BELOW``).
+From the bottom up:
+
+- the base, directly under ``shmbuffer/``: ``errors``, ``names``, ``jit``, ``runtime``;
+- ``storage/`` (rows in memory), ``wire/`` (what crosses a socket) and ``registry/`` (the
+  episode interval registry), side by side, each over the base only;
+- ``samplers/`` over the registry; ``api/`` (the public API's rules: argument checks, write
+  plans, episode assembly, hooks) over those; ``ring/`` (the ring and its tables, which
+  enforce the rules) over all of them;
+- the front ends: ``buffer.py`` in process and ``weights.py``; ``daemon/`` and ``clients/``,
+  which never import each other; ``torchrl/`` and ``cluster/`` over the clients (a cluster
+  runs daemons as ``shmbuffer-daemon start`` subprocesses, never by importing them);
+- ``cli/``, above both sides, and the package root, which only hands names on, lazily.
+
+``shmbuffer.protocol`` and ``shmbuffer.segment`` are public import paths kept as thin
+re-exports of ``wire/`` and ``storage/``; nothing inside the package imports through them.
+No import circle anywhere, counting lazy imports and ``TYPE_CHECKING`` ones alike.
 """
 
 from __future__ import annotations
@@ -18,29 +27,46 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "shmbuffer"
-#: Modules above both sides: the command line launches the daemon and is its client (cli.py
-#: the parser and entry point, cli_start.py the daemon it runs, cli_admin.py the commands that
-#: talk to it); the demo runs both (cli_demo.py the command, demo.py its processes' loops);
-#: the package root only hands names on, lazily.
-ABOVE_BOTH = {
-    "shmbuffer",
-    "shmbuffer.cli",
-    "shmbuffer.cli_admin",
-    "shmbuffer.cli_demo",
-    "shmbuffer.cli_start",
-    "shmbuffer.demo",
+BASE = {"errors", "names", "jit", "runtime"}
+#: Public import paths that only re-export another room's module.
+PUBLIC_PATHS = {"shmbuffer.protocol": "wire", "shmbuffer.segment": "storage"}
+_CORE = {"base", "storage", "wire", "registry", "samplers", "ring", "api"}
+#: What each room may import besides itself.
+BELOW: dict[str, set[str]] = {
+    "base": set(),
+    "storage": {"base"},
+    "wire": {"base"},
+    "registry": {"base"},
+    "samplers": {"base", "registry"},
+    "api": {"base", "registry", "samplers", "storage", "wire"},
+    "ring": {"base", "api", "registry", "samplers", "storage", "wire"},
+    "front": _CORE,
+    "daemon": _CORE,
+    "clients": _CORE | {"front"},
+    "torchrl": _CORE | {"front", "clients"},
+    "cluster": _CORE | {"clients"},
+    "cli": _CORE | {"front", "daemon", "clients"},
+    "root": _CORE | {"front", "daemon", "clients", "torchrl", "cluster", "cli"},
 }
-#: Packages above the clients only: adapters that give other libraries' APIs a daemon's buffer
-#: through Reader and Writer (TorchRL's Storage/Writer/Sampler); a job's processes are clients.
-INTEROP = {"shmbuffer.torchrl"}
-#: Above the clients only: the Ray scale-out's hosts launch the daemon through the command line
-#: (a subprocess), so a shard's daemon is a process apart, never imported.
-CLUSTER = {"shmbuffer.cluster"}
 
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def room(module: str) -> str:
+    """The room ``module`` lives in (a public path counts as the room it re-exports)."""
+    if module in PUBLIC_PATHS:
+        return PUBLIC_PATHS[module]
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "root"
+    if parts[1] in BASE:
+        return "base"
+    if parts[1] in BELOW:
+        return parts[1]
+    return "front"  # buffer.py, weights.py: the modules left directly under shmbuffer/
 
 
 def imports_of(path: Path, modules: set[str]) -> set[str]:
@@ -50,7 +76,7 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            # `from shmbuffer import rows` imports the module shmbuffer.rows
+            # `from shmbuffer.storage import rows` imports the module shmbuffer.storage.rows
             names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
         else:
             continue
@@ -67,21 +93,12 @@ def import_graph() -> dict[str, set[str]]:
     paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     modules = set(paths)
     graph = {m: imports_of(p, modules) - {m} for m, p in paths.items()}
-    # A package's __init__ is imported with any of its modules; the root is lazy on purpose.
-    return {m: {d for d in deps if d != "shmbuffer"} for m, deps in graph.items()}
-
-
-def side(module: str) -> str:
-    if module in ABOVE_BOTH:
-        return "above"
-    if any(module == name or module.startswith(f"{name}.") for name in INTEROP):
-        return "interop"
-    if any(module == name or module.startswith(f"{name}.") for name in CLUSTER):
-        return "cluster"
-    for name in ("daemon", "clients"):
-        if module == f"shmbuffer.{name}" or module.startswith(f"shmbuffer.{name}."):
-            return name
-    return "core"
+    # A package's __init__ is imported with any of its modules (a module naming its own
+    # package is no edge); the root is lazy on purpose.
+    return {
+        m: {d for d in deps if d != "shmbuffer" and not m.startswith(f"{d}.")}
+        for m, deps in graph.items()
+    }
 
 
 GRAPH = import_graph()
@@ -89,16 +106,34 @@ GRAPH = import_graph()
 
 @pytest.mark.parametrize("module", sorted(GRAPH))
 def test_import_direction(module: str) -> None:
-    allowed = {
-        "core": {"core"},
-        "daemon": {"core", "daemon"},
-        "clients": {"core", "clients"},
-        "interop": {"core", "clients", "interop"},
-        "cluster": {"core", "clients", "cluster"},
-        "above": {"core", "daemon", "clients", "above"},
-    }[side(module)]
-    wrong = sorted(dep for dep in GRAPH[module] if side(dep) not in allowed)
-    assert not wrong, f"{module} ({side(module)}) must not import {wrong}"
+    mine = room(module)
+    allowed = BELOW[mine] | {mine}
+    wrong = sorted(dep for dep in GRAPH[module] if room(dep) not in allowed)
+    assert not wrong, f"{module} ({mine}) must not import {wrong}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if m not in PUBLIC_PATHS))
+def test_nothing_imports_through_a_public_path(module: str) -> None:
+    # inside the package a module names a room's module, so `ls` shows who depends on what
+    wrong = sorted(GRAPH[module] & set(PUBLIC_PATHS))
+    assert not wrong, f"{module} imports {wrong}: import the room's module instead"
+
+
+def test_public_paths_are_the_rooms_modules() -> None:
+    import shmbuffer.protocol
+    import shmbuffer.segment
+    import shmbuffer.storage.segment
+    import shmbuffer.wire.protocol
+
+    assert shmbuffer.segment.Segment is shmbuffer.storage.segment.Segment
+    assert shmbuffer.protocol.PROTOCOL_VERSION == shmbuffer.wire.protocol.PROTOCOL_VERSION
+    assert shmbuffer.protocol.encode is shmbuffer.wire.protocol.encode
+
+
+def test_every_module_has_a_room() -> None:
+    # a new module directly under shmbuffer/ lands in "front" unless it is named here
+    top = sorted(m for m in GRAPH if m.count(".") == 1 and room(m) == "front")
+    assert top == ["shmbuffer.buffer", "shmbuffer.weights"], top
 
 
 def test_no_import_circles() -> None:
@@ -125,46 +160,34 @@ def test_the_scan_sees_imports() -> None:
     # guards the test itself: a scanner that found nothing would pass everything above
     assert "shmbuffer.daemon.service" in GRAPH["shmbuffer.daemon.server"]
     assert "shmbuffer.clients.connection" in GRAPH["shmbuffer.clients.admin"]
-    assert side("shmbuffer.daemon.service") == "daemon"
-    assert side("shmbuffer.registry") == "core"
-    assert side("shmbuffer.torchrl.storage") == "interop"
+    assert room("shmbuffer.daemon.service") == "daemon"
+    assert room("shmbuffer.registry.intervals") == "registry"
+    assert room("shmbuffer.errors") == "base"
+    assert room("shmbuffer.torchrl.storage") == "torchrl"
     assert "shmbuffer.clients.reader" in GRAPH["shmbuffer.torchrl.storage"]
-    assert side("shmbuffer.cluster.reader") == "cluster"
+    assert room("shmbuffer.cluster.reader") == "cluster"
     assert "shmbuffer.clients.reader" in GRAPH["shmbuffer.cluster.fanout"]
+    assert "shmbuffer.samplers" in GRAPH["shmbuffer.ring.table"]
+    assert room("shmbuffer.ring.table") == "ring"
+    assert room("shmbuffer.segment") == "storage"
 
 
-def test_only_the_interop_layer_imports_torchrl() -> None:
-    # `import shmbuffer` (and every client) must work without the torchrl extra
+def _third_party(path: Path) -> list[str]:
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.append(node.module or "")
+    return names
+
+
+@pytest.mark.parametrize(("library", "home"), [("torchrl", "torchrl"), ("ray", "cluster")])
+def test_only_its_room_imports_an_extra(library: str, home: str) -> None:
+    # `import shmbuffer` (and every client) must work without the torchrl and ray extras
     for path in PACKAGE.rglob("*.py"):
         module = module_name(path)
-        if side(module) == "interop":
+        if room(module) == home:
             continue
-        tree = ast.parse(path.read_text(), str(path))
-        for node in ast.walk(tree):
-            names = (
-                [a.name for a in node.names]
-                if isinstance(node, ast.Import)
-                else [node.module or ""]
-                if isinstance(node, ast.ImportFrom) and node.level == 0
-                else []
-            )
-            wrong = [n for n in names if n == "torchrl" or n.startswith("torchrl.")]
-            assert not wrong, f"{module} imports {wrong[0]}: only shmbuffer.torchrl may"
-
-
-def test_only_the_cluster_imports_ray() -> None:
-    # `import shmbuffer` (and every client) must work without the ray extra
-    for path in PACKAGE.rglob("*.py"):
-        module = module_name(path)
-        if side(module) == "cluster":
-            continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = (
-                [a.name for a in node.names]
-                if isinstance(node, ast.Import)
-                else [node.module or ""]
-                if isinstance(node, ast.ImportFrom) and node.level == 0
-                else []
-            )
-            wrong = [n for n in names if n == "ray" or n.startswith("ray.")]
-            assert not wrong, f"{module} imports {wrong[0]}: only shmbuffer.cluster may"
+        wrong = [n for n in _third_party(path) if n == library or n.startswith(f"{library}.")]
+        assert not wrong, f"{module} imports {wrong[0]}: only shmbuffer.{home} may"

@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from shmbuffer.container import Container
 from shmbuffer.daemon.journal import (
     COMMIT,
     EPOCH,
@@ -33,7 +32,8 @@ from shmbuffer.daemon.journal import (
 )
 from shmbuffer.daemon.leases import ORPHAN, LeaseTable
 from shmbuffer.errors import CapacityError, EmptyBufferError, InvalidArgumentError, OutOfSpaceError
-from shmbuffer.listeners import rng_words, set_rng_words
+from shmbuffer.ring.container import Container
+from shmbuffer.ring.listeners import rng_words, set_rng_words
 from shmbuffer.samplers import (
     FifoSampler,
     PrioritizedSampler,

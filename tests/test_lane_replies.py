@@ -19,8 +19,8 @@ import pytest
 import zmq
 
 from shmbuffer.daemon.lane import MAX_UNREAD_BYTES, Lane
-from shmbuffer.protocol import encode, request
-from shmbuffer.protocol_unix import pack
+from shmbuffer.wire.protocol import encode, request
+from shmbuffer.wire.unix import pack
 
 #: A reply past the old limit on unread bytes (256 MiB), of the order of a legal sample's
 #: (2**26 rows: 512 MiB of stamps).

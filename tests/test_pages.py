@@ -1,4 +1,4 @@
-"""Populating private memory with the page size the probe picks (``shmbuffer/pages.py``)."""
+"""Populating private memory with the page size the probe picks (``shmbuffer/storage/pages.py``)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import mmap
 import numpy as np
 import pytest
 
-from shmbuffer import pages
-from shmbuffer.schema import Schema
-from shmbuffer.segment import LocalSegment, _address
+from shmbuffer.storage import pages
+from shmbuffer.storage.schema import Schema
+from shmbuffer.storage.segment import LocalSegment, _address
 
 SIZE = pages.PROBE_MIN_BYTES + 3 * 4096  # the smallest probed mapping, not a whole huge page
 

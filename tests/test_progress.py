@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from shmbuffer import progress
 from shmbuffer.daemon.checkpoint import copy_data
+from shmbuffer.storage import progress
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from shmbuffer.errors import (
     all_codes,
     error_from_code,
 )
-from shmbuffer.protocol import (
+from shmbuffer.wire.protocol import (
     MAX_HEADER_BYTES,
     MAX_INT,
     PROTOCOL_MAJOR,

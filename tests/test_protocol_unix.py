@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shmbuffer.errors import ProtocolError
-from shmbuffer.protocol_unix import MAX_FRAMES, Unpacker, lane_path, pack, unsent
+from shmbuffer.wire.unix import MAX_FRAMES, Unpacker, lane_path, pack, unsent
 
 
 def _wire(frames: list[bytes]) -> bytes:

@@ -1,4 +1,4 @@
-"""The read-argument checks every reading API shares (shmbuffer/reads.py), alone: each refusal
+"""The read-argument checks every reading API shares (shmbuffer/api/reads.py), alone: each refusal
 names the argument it refuses; the usual arguments pass unchanged. The parity of Buffer and
 Reader is tests/clients/test_read_parity.py."""
 
@@ -11,9 +11,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from shmbuffer.errors import InvalidArgumentError, LimitExceededError
-from shmbuffer.protocol import MAX_SAMPLE, MAX_SAMPLE_ROWS
-from shmbuffer.reads import (
+from shmbuffer.api.reads import (
     as_beta,
     as_count,
     check_episode_args,
@@ -27,7 +25,9 @@ from shmbuffer.reads import (
     mask_slices,
     normalize_index,
 )
-from shmbuffer.schema import Schema
+from shmbuffer.errors import InvalidArgumentError, LimitExceededError
+from shmbuffer.storage.schema import Schema
+from shmbuffer.wire.protocol import MAX_SAMPLE, MAX_SAMPLE_ROWS
 
 # -- counts -----------------------------------------------------------------------------------
 

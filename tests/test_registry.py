@@ -1,4 +1,4 @@
-"""Tests of shmbuffer.registry: unit tests, a stateful model check, and sampling statistics."""
+"""Tests of shmbuffer.registry.intervals: unit tests, a stateful model check, draw statistics."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from hypothesis.stateful import (
 )
 
 from shmbuffer.errors import EmptyBufferError, NotFoundError
-from shmbuffer.registry import Episode, EpisodeRegistry, uniform_integers
+from shmbuffer.registry.intervals import Episode, EpisodeRegistry, uniform_integers
 
 
 def make(capacity: int = 100, *intervals: tuple[int, int]) -> EpisodeRegistry:

@@ -140,7 +140,7 @@ class OldestSelector(Selector):
 
 PROBE = """
 from shmbuffer.cli import build_parser
-from shmbuffer.container import Container
+from shmbuffer.ring.container import Container
 from shmbuffer.daemon.config import DaemonConfig
 from shmbuffer.samplers import SAMPLERS
 

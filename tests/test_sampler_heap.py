@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shmbuffer import Buffer, Reader, Writer, cli
-from shmbuffer.container import Container
 from shmbuffer.daemon.journal import Journal, container_state, restore_container
 from shmbuffer.errors import EmptyBufferError, InvalidArgumentError
+from shmbuffer.ring.container import Container
 from shmbuffer.samplers import SAMPLERS, make_sampler
 from shmbuffer.samplers.heap import RankTree
 from tests.e2e.conftest import daemon, e2e_env  # noqa: F401 (fixtures)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from shmbuffer.errors import EmptyBufferError
-from shmbuffer.registry import Episode, EpisodeRegistry
+from shmbuffer.registry.intervals import Episode, EpisodeRegistry
 from shmbuffer.samplers import (
     FifoSampler,
     PrioritizedSampler,

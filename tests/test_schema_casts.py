@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-import shmbuffer.schema as schema_module
+import shmbuffer.storage.schema as schema_module
 from shmbuffer import Buffer
 from shmbuffer.errors import SchemaError
-from shmbuffer.schema import Schema
+from shmbuffer.storage.schema import Schema
 
 SPEC = {
     "u8": {"dtype": "uint8", "shape": []},
@@ -126,7 +126,7 @@ def test_rounding_and_nan_and_inf_already_there_are_kept_without_warnings() -> N
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "complex64"])
 def test_the_overflow_threshold_is_exact(dtype: str) -> None:
     # Just below it every cast (numpy's, torch's) stays finite; from it on, one would be inf.
-    from shmbuffer.schema import _inf_threshold
+    from shmbuffer.storage.schema import _inf_threshold
 
     column = getattr(torch, dtype)
     limit = _inf_threshold(column)

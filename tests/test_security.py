@@ -14,15 +14,8 @@ import pytest
 import zmq
 import zmq.auth
 
-from shmbuffer import curve, runtime
+from shmbuffer import runtime
 from shmbuffer.cli import main
-from shmbuffer.curve import (
-    KeyFileError,
-    client_curve_options,
-    keygen,
-    load_public_key,
-    load_secret_cert,
-)
 from shmbuffer.daemon import security
 from shmbuffer.daemon.config import DaemonConfig
 from shmbuffer.daemon.security import (
@@ -35,6 +28,14 @@ from shmbuffer.daemon.security import (
     tcp_host,
 )
 from shmbuffer.errors import ConfigError, PermissionDeniedError
+from shmbuffer.wire import curve
+from shmbuffer.wire.curve import (
+    KeyFileError,
+    client_curve_options,
+    keygen,
+    load_public_key,
+    load_secret_cert,
+)
 
 
 def mode(path: Path | str) -> int:

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 import torch
 
-from shmbuffer import segment as segment_module
 from shmbuffer.errors import (
     InvalidNameError,
     NotFoundError,
@@ -29,8 +28,9 @@ from shmbuffer.errors import (
     SchemaError,
     SegmentError,
 )
-from shmbuffer.schema import Schema
-from shmbuffer.segment import (
+from shmbuffer.storage import segment as segment_module
+from shmbuffer.storage.schema import Schema
+from shmbuffer.storage.segment import (
     ALIGN,
     FORMAT_VERSION,
     LocalSegment,

@@ -25,10 +25,10 @@ from shmbuffer.errors import (
     SchemaError,
     UnknownClientError,
 )
-from shmbuffer.protocol import PROTOCOL_VERSION, validate_request
-from shmbuffer.protocol import request as make_request
-from shmbuffer.schema import Schema
-from shmbuffer.segment import Segment
+from shmbuffer.storage.schema import Schema
+from shmbuffer.storage.segment import Segment
+from shmbuffer.wire.protocol import PROTOCOL_VERSION, validate_request
+from shmbuffer.wire.protocol import request as make_request
 
 W, W2, R, ADMIN = b"writer-1", b"writer-2", b"reader-1", b"admin-1"
 SPEC = {"obs": {"dtype": "float32", "shape": [3]}, "act": {"dtype": "int64", "shape": []}}
@@ -723,7 +723,7 @@ def test_rate_limiter_defers_inserts_and_samples_and_configure_is_admin_only(mak
 
 def test_a_bad_priority_refuses_a_reserve_whole_piggybacked_commit_included(make: Any) -> None:
     from shmbuffer.errors import InvalidArgumentError
-    from shmbuffer.protocol import encode_f64
+    from shmbuffer.wire.protocol import encode_f64
 
     h = _ready(make(sampler="prioritized"))
     first = h(W, "reserve", rows=2, priority=encode_f64([1.0, 2.0]))
@@ -740,7 +740,7 @@ def test_a_priority_that_could_overflow_the_sum_is_refused_and_stats_stay_finite
     make: Any,
 ) -> None:
     from shmbuffer.errors import InvalidArgumentError
-    from shmbuffer.protocol import encode_f64, encode_i64
+    from shmbuffer.wire.protocol import encode_f64, encode_i64
 
     h = _ready(make(sampler="prioritized", priority_exponent=1.0))
     h.write(W, 8, 1.0)

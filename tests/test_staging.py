@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from shmbuffer.clients.staging import Staging
-from shmbuffer.schema import Schema
+from shmbuffer.storage.schema import Schema
 
 SCHEMA = Schema.from_batch(
     {"obs": np.zeros((1, 3), np.float32), "action": np.zeros(1, np.int32), "done": [False]}

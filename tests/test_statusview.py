@@ -14,7 +14,7 @@ pytest.importorskip("rich")
 from rich.console import Console
 
 from shmbuffer import cli
-from shmbuffer.statusview import LiveStatus, format_status
+from shmbuffer.cli.statusview import LiveStatus, format_status
 from tests.test_service import SPEC, Harness, storage  # noqa: F401  (fixture)
 
 W, R = b"writer-1", b"reader-1"

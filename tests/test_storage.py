@@ -12,11 +12,11 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from shmbuffer.api.hooks import default_postprocess_fn, default_preprocess_fn
 from shmbuffer.buffer import Buffer
 from shmbuffer.clients import storage as storage_module
 from shmbuffer.clients.storage import Storage
 from shmbuffer.errors import CapacityError
-from shmbuffer.hooks import default_postprocess_fn, default_preprocess_fn
 
 # -- fakes of the seed framework's messages -----------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The streaming copy into the ring (shmbuffer/streamcopy.py): byte for byte numpy's copy."""
+"""The streaming copy into the ring (shmbuffer/storage/streamcopy.py): byte for byte numpy's."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shmbuffer import streamcopy
+from shmbuffer.storage import streamcopy
 
 numba = pytest.importorskip("numba")
 

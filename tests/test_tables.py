@@ -13,18 +13,18 @@ from typing import Any
 import numpy as np
 import pytest
 
-from shmbuffer.container import Container
 from shmbuffer.errors import EmptyBufferError, WaitTimeoutError
-from shmbuffer.listeners import Range, RingListener, SampleRecord
-from shmbuffer.registry import Episode
-from shmbuffer.ring import Ring
+from shmbuffer.registry.intervals import Episode
+from shmbuffer.ring.container import Container
+from shmbuffer.ring.listeners import Range, RingListener, SampleRecord
+from shmbuffer.ring.ring import Ring
+from shmbuffer.ring.table import Table
 from shmbuffer.samplers import (
     FifoSampler,
     PrioritizedSampler,
     SampleToInsertRatio,
     UniformSampler,
 )
-from shmbuffer.table import Table
 
 
 def put(ring: Ring, rows: int, episodes: int = 1) -> list[int]:

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from shmbuffer.errors import SchemaError, SegmentError, SegmentNotFoundError, WaitTimeoutError
-from shmbuffer.schema import Schema
-from shmbuffer.segment import Segment
+from shmbuffer.storage.schema import Schema
+from shmbuffer.storage.segment import Segment
 from shmbuffer.weights import WeightsPublisher, WeightsSubscriber
 
 CHILD_TIMEOUT_S = 30.0

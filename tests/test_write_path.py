@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from shmbuffer import Buffer
-from shmbuffer.container import Container
 from shmbuffer.errors import SchemaError
-from shmbuffer.schema import Schema
+from shmbuffer.ring.container import Container
+from shmbuffer.storage.schema import Schema
 
 SPEC = {
     "obs": {"dtype": "float32", "shape": [3]},

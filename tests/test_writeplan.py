@@ -1,4 +1,4 @@
-"""The ingestion rules Buffer and Writer share (shmbuffer/writeplan.py), alone: a batch's plan,
+"""The ingestion rules Buffer and Writer share (shmbuffer/api/writeplan.py), alone: a batch's plan,
 a write's priority shaped to what the plan keeps, a vector env's episode made env-major. Each
 refusal names what is wrong; the Buffer/Writer parity is tests/clients/test_ingest_parity.py."""
 
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from shmbuffer.api.writeplan import WritePlan, plan_write, vector_episode, write_priority
 from shmbuffer.errors import CapacityError, InvalidArgumentError, SchemaError
-from shmbuffer.schema import Schema
-from shmbuffer.writeplan import WritePlan, plan_write, vector_episode, write_priority
+from shmbuffer.storage.schema import Schema
 
 
 def batch(n: int) -> dict[str, np.ndarray]:

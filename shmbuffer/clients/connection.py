@@ -43,11 +43,6 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from shmbuffer.clients.lane import LaneSocket, connect_lane
-from shmbuffer.curve import (
-    ENV_CURVE_CLIENT_CERT,
-    ENV_CURVE_SERVER_KEY,
-    client_curve_options,
-)
 from shmbuffer.errors import (
     ClosedError,
     DaemonUnavailableError,
@@ -60,10 +55,15 @@ from shmbuffer.errors import (
     WaitTimeoutError,
     error_from_code,
 )
-from shmbuffer.protocol import check_version, decode, encode, request
-from shmbuffer.protocol_unix import lane_path, lane_wanted
-from shmbuffer.protocol_zmq import send_frames
 from shmbuffer.runtime import access_refusal, resolve_endpoint
+from shmbuffer.wire.curve import (
+    ENV_CURVE_CLIENT_CERT,
+    ENV_CURVE_SERVER_KEY,
+    client_curve_options,
+)
+from shmbuffer.wire.protocol import check_version, decode, encode, request
+from shmbuffer.wire.unix import lane_path, lane_wanted
+from shmbuffer.wire.zmq import send_frames
 
 Reply = tuple[dict[str, Any], list[Any]]  # payload: zmq.Frame, or bytes off the lane
 
@@ -184,7 +184,7 @@ class Connection:
         self.curve = bool(curve)
         self._monitor: zmq.Socket[Any] | None = None
         #: The local lane (a unix socket beside the daemon's ipc one, see
-        #: ``shmbuffer/protocol_unix.py``) when it answers; else the ZeroMQ socket.
+        #: ``shmbuffer/wire/unix.py``) when it answers; else the ZeroMQ socket.
         self._lane: LaneSocket | None = None
         path = lane_path(self.endpoint)
         if path is not None and not self.remote and not self.curve and lane_wanted():

@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 from tensordict import TensorDict
 
-from shmbuffer import rows
+from shmbuffer.api.reads import check_episode_args
 from shmbuffer.clients.leased import ClientLease, EpisodeViews
 from shmbuffer.clients.readerstate import ReaderState
 from shmbuffer.clients.ticker import Ticker
 from shmbuffer.errors import NotFoundError, ShmBufferError, UnknownClientError
-from shmbuffer.protocol import decode_i64
-from shmbuffer.reads import check_episode_args
+from shmbuffer.storage import rows
+from shmbuffer.wire.protocol import decode_i64
 
 
 class EpisodeReads(ReaderState):

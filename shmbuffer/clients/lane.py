@@ -1,4 +1,4 @@
-"""A client's end of the local lane (framing in ``shmbuffer/protocol_unix.py``).
+"""A client's end of the local lane (framing in ``shmbuffer/wire/unix.py``).
 
 The three calls :class:`~shmbuffer.clients.connection.Connection` makes of its ZeroMQ socket
 (send a message, poll for a reply, take it), on a unix stream socket, and with what a DEALER
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shmbuffer.errors import DaemonUnavailableError
-from shmbuffer.protocol_unix import Unpacker, pack, unsent
+from shmbuffer.wire.unix import Unpacker, pack, unsent
 
 _READ_BYTES = 256 * 1024  # read into one reused buffer: a fresh 1 MB bytes per recv was an mmap
 RECONNECT_S = 0.02  # how often a request waiting for a daemon tries the lane again

@@ -27,9 +27,9 @@ from typing import Any, overload
 import numpy as np
 from tensordict import TensorDict
 
-from shmbuffer import rows
 from shmbuffer.clients.connection import Connection
 from shmbuffer.errors import LeaseExpiredError, NotFoundError, UnknownClientError
+from shmbuffer.storage import rows
 
 Key = tuple[str, ...]
 

@@ -34,18 +34,18 @@ from typing import Any
 
 import numpy as np
 
-from shmbuffer import rows, streamcopy
+from shmbuffer.api.writeplan import Items
 from shmbuffer.clients.ahead import ReserveAhead, Shape, Written, commit_fields
 from shmbuffer.clients.connection import Connection
 from shmbuffer.clients.staging import Piece, Staging
 from shmbuffer.clients.ticker import Ticker
-from shmbuffer.cuda_rows import DeviceWriter
-from shmbuffer.cuda_segment import attach_segment
 from shmbuffer.errors import InvalidArgumentError, UnstoredWritesWarning
-from shmbuffer.protocol import MAX_PRIORITIES, encode_f64
-from shmbuffer.schema import Schema
-from shmbuffer.segment import Segment
-from shmbuffer.writeplan import Items
+from shmbuffer.storage import rows, streamcopy
+from shmbuffer.storage.cuda_rows import DeviceWriter
+from shmbuffer.storage.cuda_segment import attach_segment
+from shmbuffer.storage.schema import Schema
+from shmbuffer.storage.segment import Segment
+from shmbuffer.wire.protocol import MAX_PRIORITIES, encode_f64
 
 
 class WritePipeline:

@@ -30,19 +30,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from shmbuffer import rows
-from shmbuffer.clients.episode_reads import EpisodeReads
-from shmbuffer.clients.leased import ClientLease, EpisodeViews
-from shmbuffer.clients.readerstate import CONSUMING_SAMPLERS
-from shmbuffer.errors import ShmBufferError, TornReadError
-from shmbuffer.protocol import (
-    MAX_UPDATES,
-    decode_f64,
-    decode_i64,
-    encode_f64,
-    encode_i64,
-)
-from shmbuffer.reads import (
+from shmbuffer.api.reads import (
     as_count,
     check_iterate_args,
     check_mask_free,
@@ -52,6 +40,18 @@ from shmbuffer.reads import (
     expand_slices,
     mask_slices,
     slice_mask,
+)
+from shmbuffer.clients.episode_reads import EpisodeReads
+from shmbuffer.clients.leased import ClientLease, EpisodeViews
+from shmbuffer.clients.readerstate import CONSUMING_SAMPLERS
+from shmbuffer.errors import ShmBufferError, TornReadError
+from shmbuffer.storage import rows
+from shmbuffer.wire.protocol import (
+    MAX_UPDATES,
+    decode_f64,
+    decode_i64,
+    encode_f64,
+    encode_i64,
 )
 
 __all__ = ["CONSUMING_SAMPLERS", "MAX_RESAMPLES", "ClientLease", "EpisodeViews", "Reader"]
@@ -189,7 +189,7 @@ class Reader(EpisodeReads):
 
     def _info(self, items: dict[str, Any]) -> dict[str, torch.Tensor]:
         """The info handed out with a sample; its rows and stamps are remembered for an
-        update sent back without them (:mod:`shmbuffer.recent`)."""
+        update sent back without them (:mod:`shmbuffer.api.recent`)."""
         self._recent.remember(items["index"], items["generation"])
         return {
             "index": torch.from_numpy(items["index"]),
@@ -262,7 +262,7 @@ class Reader(EpisodeReads):
         ``stats()["priority_updates_stale"]``, never applied to the new data: their stamps are
         ``generation`` (``info["generation"]``) or, left out, those of the one of this
         reader's last 8 samples whose ``info["index"]`` is ``index``, element for element
-        (:mod:`shmbuffer.recent`); any other rows are updated whatever they hold now. Tensors
+        (:mod:`shmbuffer.api.recent`); any other rows are updated whatever they hold now. Tensors
         (on any device), arrays and sequences are taken; a priority may be one number for
         all. Checked here first and again by the daemon: a bad index, priority or length
         raises InvalidArgumentError and applies nothing."""

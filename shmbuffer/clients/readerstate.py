@@ -22,11 +22,10 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from shmbuffer import streamcopy
+from shmbuffer.api.recent import RecentSamples
 from shmbuffer.clients.connection import Connection
 from shmbuffer.clients.leased import ClientLease
 from shmbuffer.clients.ticker import Ticker
-from shmbuffer.cuda_segment import attach_segment
 from shmbuffer.errors import (
     EmptyBufferError,
     InvalidArgumentError,
@@ -34,12 +33,13 @@ from shmbuffer.errors import (
     SchemaError,
     UnknownClientError,
 )
-from shmbuffer.protocol import MAX_SAMPLE, MAX_SAMPLE_ROWS, encode_i64
-from shmbuffer.recent import RecentSamples
-from shmbuffer.rows import from_bytes, gather, nest
 from shmbuffer.samplers import SAMPLERS
-from shmbuffer.schema import Schema, to_host
-from shmbuffer.segment import Segment
+from shmbuffer.storage import streamcopy
+from shmbuffer.storage.cuda_segment import attach_segment
+from shmbuffer.storage.rows import from_bytes, gather, nest
+from shmbuffer.storage.schema import Schema, to_host
+from shmbuffer.storage.segment import Segment
+from shmbuffer.wire.protocol import MAX_SAMPLE, MAX_SAMPLE_ROWS, encode_i64
 
 #: Samplers whose samples consume what they hand out, as they declare it (``Sampler.consumes``;
 #: with any sampler: max_times_sampled): a sample sent ahead would take data the learner never

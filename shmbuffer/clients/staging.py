@@ -6,7 +6,7 @@ Each column has one preallocated array (``capacity`` rows, the column's dtype), 
 copied into the next free rows with the cast to that dtype (validated already: the values
 fit), so storing the gathered rows is one copy per column that cannot fail, not one per write.
 A write numpy cannot view (bfloat16, a CUDA tensor, one that requires grad) or one that would
-not fit is kept as a private copy of its own instead (:func:`~shmbuffer.rows.owned_slice`).
+not fit is kept as a private copy of its own instead (:func:`~shmbuffer.storage.rows.owned_slice`).
 
 Measured with one small-row writer into a daemon (f32[64] + three scalars, chunks of 200
 rows): 6.0 M rows/s with a fresh copy per leaf and one store per chunk, 6.8 M with this.
@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from shmbuffer import rows
-from shmbuffer.schema import Schema
+from shmbuffer.storage import rows
+from shmbuffer.storage.schema import Schema
 
-#: A run of staged rows: ``(leaves, first_row, num_rows)``, as :func:`shmbuffer.rows.write`
+#: A run of staged rows: ``(leaves, first_row, num_rows)``, as :func:`shmbuffer.storage.rows.write`
 #: takes them (the leaves hold rows ``first_row:first_row + num_rows`` of the run).
 Piece = tuple[dict[Any, Any], int, int]
 

@@ -28,18 +28,18 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from shmbuffer.buffer import Buffer
-from shmbuffer.clients.writer import Writer
-from shmbuffer.episodes import SEED_DONE_KEYS
-from shmbuffer.hooks import (
+from shmbuffer.api.episodes import SEED_DONE_KEYS
+from shmbuffer.api.hooks import (
     PreprocessFn,
     TransitionPairer,
     default_postprocess_fn,
     env_id_of,
     is_env_ret,
 )
+from shmbuffer.api.reads import Index, normalize_index
+from shmbuffer.buffer import Buffer
+from shmbuffer.clients.writer import Writer
 from shmbuffer.names import MODES, UNITS, check_choice
-from shmbuffer.reads import Index, normalize_index
 
 __all__ = ["Storage"]
 
@@ -63,10 +63,10 @@ class Storage:
         device: where read results are put (rows are stored in host memory).
         obs_preprocessor, reward_preprocessor, env_ret_preprocess_fn,
         policy_resp_preprocess_fn, preprocess_fn: the seed's preprocess hooks
-            (:mod:`shmbuffer.hooks`), any combination, as the seed: ``preprocess_fn`` gets
+            (:mod:`shmbuffer.api.hooks`), any combination, as the seed: ``preprocess_fn`` gets
             the other four as arguments on every call.
         postprocess_fn: turns a finished episode's ``{key: [per-step values]}`` into rows;
-            :func:`~shmbuffer.hooks.default_postprocess_fn` by default.
+            :func:`~shmbuffer.api.hooks.default_postprocess_fn` by default.
         auto_truncate_episode: end an env's episode when ``last_terminated`` or
             ``last_truncated`` is true; otherwise episodes end only by
             :meth:`truncate_episodes` / :meth:`truncate_one_episode`.

@@ -23,13 +23,13 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from shmbuffer.api.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
+from shmbuffer.api.writeplan import plan_write, vector_episode, write_priority
 from shmbuffer.clients.connection import Connection
 from shmbuffer.clients.pipeline import WritePipeline, compact
-from shmbuffer.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
 from shmbuffer.samplers import SAMPLERS
-from shmbuffer.schema import Schema
-from shmbuffer.segment import Segment
-from shmbuffer.writeplan import plan_write, vector_episode, write_priority
+from shmbuffer.storage.schema import Schema
+from shmbuffer.storage.segment import Segment
 
 #: The largest write the Writer gathers with others (see ``batch_bytes``): a larger one is
 #: stored at once, since copying it twice would cost more than its round trip. Batches are

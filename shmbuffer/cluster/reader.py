@@ -45,6 +45,12 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from shmbuffer.api.reads import (
+    check_episode_args,
+    check_sample_args,
+    check_slice_args,
+    check_update_args,
+)
 from shmbuffer.cluster.episodes import EpisodeCopies, ShardEpisodes
 from shmbuffer.cluster.fanout import DOWN, ShardFanout, ShardUnavailableWarning
 from shmbuffer.cluster.shard import Piece
@@ -54,12 +60,6 @@ from shmbuffer.errors import (
     EmptyBufferError,
     ShmBufferError,
     WaitTimeoutError,
-)
-from shmbuffer.reads import (
-    check_episode_args,
-    check_sample_args,
-    check_slice_args,
-    check_update_args,
 )
 
 __all__ = ["DOWN", "MAX_ROUNDS", "ClusterReader", "ShardUnavailableWarning"]

@@ -37,9 +37,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shmbuffer import curve, runtime
+from shmbuffer import runtime
 from shmbuffer.errors import ShmBufferError
-from shmbuffer.segment import Segment
+from shmbuffer.storage.segment import Segment
+from shmbuffer.wire import curve
 
 log = logging.getLogger("shmbuffer.cluster")
 

@@ -87,10 +87,10 @@ from typing import TYPE_CHECKING, Any
 
 from shmbuffer.daemon.checkpoint_layout import ChunkLayout, copy_range, read_exactly
 from shmbuffer.errors import CheckpointError, NotFoundError
-from shmbuffer.segment import DATA_FILE, MANIFEST
+from shmbuffer.storage.segment import DATA_FILE, MANIFEST
 
 if TYPE_CHECKING:
-    from shmbuffer.segment import Segment
+    from shmbuffer.storage.segment import Segment
 
 CURRENT = "checkpoint"
 PREVIOUS = "checkpoint.prev"

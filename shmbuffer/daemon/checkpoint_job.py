@@ -35,10 +35,10 @@ import numpy as np
 from shmbuffer.daemon import checkpoint as ck
 from shmbuffer.daemon.checkpoint_layout import ChunkLayout, write_views
 from shmbuffer.errors import CheckpointError
-from shmbuffer.segment import MANIFEST
+from shmbuffer.storage.segment import MANIFEST
 
 if TYPE_CHECKING:
-    from shmbuffer.segment import Segment
+    from shmbuffer.storage.segment import Segment
 
 log = logging.getLogger("shmbuffer.daemon")
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shmbuffer.errors import CheckpointError
-from shmbuffer.schema import Schema, key_str
+from shmbuffer.storage.schema import Schema, key_str
 
 PIECE_BYTES = 1 << 20
 CHUNK_BYTES = 64 << 20

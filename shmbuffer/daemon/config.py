@@ -11,7 +11,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from shmbuffer.cuda_segment import cuda_problem, normalize_device
 from shmbuffer.errors import ConfigError
 from shmbuffer.names import MODES, UNITS, check_choice, validate_name
 from shmbuffer.runtime import ENV_RUNTIME_DIR, group_user_dir, runtime_dir
@@ -25,7 +24,8 @@ from shmbuffer.samplers import (
     build_rate_limiter,
     build_sampler,
 )
-from shmbuffer.schema import Schema
+from shmbuffer.storage.cuda_segment import cuda_problem, normalize_device
+from shmbuffer.storage.schema import Schema
 
 #: Longest ipc socket path: ``sun_path`` holds 108 bytes on Linux, one of them the final NUL.
 MAX_IPC_PATH_BYTES = 107

@@ -75,7 +75,6 @@ from typing import Any
 
 import numpy as np
 
-from shmbuffer.container import Container, Range, SampleRecord
 from shmbuffer.daemon.clients import ClientTable
 from shmbuffer.daemon.journal_hooks import (
     file_backed,
@@ -114,7 +113,8 @@ from shmbuffer.daemon.records import (
     record_bytes,
 )
 from shmbuffer.errors import JournalError, OutOfSpaceError
-from shmbuffer.registry import Episode
+from shmbuffer.registry.intervals import Episode
+from shmbuffer.ring.container import Container, Range, SampleRecord
 from shmbuffer.samplers import RateLimiter, Sampler
 
 __all__ = [  # the record names are re-exported: importers know them from here
@@ -243,7 +243,7 @@ class Journal:
     ) -> None:
         """Keep what samples and leases change across a resume (call before :meth:`start`):
         the container's table tells this journal every draw (SAMPLE records; the journal is
-        its :class:`~shmbuffer.listeners.SampleLog`) where a draw changes anything but the
+        its :class:`~shmbuffer.ring.listeners.SampleLog`) where a draw changes anything but the
         generator and figures (:func:`journals_samples`), and its use counters move into
         ``use_counts.bin`` beside it (their current values copied; written in place from then
         on); ``leases`` tell it grants, renewals and releases and go into
@@ -265,7 +265,7 @@ class Journal:
         self.reserve(_SAMPLE_BYTES + record_bytes(LEASE_FIELDS + n))
 
     def sampled(self, draw: SampleRecord) -> None:
-        """Append a SAMPLE record (see :class:`~shmbuffer.listeners.SampleLog`)."""
+        """Append a SAMPLE record (see :class:`~shmbuffer.ring.listeners.SampleLog`)."""
         if self._fd is None:
             return
         call, n, length, strict, handed, refused, rng = draw

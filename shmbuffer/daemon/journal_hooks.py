@@ -16,12 +16,12 @@ from typing import Protocol
 
 import numpy as np
 
-from shmbuffer.container import Container, SampleRecord
 from shmbuffer.daemon.clients import ClientTable
 from shmbuffer.daemon.leases import holder
 from shmbuffer.daemon.records import LEASE_FIELDS, record_bytes
 from shmbuffer.errors import OutOfSpaceError
-from shmbuffer.listeners import SampleLog
+from shmbuffer.ring.container import Container, SampleRecord
+from shmbuffer.ring.listeners import SampleLog
 
 
 class _Journal(SampleLog, Protocol):

@@ -1,4 +1,4 @@
-"""The daemon's end of the local lane (framing in ``shmbuffer/protocol_unix.py``).
+"""The daemon's end of the local lane (framing in ``shmbuffer/wire/unix.py``).
 
 One listening unix stream socket beside the ipc one, and its connections, all non-blocking and
 polled by the server's loop with its ROUTER: the loop stays one thread and never waits on a
@@ -35,7 +35,7 @@ import zmq
 from shmbuffer.daemon.processes import Process, peer_process
 from shmbuffer.daemon.security import secure_ipc_path
 from shmbuffer.errors import ProtocolError
-from shmbuffer.protocol_unix import Unpacker, pack, unsent
+from shmbuffer.wire.unix import Unpacker, pack, unsent
 
 log = logging.getLogger("shmbuffer.daemon")
 

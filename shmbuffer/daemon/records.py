@@ -41,9 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from shmbuffer.container import Container, SampleRecord
 from shmbuffer.errors import JournalError
-from shmbuffer.registry import Episode
+from shmbuffer.registry.intervals import Episode
+from shmbuffer.ring.container import Container, SampleRecord
 
 Range = tuple[int, int]
 

@@ -42,15 +42,15 @@ from shmbuffer import runtime
 from shmbuffer.daemon.config import LIMITER_OPTIONS, SAMPLER_OPTIONS, DaemonConfig
 from shmbuffer.daemon.journal import STATE_FILE, Journal, restore_container
 from shmbuffer.errors import CheckpointError, JournalError, RecoveryError, ShmBufferError
-from shmbuffer.protocol_unix import LANE_SUFFIX
 from shmbuffer.runtime import runtime_dir
-from shmbuffer.schema import Schema
-from shmbuffer.segment import (
+from shmbuffer.storage.schema import Schema
+from shmbuffer.storage.segment import (
     MANIFEST,
     Segment,
     default_storage_dir,
     segment_path,
 )
+from shmbuffer.wire.unix import LANE_SUFFIX
 
 if TYPE_CHECKING:
     from shmbuffer.daemon.service import BufferService
@@ -279,7 +279,7 @@ def restore_service(config: DaemonConfig, source: str | Path) -> BufferService:
         restore_rows,
     )
     from shmbuffer.daemon.service import BufferService
-    from shmbuffer.progress import copy_progress
+    from shmbuffer.storage.progress import copy_progress
 
     t0 = time.perf_counter()
     folder, manifest, state = read_checkpoint(source)

@@ -14,8 +14,6 @@ from typing import Any
 
 import numpy as np
 
-from shmbuffer import rows
-from shmbuffer.container import EpisodeSample, RowSample, SliceSample
 from shmbuffer.daemon.clients import Client
 from shmbuffer.daemon.journal import record_bytes
 from shmbuffer.daemon.state import DaemonState, Deferred, Frames, Reply
@@ -27,7 +25,9 @@ from shmbuffer.errors import (
     TornReadError,
     WaitTimeoutError,
 )
-from shmbuffer.protocol import (
+from shmbuffer.ring.container import EpisodeSample, RowSample, SliceSample
+from shmbuffer.storage import rows
+from shmbuffer.wire.protocol import (
     decode_f64,
     decode_i64,
     encode_f64,

@@ -39,8 +39,8 @@ from typing import Any
 
 import zmq
 
-from shmbuffer.curve import load_secret_cert
 from shmbuffer.errors import InsecureEndpointError, KeyFileError
+from shmbuffer.wire.curve import load_secret_cert
 
 log = logging.getLogger("shmbuffer.daemon")
 

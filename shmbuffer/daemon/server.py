@@ -45,7 +45,7 @@ from shmbuffer.daemon.security import (
 )
 from shmbuffer.daemon.service import BufferService, Deferred, Frames
 from shmbuffer.errors import EmptyBufferError, ShmBufferError, WaitTimeoutError
-from shmbuffer.protocol import (
+from shmbuffer.wire.protocol import (
     MAX_HEADER_BYTES,
     decode,
     encode,
@@ -53,8 +53,8 @@ from shmbuffer.protocol import (
     ok_reply,
     validate_request,
 )
-from shmbuffer.protocol_unix import lane_path
-from shmbuffer.protocol_zmq import send_frames
+from shmbuffer.wire.unix import lane_path
+from shmbuffer.wire.zmq import send_frames
 
 if TYPE_CHECKING:
     from shmbuffer.daemon.metrics import Metrics

@@ -40,9 +40,9 @@ from shmbuffer.errors import (
     SchemaError,
     UnknownClientError,
 )
-from shmbuffer.protocol import PROTOCOL_VERSION
-from shmbuffer.schema import Schema
-from shmbuffer.segment import Segment
+from shmbuffer.storage.schema import Schema
+from shmbuffer.storage.segment import Segment
+from shmbuffer.wire.protocol import PROTOCOL_VERSION
 
 log = logging.getLogger("shmbuffer.daemon")
 

@@ -24,8 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from shmbuffer.container import Container
-from shmbuffer.cuda_segment import check_room, create_segment
 from shmbuffer.daemon.checkpoint import open_destination
 from shmbuffer.daemon.checkpoint_job import CheckpointJob, Cut
 from shmbuffer.daemon.clients import ClientTable
@@ -37,8 +35,10 @@ from shmbuffer.daemon.processes import Process
 from shmbuffer.daemon.security import segment_access
 from shmbuffer.daemon.stats import Counters, RateMeter
 from shmbuffer.errors import CheckpointError, OutOfSpaceError
-from shmbuffer.schema import Schema
-from shmbuffer.segment import Segment
+from shmbuffer.ring.container import Container
+from shmbuffer.storage.cuda_segment import check_room, create_segment
+from shmbuffer.storage.schema import Schema
+from shmbuffer.storage.segment import Segment
 
 log = logging.getLogger("shmbuffer.daemon")
 

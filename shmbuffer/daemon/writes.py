@@ -30,8 +30,6 @@ from typing import Any
 
 import numpy as np
 
-from shmbuffer import rows
-from shmbuffer.container import Plan, Reservation
 from shmbuffer.daemon.clients import Client
 from shmbuffer.daemon.journal import record_bytes, reserve_bytes
 from shmbuffer.daemon.pins import Pin
@@ -43,7 +41,9 @@ from shmbuffer.errors import (
     PermissionDeniedError,
     SchemaError,
 )
-from shmbuffer.protocol import (
+from shmbuffer.ring.container import Plan, Reservation
+from shmbuffer.storage import rows
+from shmbuffer.wire.protocol import (
     decode_f64,
     episode_split,
     payload_sizes,

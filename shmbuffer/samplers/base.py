@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shmbuffer.names import UNITS, check_choice
-from shmbuffer.registry import Episode, EpisodeRegistry
+from shmbuffer.registry.intervals import Episode, EpisodeRegistry
 from shmbuffer.samplers.declare import Declared, Option, declared
 from shmbuffer.samplers.index import EpisodeIndex
 

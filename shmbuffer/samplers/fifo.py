@@ -41,7 +41,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shmbuffer.errors import EmptyBufferError
-from shmbuffer.registry import Episode, EpisodeRegistry
+from shmbuffer.registry.intervals import Episode, EpisodeRegistry
 from shmbuffer.samplers.base import (
     MAX_TIMES_SAMPLED,
     Draw,

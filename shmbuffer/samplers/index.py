@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from shmbuffer.registry import Episode, EpisodeRegistry
+from shmbuffer.registry.intervals import Episode, EpisodeRegistry
 
 __all__ = ["EpisodeIndex", "Graveyard", "Removal", "SliceMass", "SliceMasses", "rows_of"]
 

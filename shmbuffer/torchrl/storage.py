@@ -37,11 +37,11 @@ import torch
 from tensordict import TensorDict
 from torchrl.data.replay_buffers.storages import StoreStorage
 
-from shmbuffer import rows
 from shmbuffer.clients.reader import Reader
 from shmbuffer.clients.writer import Writer
 from shmbuffer.errors import TornReadError, WaitTimeoutError
-from shmbuffer.schema import Schema, to_host
+from shmbuffer.storage import rows
+from shmbuffer.storage.schema import Schema, to_host
 
 __all__ = ["DaemonStorage", "daemon_storage_of"]
 

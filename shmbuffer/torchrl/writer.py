@@ -23,7 +23,7 @@ from tensordict import TensorDictBase, is_tensorclass
 from torchrl.data.replay_buffers.writers import Writer as TorchRLWriter
 
 from shmbuffer.errors import SchemaError
-from shmbuffer.schema import Schema
+from shmbuffer.storage.schema import Schema
 from shmbuffer.torchrl.storage import (
     _NOT_HERE,
     ROW_BATCH_KEY,

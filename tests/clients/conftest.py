@@ -12,7 +12,7 @@ import pytest
 
 import shmbuffer.clients.readerstate
 import shmbuffer.clients.writer
-from shmbuffer.schema import Schema
+from shmbuffer.storage.schema import Schema
 from tests.clients.fakeconn import FakeConnection, FakeDaemon
 
 SCHEMA = Schema.from_batch({"obs": np.zeros((1, 3), np.float32), "step": np.zeros(1, np.int64)})

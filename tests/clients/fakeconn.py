@@ -3,9 +3,9 @@ state machines driven against an in-process daemon model, no socket and no proce
 
 :class:`FakeDaemon` answers the requests the client modules make (hello, ping, stats, reserve
 with its piggybacked commits and batches ahead, commit, abort, sample, renew, release, bye)
-from a small model: a ring pointer over a real shared :class:`~shmbuffer.segment.Segment` in a
-temporary folder (the clients attach it as they attach a daemon's, and copy rows into and out
-of it), the reservations and what became of each, the committed rows, and the open leases.
+from a small model: a ring pointer over a real shared :class:`~shmbuffer.storage.segment.Segment` in
+a temporary folder (the clients attach it as they attach a daemon's, and copy rows into and out of
+it), the reservations and what became of each, the committed rows, and the open leases.
 Every request is logged in order (:attr:`FakeDaemon.log`) for the tests to read what the client
 sent and when. Replies are made when a request is sent; :attr:`FakeDaemon.unready` holds back
 the ``ready`` answer of a request to model a reply still on its way.
@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 
 from shmbuffer.errors import NotFoundError
-from shmbuffer.protocol import encode_i64
-from shmbuffer.schema import Schema
-from shmbuffer.segment import Segment
+from shmbuffer.storage.schema import Schema
+from shmbuffer.storage.segment import Segment
+from shmbuffer.wire.protocol import encode_i64
 
 PROTOCOL = "1.7"
 

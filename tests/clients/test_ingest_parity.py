@@ -1,5 +1,5 @@
 """The in-process Buffer and the daemon's Writer take a write's priority by the same rules
-(shmbuffer/writeplan.py): the same refusals, with the same words, before anything is stored or
+(shmbuffer/api/writeplan.py): the same refusals, with the same words, before anything is stored or
 sent; and the same per-item priorities for what a batch too large for the ring keeps."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from shmbuffer import Buffer
 from shmbuffer.clients.writer import Writer
-from shmbuffer.protocol import decode_f64
+from shmbuffer.wire.protocol import decode_f64
 from tests.clients.conftest import MakeDaemon
 
 

@@ -1,5 +1,5 @@
 """The in-process Buffer, the daemon's Reader and the cluster's ClusterReader check a read's
-arguments by the same rules (shmbuffer/reads.py): the same class and words for each bad
+arguments by the same rules (shmbuffer/api/reads.py): the same class and words for each bad
 argument, before anything is drawn or sent. The ClusterReader here reads one shard, the fake
 daemon, on this host (outside Ray: no cluster is started)."""
 
@@ -14,7 +14,7 @@ import pytest
 
 from shmbuffer import Buffer
 from shmbuffer.clients.reader import Reader
-from shmbuffer.protocol import MAX_SAMPLE
+from shmbuffer.wire.protocol import MAX_SAMPLE
 from tests.clients.conftest import MakeDaemon
 
 CAPACITY = 16

@@ -23,6 +23,7 @@ import torch  # noqa: F401
 import zmq  # noqa: F401
 
 import shmbuffer.cli
+import shmbuffer.cli.demo_loops
 import shmbuffer.clients.connection
 import shmbuffer.clients.reader
 import shmbuffer.clients.writer
@@ -31,12 +32,11 @@ import shmbuffer.daemon.journal
 import shmbuffer.daemon.recovery
 import shmbuffer.daemon.server
 import shmbuffer.daemon.service
-import shmbuffer.demo
 import shmbuffer.runtime
 from shmbuffer import Reader, Writer
 from shmbuffer.errors import ShmBufferError
-from shmbuffer.schema import Schema
-from shmbuffer.segment import Segment, default_storage_dir
+from shmbuffer.storage.schema import Schema
+from shmbuffer.storage.segment import Segment, default_storage_dir
 
 SMALL = Schema.from_spec({"obs": {"dtype": "uint8", "shape": [4]}})
 
@@ -71,7 +71,7 @@ def write_and_sample(target: str, remote: str = "") -> dict[str, Any]:
     options: dict[str, Any] = {"timeout": 10, "remote": True if remote else None}
     try:
         with Writer(target, **options) as writer:
-            writer.add_episode(shmbuffer.demo.make_episode(0, 0, 10, (2,)))
+            writer.add_episode(shmbuffer.cli.demo_loops.make_episode(0, 0, 10, (2,)))
             writer.flush()
         with Reader(target, **options) as reader:
             out["sampled"] = int(reader.sample(4).batch_size[0])

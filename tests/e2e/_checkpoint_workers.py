@@ -18,7 +18,7 @@ def write_until_stopped(
     exists or ``limit_s`` passes; put how many were committed on ``results``."""
     os.environ["SHMBUFFER_RUNTIME_DIR"] = runtime_dir
     from shmbuffer import Writer
-    from shmbuffer.demo import make_episode
+    from shmbuffer.cli.demo_loops import make_episode
 
     deadline = time.monotonic() + limit_s
     written = 0

@@ -27,9 +27,9 @@ PRELOAD = [
     "torch",
     "tensordict",
     "shmbuffer.clients",
-    "shmbuffer.demo",
+    "shmbuffer.cli.demo_loops",
     "shmbuffer.cli",
-    "shmbuffer.cli_start",
+    "shmbuffer.cli.start",
     "shmbuffer.daemon.server",
     "shmbuffer.daemon.service",
     "shmbuffer.samplers._jit",  # numba, where the fast extra is installed
@@ -95,13 +95,13 @@ def entry(runtime_dir: str, results: Any, tag: str, fn: str, args: tuple[Any, ..
 def write_episodes(
     name: str, writer_id: int, episodes: int, length: int, obs_shape: tuple[int, ...], say: Any
 ) -> int:
-    from shmbuffer.demo import writer_loop
+    from shmbuffer.cli.demo_loops import writer_loop
 
     return writer_loop(name, writer_id, episodes, length, tuple(obs_shape))
 
 
 def learn(name: str, seconds: float, say: Any) -> dict[str, int]:
-    from shmbuffer.demo import learner_loop
+    from shmbuffer.cli.demo_loops import learner_loop
 
     return learner_loop(name, seconds)
 
@@ -181,7 +181,7 @@ def chaos_writer(
     import numpy as np
 
     from shmbuffer import Writer
-    from shmbuffer.demo import make_episode
+    from shmbuffer.cli.demo_loops import make_episode
     from shmbuffer.errors import ShmBufferError
 
     try:
@@ -258,7 +258,7 @@ def chaos_learner(
     from collections import deque
 
     from shmbuffer import Reader
-    from shmbuffer.demo import check_episode, check_rows
+    from shmbuffer.cli.demo_loops import check_episode, check_rows
     from shmbuffer.errors import (
         DaemonUnavailableError,
         EmptyBufferError,
@@ -384,7 +384,7 @@ def chaos_consumer(
     """
     os.environ["SHMBUFFER_RUNTIME_DIR"] = runtime_dir
     from shmbuffer import Reader
-    from shmbuffer.demo import check_episode
+    from shmbuffer.cli.demo_loops import check_episode
     from shmbuffer.errors import ShmBufferError, WaitTimeoutError
 
     counts = {"episodes": 0, "rows": 0, "torn": 0, "waits": 0, "reconnects": 0}

@@ -19,11 +19,11 @@ import pytest
 import zmq
 
 from shmbuffer import Reader, Writer
+from shmbuffer.cli.demo_loops import make_episode
 from shmbuffer.clients.connection import Connection
-from shmbuffer.curve import ENV_CURVE_CLIENT_CERT, ENV_CURVE_SERVER_KEY, keygen
-from shmbuffer.demo import make_episode
 from shmbuffer.errors import DaemonUnavailableError
-from shmbuffer.protocol import decode, encode, request
+from shmbuffer.wire.curve import ENV_CURVE_CLIENT_CERT, ENV_CURVE_SERVER_KEY, keygen
+from shmbuffer.wire.protocol import decode, encode, request
 from tests.e2e.conftest import START_TIMEOUT_S, wait_for
 
 REFUSE_S = 2.0  # how long a refused client waits for a reply that never comes
@@ -119,7 +119,7 @@ def as_nobody() -> Any:
         pytest.skip("no Python interpreter that `nobody` may execute")
 
     def probe(data: Path, endpoint: str, group: str | None = None) -> dict[str, str]:
-        from shmbuffer.protocol import PROTOCOL_VERSION
+        from shmbuffer.wire.protocol import PROTOCOL_VERSION
 
         argv = [python, "-c", PROBE, str(data), str(ipc_path(endpoint)), endpoint]
         done = subprocess.run(
@@ -278,7 +278,7 @@ def test_curve_server_key_required(daemon, keys, monkeypatch):
         conn.close()
 
     # the Z85 text works as well as the file
-    from shmbuffer.curve import load_public_key
+    from shmbuffer.wire.curve import load_public_key
 
     z85 = load_public_key(keys["server_key"]).decode()
     conn = Connection(d.endpoint, "admin", timeout=5.0, curve_server_key=z85)

@@ -25,12 +25,12 @@ from typing import Any
 import pytest
 
 from shmbuffer import Writer
+from shmbuffer.cli.demo_loops import make_episode
 from shmbuffer.clients.connection import Connection
-from shmbuffer.curve import ENV_CURVE_CLIENT_CERT, ENV_CURVE_SERVER_KEY, keygen
-from shmbuffer.demo import make_episode
 from shmbuffer.errors import DaemonUnavailableError, PermissionDeniedError
-from shmbuffer.schema import Schema
-from shmbuffer.segment import Segment
+from shmbuffer.storage.schema import Schema
+from shmbuffer.storage.segment import Segment
+from shmbuffer.wire.curve import ENV_CURVE_CLIENT_CERT, ENV_CURVE_SERVER_KEY, keygen
 from tests.e2e.conftest import CLI, START_TIMEOUT_S, wait_for
 
 REPO = Path(__file__).resolve().parents[2]

@@ -95,9 +95,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from shmbuffer.container import decode_state
-from shmbuffer.demo import check_episode, check_rows
-from shmbuffer.segment import Segment
+from shmbuffer.cli.demo_loops import check_episode, check_rows
+from shmbuffer.ring.container import decode_state
+from shmbuffer.storage.segment import Segment
 from tests.e2e import _workers, conftest
 
 OBS = (4,)

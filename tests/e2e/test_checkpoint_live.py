@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 
 from shmbuffer import Reader, Writer
+from shmbuffer.cli.demo_loops import check_episode, make_episode
 from shmbuffer.clients.connection import Connection
 from shmbuffer.daemon.checkpoint import resolve_checkpoint
 from shmbuffer.daemon.checkpoint_job import ENV_TEST_SLEEP
 from shmbuffer.daemon.config import DaemonConfig
 from shmbuffer.daemon.recovery import restore_service
-from shmbuffer.demo import check_episode, make_episode
-from shmbuffer.segment import Segment
+from shmbuffer.storage.segment import Segment
 from tests.e2e import _checkpoint_workers as workers
 from tests.e2e.conftest import wait_for
 

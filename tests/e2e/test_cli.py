@@ -14,7 +14,7 @@ import time
 import pytest
 
 from shmbuffer import Writer
-from shmbuffer.demo import make_episode
+from shmbuffer.cli.demo_loops import make_episode
 from tests.e2e.conftest import CLI, START_TIMEOUT_S, wait_for
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from shmbuffer import Buffer, Reader, Writer
-from shmbuffer.demo import check_episode, make_episode
+from shmbuffer.cli.demo_loops import check_episode, make_episode
 from shmbuffer.errors import ClosedError, ForkedClientError
 from tests.e2e.conftest import run_in_session
 
@@ -38,7 +38,7 @@ def run_script(code: str, env: dict[str, str], timeout: float = SUBPROCESS_TIMEO
 GC_SCRIPT = """
     import gc, json, os, signal, sys, time, weakref
     from shmbuffer import Reader, Writer
-    from shmbuffer.demo import make_episode
+    from shmbuffer.cli.demo_loops import make_episode
 
     name, daemon_pid, kill = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     gc.disable()  # collect exactly when measured, below
@@ -100,7 +100,7 @@ def test_collecting_an_unclosed_client_never_hangs(daemon, e2e_env, state):
 FORK_SCRIPT = """
     import json, os, signal, sys, time
     from shmbuffer import Reader, Writer
-    from shmbuffer.demo import make_episode
+    from shmbuffer.cli.demo_loops import make_episode
     from shmbuffer.errors import ForkedClientError
 
     name = sys.argv[1]

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from shmbuffer import Reader, Writer
-from shmbuffer.demo import check_episode, make_episode
-from shmbuffer.segment import Segment
+from shmbuffer.cli.demo_loops import check_episode, make_episode
+from shmbuffer.storage.segment import Segment
 from tests.e2e.conftest import wait_for
 
 LENGTH = 50

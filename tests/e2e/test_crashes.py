@@ -24,9 +24,9 @@ import pytest
 import zmq
 
 from shmbuffer import Reader, Writer
-from shmbuffer.demo import check_episode, check_rows, make_episode
+from shmbuffer.cli.demo_loops import check_episode, check_rows, make_episode
 from shmbuffer.errors import DaemonUnavailableError
-from shmbuffer.protocol import PROTOCOL_VERSION
+from shmbuffer.wire.protocol import PROTOCOL_VERSION
 from tests.e2e._watchdog import run_with_watchdog
 from tests.e2e.conftest import wait_for
 
@@ -39,8 +39,8 @@ CRASHED = 99  # the writer id of the episode the crashed writer left half-writte
 HALF_WRITER = """
 import json, sys, time
 from shmbuffer.clients.connection import Connection
-from shmbuffer.demo import make_episode
-from shmbuffer.segment import Segment
+from shmbuffer.cli.demo_loops import make_episode
+from shmbuffer.storage.segment import Segment
 name, length, obs = sys.argv[1], int(sys.argv[2]), tuple(json.loads(sys.argv[3]))
 conn = Connection(name, "writer", timeout=10)
 info = conn.buffer["segment"]

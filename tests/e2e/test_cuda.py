@@ -96,7 +96,7 @@ def test_start_flags_reach_the_settings(e2e_env: Any) -> None:
 @needs_gpu
 def test_a_cuda_daemon_serves_gpu_rows_written_from_host_and_gpu(daemon: Any, e2e_env: Any) -> None:
     from shmbuffer import Reader
-    from shmbuffer.cuda_segment import CudaSegment
+    from shmbuffer.storage.cuda_segment import CudaSegment
 
     d = daemon(capacity=4000, args=["--device", "cuda", "--schema", schema_file(e2e_env)])
     written = run_writers(e2e_env, d.name, [(1, 40, False), (2, 40, True)])
@@ -145,7 +145,7 @@ def test_payload_clients_of_a_cuda_daemon(daemon: Any, e2e_env: Any) -> None:
 @needs_gpu
 def test_a_pinned_cpu_buffer_is_page_locked_by_its_readers(daemon: Any, e2e_env: Any) -> None:
     from shmbuffer import Reader
-    from shmbuffer.cuda_segment import PinnedSegment
+    from shmbuffer.storage.cuda_segment import PinnedSegment
 
     d = daemon(capacity=2000, args=["--pin-memory", "--schema", schema_file(e2e_env)])
     run_writers(e2e_env, d.name, [(1, 10, False)])

@@ -2,8 +2,8 @@
 daemon, spawned writer and learner processes, and a verdict on what the learners checked.
 Regression: on a slow machine the children took longer to import torch than the demo waited
 for them, and it ended in a bare ``queue.Empty`` traceback. Its rows are 4 KiB and its episodes
-64 of them, so the writers copy with streaming stores (``shmbuffer/streamcopy.py``) while the
-learners check every sampled row's first and last byte."""
+64 of them, so the writers copy with streaming stores (``shmbuffer/storage/streamcopy.py``)
+while the learners check every sampled row's first and last byte."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import re
 import sys
 import time
 
-from shmbuffer.cli_demo import episode_spec
-from shmbuffer.demo import make_episode
-from shmbuffer.schema import Schema
+from shmbuffer.cli.demo import episode_spec
+from shmbuffer.cli.demo_loops import make_episode
+from shmbuffer.storage.schema import Schema
 from tests.e2e.conftest import run_in_session
 
 SECONDS = 2

@@ -9,7 +9,7 @@ import threading
 import time
 
 from shmbuffer import Reader, Writer
-from shmbuffer.demo import make_episode
+from shmbuffer.cli.demo_loops import make_episode
 from shmbuffer.errors import DaemonUnavailableError
 from tests.e2e._watchdog import run_with_watchdog
 

@@ -21,8 +21,8 @@ from tensordict import TensorDict
 from shmbuffer import Reader, Writer
 from shmbuffer.clients.connection import Connection
 from shmbuffer.errors import DaemonUnavailableError, UnknownClientError
-from shmbuffer.protocol import decode, encode, request
-from shmbuffer.protocol_unix import ENV_LANE, Unpacker, lane_path, pack
+from shmbuffer.wire.protocol import decode, encode, request
+from shmbuffer.wire.unix import ENV_LANE, Unpacker, lane_path, pack
 
 from .conftest import wait_for
 

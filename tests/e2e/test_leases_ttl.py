@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from shmbuffer import Reader, Writer
-from shmbuffer.demo import check_episode, make_episode
+from shmbuffer.cli.demo_loops import check_episode, make_episode
 from shmbuffer.errors import LeaseExpiredError, LimitExceededError, NotFoundError
-from shmbuffer.protocol import REQUESTS
+from shmbuffer.wire.protocol import REQUESTS
 from tests.e2e._watchdog import run_with_watchdog
 from tests.e2e.conftest import wait_for
 

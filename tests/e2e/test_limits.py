@@ -25,11 +25,11 @@ import pytest
 import zmq
 
 from shmbuffer import Reader, Writer
+from shmbuffer.cli.demo_loops import make_episode
 from shmbuffer.clients.connection import Connection
-from shmbuffer.demo import make_episode
 from shmbuffer.errors import LimitExceededError
-from shmbuffer.protocol import MAX_HEADER_BYTES, MAX_SAMPLE, MAX_SAMPLE_ROWS, PROTOCOL_VERSION
-from shmbuffer.schema import Schema
+from shmbuffer.storage.schema import Schema
+from shmbuffer.wire.protocol import MAX_HEADER_BYTES, MAX_SAMPLE, MAX_SAMPLE_ROWS, PROTOCOL_VERSION
 
 LENGTH = 10
 OBS = (3,)

@@ -13,8 +13,8 @@ import zmq
 
 from shmbuffer.clients.connection import Connection
 from shmbuffer.errors import PermissionDeniedError
-from shmbuffer.protocol import PROTOCOL_VERSION, encode, request
-from shmbuffer.protocol_unix import Unpacker, lane_path, pack
+from shmbuffer.wire.protocol import PROTOCOL_VERSION, encode, request
+from shmbuffer.wire.unix import Unpacker, lane_path, pack
 
 SCHEMA = {"obs": {"dtype": "float32", "shape": [4]}}
 

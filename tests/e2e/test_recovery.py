@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from shmbuffer import Reader, Writer
+from shmbuffer.cli.demo_loops import check_episode, make_episode
 from shmbuffer.clients.connection import Connection
-from shmbuffer.demo import check_episode, make_episode
 from shmbuffer.errors import LeaseExpiredError, WaitTimeoutError
 from tests.e2e.conftest import wait_for
 

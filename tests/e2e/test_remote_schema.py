@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shmbuffer import Reader, Writer
-from shmbuffer.demo import check_episode, check_rows, make_episode
+from shmbuffer.cli.demo_loops import check_episode, check_rows, make_episode
 from shmbuffer.errors import EmptyBufferError, SchemaError
 
 LENGTH = 20
@@ -48,7 +48,7 @@ def test_remote_clients_over_tcp(daemon):
 
 
 def _column(d, key: str) -> np.ndarray:
-    from shmbuffer.segment import Segment
+    from shmbuffer.storage.segment import Segment
 
     seg = Segment.attach(d.name, storage_dir=d.storage_dir)
     try:
@@ -152,7 +152,7 @@ def test_small_writes_share_a_reservation_and_keep_their_episodes(daemon):
     """Small episodes of unequal lengths are gathered and stored with one round trip; each is
     still its own episode, in order, and visible after flush (or after commit_delay)."""
     from shmbuffer import Reader, Writer
-    from shmbuffer.demo import check_episode, make_episode
+    from shmbuffer.cli.demo_loops import check_episode, make_episode
 
     d = daemon(capacity=10_000, unit="episode")
     with Writer(d.name, commit_delay=0.05) as w, Reader(d.name) as r:

@@ -19,7 +19,7 @@ from tensordict import TensorDict
 
 from shmbuffer import Reader, Writer
 from shmbuffer.errors import InvalidArgumentError
-from shmbuffer.protocol import MAX_HEADER_BYTES, decode_i64, encode
+from shmbuffer.wire.protocol import MAX_HEADER_BYTES, decode_i64, encode
 
 pytestmark = pytest.mark.timeout(60)
 

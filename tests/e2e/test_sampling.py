@@ -23,7 +23,7 @@ import torch
 
 from shmbuffer import Reader, Writer, cli
 from shmbuffer.errors import InvalidArgumentError, ProtocolError, WaitTimeoutError
-from shmbuffer.protocol import encode_f64, encode_i64
+from shmbuffer.wire.protocol import encode_f64, encode_i64
 from tests._stats import P_MIN, chi2_p
 from tests.e2e.conftest import wait_for
 

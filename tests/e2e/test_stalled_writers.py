@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 from shmbuffer import Reader, Writer
+from shmbuffer.cli.demo_loops import check_episode, make_episode
 from shmbuffer.clients.connection import Connection
-from shmbuffer.demo import check_episode, make_episode
 from shmbuffer.errors import ShmBufferError
 from tests.e2e.conftest import wait_for
 from tests.e2e.test_lane import _lane_socket, _replies, _send
@@ -42,9 +42,9 @@ LAPPING = 2  # and for the writer that laps it
 STALLED_WRITER = """
 import json, sys
 from shmbuffer.clients.connection import Connection
-from shmbuffer.demo import make_episode
+from shmbuffer.cli.demo_loops import make_episode
 from shmbuffer.errors import ShmBufferError
-from shmbuffer.segment import Segment
+from shmbuffer.storage.segment import Segment
 name, rows, obs = sys.argv[1], int(sys.argv[2]), tuple(json.loads(sys.argv[3]))
 conn = Connection(name, "writer", timeout=10)
 info = conn.buffer["segment"]

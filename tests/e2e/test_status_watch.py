@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from shmbuffer import Reader, Writer
-from shmbuffer.demo import make_episode
+from shmbuffer.cli.demo_loops import make_episode
 from tests.e2e.conftest import CLI, wait_for
 
 pytest.importorskip("rich")
@@ -83,7 +83,7 @@ def write_on_signal(runtime_dir: str, go: str, name: str, episodes: int, length:
     """A spawned writer that starts once the file ``go`` exists (its interpreter starts while
     the watch starts, so the test waits for neither twice)."""
     os.environ["SHMBUFFER_RUNTIME_DIR"] = runtime_dir
-    from shmbuffer.demo import writer_loop
+    from shmbuffer.cli.demo_loops import writer_loop
 
     deadline = time.monotonic() + 60
     while not os.path.exists(go):

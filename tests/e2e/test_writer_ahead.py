@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from shmbuffer import Reader, Writer
+from shmbuffer.cli.demo_loops import check_episode, make_episode
 from shmbuffer.clients.ahead import AHEAD_BATCH
 from shmbuffer.clients.connection import Connection
 from shmbuffer.daemon.writes import AHEAD_MAX_LIVE
-from shmbuffer.demo import check_episode, make_episode
 from tests.e2e.conftest import wait_for
 
 LENGTH = 20  # rows of an episode (written alone: batch_bytes=0, except where staged)
@@ -296,7 +296,7 @@ _HOLDER = textwrap.dedent(
     """
     import sys, time
     from shmbuffer import Writer
-    from shmbuffer.demo import make_episode
+    from shmbuffer.cli.demo_loops import make_episode
     w = Writer(sys.argv[1], commit_delay=3600.0, batch_bytes=0)
     for e in range(3):
         w.add_episode(make_episode(1, e, int(sys.argv[2]), (4, 8, 8)))

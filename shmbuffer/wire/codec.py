@@ -1,6 +1,6 @@
 """The wire's codec: a header as msgpack (refusing, by field, what msgpack cannot carry) and
 back, capped in size; index and float arrays as the little-endian bytes the headers carry.
-:mod:`shmbuffer.protocol` (the message tables and their validation) hands these names on.
+:mod:`shmbuffer.wire.protocol` (the message tables and their validation) hands these names on.
 """
 
 from __future__ import annotations

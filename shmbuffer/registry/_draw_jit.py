@@ -1,6 +1,6 @@
 """The uniform row draw and the use count, compiled by numba (the optional ``fast`` extra).
 
-Imported only through :func:`shmbuffer.spans.compiled_draws` (``jit.load``). A uniform
+Imported only through :func:`shmbuffer.registry.spans.compiled_draws` (``jit.load``). A uniform
 ``sample(256)`` is a handful of numpy calls, each with a fixed cost whatever their size: raw
 words, their largest (the rejection check), a 64-bit modulo (mostly division), a search over the
 spans, an addition, and ``np.add.at`` for the use counts. Here the draw is one call and the

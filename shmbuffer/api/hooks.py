@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from shmbuffer.episodes import SEED_DONE_KEYS, is_non_numeric, stack_steps
+from shmbuffer.api.episodes import SEED_DONE_KEYS, is_non_numeric, stack_steps
 
 __all__ = [
     "SEED_DONE_KEYS",

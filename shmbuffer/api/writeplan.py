@@ -23,7 +23,7 @@ import torch
 from shmbuffer.errors import CapacityError, InvalidArgumentError, SchemaError
 from shmbuffer.samplers.base import check_priority
 from shmbuffer.samplers.declare import declared
-from shmbuffer.schema import Schema, to_host
+from shmbuffer.storage.schema import Schema, to_host
 
 #: A write's priorities as checked here: none (the sampler's default for new data), one number
 #: for every item, or one float64 value per item kept (row, or sub-episode in episode unit).

@@ -34,13 +34,13 @@ import numpy as np
 import torch
 
 from shmbuffer.errors import SchemaError
-from shmbuffer.rows import tensordict_class
+from shmbuffer.storage.rows import tensordict_class
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
 
 DEFAULT_DONE_KEYS: tuple[str, ...] = ("terminated", "truncated")  # Gymnasium
-# The done keys of RLightning-style transitions (``EnvRet.to_dict()``, see shmbuffer.hooks).
+# The done keys of RLightning-style transitions (``EnvRet.to_dict()``, see shmbuffer.api.hooks).
 SEED_DONE_KEYS: tuple[str, ...] = ("last_terminated", "last_truncated")
 
 PostprocessFn = Callable[[dict[str, list[Any]]], Mapping[str, Any]]
@@ -63,7 +63,7 @@ class FinishedEpisode:
         return int(self.data.batch_size[0]) // self.num_sub_episodes
 
 
-# -- stacking helpers (shared with shmbuffer.hooks) -------------------------------------------
+# -- stacking helpers (shared with shmbuffer.api.hooks) -------------------------------------------
 
 
 def _name(key: Key) -> str:
@@ -120,7 +120,7 @@ def stack_steps(values: Sequence[Any], key: Key = ()) -> Any:
     if bad:
         raise SchemaError(
             f"key {_name(key)!r}: non-numeric values (e.g. {bad[0]!r}); "
-            "drop them in a postprocess_fn (shmbuffer.hooks.default_postprocess_fn drops them)"
+            "drop them in a postprocess_fn (shmbuffer.api.hooks.default_postprocess_fn drops them)"
         )
     return to_tensor(values, key)
 

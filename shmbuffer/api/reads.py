@@ -4,7 +4,7 @@ daemon's :class:`~shmbuffer.clients.reader.Reader` and the cluster's ``ClusterRe
 
 Counts (``batch_size``, ``n``, a slice's ``length``) are Python ints of at least 1 (a numpy
 integer is taken: msgpack cannot send one, so it is converted here) within the protocol's
-sampling limits (:func:`~shmbuffer.protocol.check_sample_size`, every API's bound, refused
+sampling limits (:func:`~shmbuffer.wire.protocol.check_sample_size`, every API's bound, refused
 before anything is drawn or sent); ``strict`` is a bool; ``beta`` is finite and >= 0; a padded
 slice's ``"mask"`` entry must not shadow a schema key; ``update_priorities`` takes one integer
 row and one priority per item (and a stamp each, if given). A bad argument raises
@@ -29,10 +29,10 @@ import numpy.typing as npt
 import torch
 
 from shmbuffer.errors import InvalidArgumentError
-from shmbuffer.protocol import MAX_SAMPLE, check_sample_size
-from shmbuffer.rows import slice_rows
 from shmbuffer.samplers.base import check_beta, check_generation, check_update
-from shmbuffer.schema import Schema, to_host
+from shmbuffer.storage.rows import slice_rows
+from shmbuffer.storage.schema import Schema, to_host
+from shmbuffer.wire.protocol import MAX_SAMPLE, check_sample_size
 
 if TYPE_CHECKING:  # the daemon imports this module, never tensordict (seconds of CPU)
     from tensordict import TensorDict

@@ -1,5 +1,5 @@
-"""Copying rows of columns that live on a GPU (:mod:`shmbuffer.cuda_segment`): the device's
-counterpart of :mod:`shmbuffer.rows`, which hands it every gather of device columns.
+"""Copying rows of columns that live on a GPU (:mod:`shmbuffer.storage.cuda_segment`): the device's
+counterpart of :mod:`shmbuffer.storage.rows`, which hands it every gather of device columns.
 
 * **Gathers** run on the device (``torch.index_select`` per column) on a side stream of this
   process, so they do not wait behind the learner's queued work, and end with that stream
@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from shmbuffer.schema import Key
+from shmbuffer.storage.schema import Key
 
 #: Bytes per pinned staging slot, and slots in the ring: a slot is refilled while the copy
 #: out of the other one runs.

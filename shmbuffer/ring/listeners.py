@@ -3,7 +3,7 @@
 :class:`RingListener` is told every change of the ring's registry (rows committed, evicted,
 restored, cleared, a saved state loaded) and asked, before a reservation, whether it must wait
 (Reverb's ``TableExtension`` ``OnInsert/OnDelete/OnReset`` and its rate limiter's
-``AwaitCanInsert``, as one contract). A :class:`~shmbuffer.table.Table` is one: it tells its
+``AwaitCanInsert``, as one contract). A :class:`~shmbuffer.ring.table.Table` is one: it tells its
 sampler and rate limiter, and keeps its use counts. :class:`SampleLog` is told every draw a
 table hands out (Reverb's ``OnSample``): the daemon's journal, so that a resumed daemon draws
 them again.
@@ -17,7 +17,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from shmbuffer.registry import Episode
+from shmbuffer.registry.intervals import Episode
 
 #: Physical rows ``[start, stop)`` of the ring.
 Range = tuple[int, int]
@@ -29,9 +29,9 @@ _U64 = (1 << 64) - 1
 
 
 class RingListener:
-    """What a :class:`~shmbuffer.ring.Ring` tells the parts that keep state about its rows.
+    """What a :class:`~shmbuffer.ring.ring.Ring` tells the parts that keep state about its rows.
 
-    Register with :meth:`Ring.listen <shmbuffer.ring.Ring.listen>`; listeners are told in the
+    Register with :meth:`Ring.listen <shmbuffer.ring.ring.Ring.listen>`; listeners are told in the
     order they registered. The defaults do nothing: a listener overrides what it needs.
 
     Calling rule:
@@ -107,7 +107,7 @@ class SampleRecord(NamedTuple):
 class SampleLog(Protocol):
     """Who hears of every sample a table hands out (the daemon's journal, so that a resumed
     daemon redoes them; see ``daemon/journal.py``): a table's listener, registered with
-    :meth:`Table.listen <shmbuffer.table.Table.listen>`. Called with the owner's calls
+    :meth:`Table.listen <shmbuffer.ring.table.Table.listen>`. Called with the owner's calls
     serialised, as a :class:`RingListener` is."""
 
     def room_for_sample(self, n: int) -> None:

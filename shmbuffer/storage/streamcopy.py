@@ -64,7 +64,7 @@ class _Loop:
 def kernels() -> ModuleType | None:
     """The compiled loop (``_copy_jit.py``), or None: numba is not installed (the ``fast``
     extra), or ``SHMBUFFER_JIT=0`` asks for numpy."""
-    return jit.load("shmbuffer._copy_jit")
+    return jit.load("shmbuffer.storage._copy_jit")
 
 
 def warm(row_nbytes: int | None = None) -> bool:

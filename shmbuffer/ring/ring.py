@@ -1,9 +1,9 @@
 """The ring of rows: where the next rows go, two-phase reservations, eviction and restore.
 
 The ring is metadata only (it never touches row data) and knows nothing of samplers or rate
-limiters: it tells its listeners what happened (:class:`~shmbuffer.listeners.RingListener`:
+limiters: it tells its listeners what happened (:class:`~shmbuffer.ring.listeners.RingListener`:
 rows committed, evicted, restored, cleared, a saved state loaded) and asks them, while it plans
-a reservation, whether it must wait. The tables over it (:mod:`shmbuffer.table`) are such
+a reservation, whether it must wait. The tables over it (:mod:`shmbuffer.ring.table`) are such
 listeners.
 
 Writing is two-phase, which is what keeps readers from ever seeing a torn episode:
@@ -42,9 +42,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from shmbuffer.errors import CapacityError, NotFoundError, WaitTimeoutError
-from shmbuffer.listeners import F64, Range, RingListener
 from shmbuffer.names import MODES, UNITS, check_choice
-from shmbuffer.registry import Episode, EpisodeRegistry
+from shmbuffer.registry.intervals import Episode, EpisodeRegistry
+from shmbuffer.ring.listeners import F64, Range, RingListener
 
 __all__ = ["Plan", "Range", "Reservation", "Ring", "episode_lengths"]
 
@@ -128,7 +128,7 @@ class Ring:
 
     def listen(self, listener: RingListener) -> None:
         """Tell ``listener`` every change from now on, after those registered before it (see
-        :class:`~shmbuffer.listeners.RingListener` for what it is told and its calling rule).
+        :class:`~shmbuffer.ring.listeners.RingListener` for what it is told and its calling rule).
         ValueError if it listens already."""
         if any(other is listener for other in self._listeners):
             raise ValueError(f"{listener!r} already listens to this ring")

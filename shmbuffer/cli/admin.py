@@ -19,8 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 from shmbuffer import runtime
+from shmbuffer.cli.statusview import LiveStatus, format_status
 from shmbuffer.errors import ShmBufferError
-from shmbuffer.statusview import LiveStatus, format_status
 
 
 def _admin(name: str, timeout: float = 5.0) -> Any:
@@ -174,8 +174,8 @@ def cmd_configure(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
-    from shmbuffer import progress
     from shmbuffer.clients.admin import checkpoint
+    from shmbuffer.storage import progress
 
     dest = os.path.abspath(args.to)
     total, measure = _checkpoint_measure(args, dest) if progress.enabled() else (0, lambda: 0)
@@ -198,7 +198,7 @@ def _checkpoint_measure(args: argparse.Namespace, dest: str) -> tuple[int, Calla
     from pathlib import Path
 
     from shmbuffer.daemon.checkpoint import CHUNKS
-    from shmbuffer.segment import MANIFEST
+    from shmbuffer.storage.segment import MANIFEST
 
     try:
         conn = _admin(args.name, timeout=args.timeout)

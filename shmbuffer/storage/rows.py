@@ -40,8 +40,8 @@ import numpy as np
 import torch
 
 from shmbuffer.errors import InvalidArgumentError
-from shmbuffer.schema import Key, Schema, key_str
-from shmbuffer.streamcopy import copy_into, copy_out, gather_into
+from shmbuffer.storage.schema import Key, Schema, key_str
+from shmbuffer.storage.streamcopy import copy_into, copy_out, gather_into
 
 if TYPE_CHECKING:
     from tensordict import TensorDict
@@ -73,7 +73,7 @@ def as_numpy(value: Any) -> np.ndarray | None:
 class Progress:
     """How far a :func:`write` got: rows ``[0, rows)`` of the reservation (in fill order) may
     have been touched, the rest were not. An aborted reservation gives back what it evicted
-    from the untouched rows (:meth:`~shmbuffer.container.Container.abort`).
+    from the untouched rows (:meth:`~shmbuffer.ring.container.Container.abort`).
 
     Used as a context manager around the copy into a reservation (the Buffer, the daemon's
     remote write and the Writer share it): a copy that fails calls ``abort(rows)`` before the
@@ -210,7 +210,7 @@ def gather_columns(
 
     ``arrays``: the columns' numpy views (a segment's ``arrays``; made here if not given).
     Columns on a GPU (a CUDA segment's, whose ``arrays`` is empty) are gathered there by
-    :func:`shmbuffer.cuda_rows.gather_columns`, into device tensors or ``out``.
+    :func:`shmbuffer.storage.cuda_rows.gather_columns`, into device tensors or ``out``.
     ``out``: numpy views to copy into, each with at least ``len(rows)`` rows of the column's
     row shape and dtype (checked by :func:`out_arrays`); the result is then views of them.
     A row out of range raises IndexError before anything is copied.
@@ -221,7 +221,9 @@ def gather_columns(
     if arrays:
         sources = arrays
     elif columns and next(iter(columns.values())).device.type != "cpu":
-        from shmbuffer import cuda_rows  # a CudaSegment's columns (no numpy views): gathered
+        from shmbuffer.storage import (
+            cuda_rows,  # a CudaSegment's columns (no numpy views): gathered
+        )
 
         return cuda_rows.gather_columns(columns, rows, out=out)  # on their device
     else:

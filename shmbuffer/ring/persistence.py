@@ -21,13 +21,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from shmbuffer.api.reads import expand_slices
 from shmbuffer.errors import ShmBufferError
-from shmbuffer.listeners import EPISODES, ROWS, SLICES, SampleRecord, set_rng_words
-from shmbuffer.reads import expand_slices
-from shmbuffer.registry import EpisodeRegistry
-from shmbuffer.ring import Ring
-from shmbuffer.rows import episode_rows
-from shmbuffer.table import Table
+from shmbuffer.registry.intervals import EpisodeRegistry
+from shmbuffer.ring.listeners import EPISODES, ROWS, SLICES, SampleRecord, set_rng_words
+from shmbuffer.ring.ring import Ring
+from shmbuffer.ring.table import Table
+from shmbuffer.storage.rows import episode_rows
 
 
 def state_of(ring: Ring, table: Table) -> dict[str, Any]:
@@ -118,7 +118,7 @@ def adopt_use_counts(table: Table, saved: npt.ArrayLike) -> None:
 
 
 def replay_sample(table: Table, draw: SampleRecord) -> bool:
-    """Redo a journaled draw (:class:`~shmbuffer.listeners.SampleRecord`) on ``table``: the
+    """Redo a journaled draw (:class:`~shmbuffer.ring.listeners.SampleRecord`) on ``table``: the
     generator set to ``rng`` when given, the sampler asked again (its consumption, epochs and
     counts move as they did), the limiter told ``handed`` rows (exact, whatever the draw) and
     the use counters the rows drawn. The limiter is not asked: the live draw was admitted.

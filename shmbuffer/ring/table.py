@@ -2,8 +2,8 @@
 
 A :class:`Table` is a :class:`~shmbuffer.samplers.Sampler`, a
 :class:`~shmbuffer.samplers.RateLimiter`, a random generator, per-row use counts and priority
-counters over one :class:`~shmbuffer.ring.Ring` (Reverb's ``Table``: a sampler, a rate limiter
-and extensions as separate objects). It is a :class:`~shmbuffer.listeners.RingListener`: the
+counters over one :class:`~shmbuffer.ring.ring.Ring` (Reverb's ``Table``: a sampler, a rate limiter
+and extensions as separate objects). It is a :class:`~shmbuffer.ring.listeners.RingListener`: the
 ring tells it every commit, eviction, restore, clear and load, and it tells its sampler and
 limiter and keeps its use counts; before a reservation the ring asks it whether its limiter or
 its sampler's unconsumed rows hold the writes back. Several tables over one ring each draw with
@@ -19,9 +19,9 @@ in this unit) raise :class:`~shmbuffer.errors.InvalidArgumentError` with nothing
 sample over the protocol's limits (``MAX_SAMPLE`` items, ``MAX_SAMPLE_ROWS`` rows:
 ``protocol.py``, their one home) raises :class:`~shmbuffer.errors.LimitExceededError` before
 anything is drawn, in process as in a daemon. The counts, a slice's length and strictness and
-a rank are checked by :mod:`shmbuffer.reads`, as the daemon's Reader checks them.
+a rank are checked by :mod:`shmbuffer.api.reads`, as the daemon's Reader checks them.
 
-With a :class:`~shmbuffer.listeners.SampleLog` (:meth:`Table.listen`: the daemon's journal)
+With a :class:`~shmbuffer.ring.listeners.SampleLog` (:meth:`Table.listen`: the daemon's journal)
 every draw is told to it before the caller hands the rows out: the call, its size and the rows
 counted by the limiter (a resumed daemon draws again, ``persistence.replay_sample``), plus the
 generator's state when a refused draw may have moved it since. Nothing more is logged per
@@ -40,8 +40,18 @@ from typing import Any, NamedTuple, NoReturn
 import numpy as np
 import numpy.typing as npt
 
+from shmbuffer.api.reads import (
+    check_episode_args,
+    check_rank,
+    check_sample_args,
+    check_slice_args,
+    check_update_args,
+    expand_slices,
+)
 from shmbuffer.errors import InvalidArgumentError, NotFoundError, ShmBufferError, WaitTimeoutError
-from shmbuffer.listeners import (
+from shmbuffer.registry.intervals import Episode
+from shmbuffer.registry.spans import loaded_draws
+from shmbuffer.ring.listeners import (
     EPISODES,
     F64,
     ROWS,
@@ -52,23 +62,13 @@ from shmbuffer.listeners import (
     SampleRecord,
     rng_words,
 )
-from shmbuffer.reads import (
-    check_episode_args,
-    check_rank,
-    check_sample_args,
-    check_slice_args,
-    check_update_args,
-    expand_slices,
-)
-from shmbuffer.registry import Episode
-from shmbuffer.ring import Ring, episode_lengths
-from shmbuffer.rows import episode_rows
+from shmbuffer.ring.ring import Ring, episode_lengths
 from shmbuffer.samplers import NoLimit, RateLimiter, Sampler, UniformSampler
 from shmbuffer.samplers.base import (
     Priority,
 )
 from shmbuffer.samplers.index import rows_of
-from shmbuffer.spans import loaded_draws
+from shmbuffer.storage.rows import episode_rows
 
 I64 = npt.NDArray[np.int64]
 Mask = npt.NDArray[np.bool_]

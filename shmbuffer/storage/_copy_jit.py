@@ -1,7 +1,7 @@
 """The streaming copy's loop, compiled by numba (the optional ``fast`` extra).
 
-Imported only through :func:`shmbuffer.streamcopy.kernels`, where a Writer or Buffer of large
-rows attaches: numba is costly to import (CPU and memory), which a writer of small rows never
+Imported only through :func:`~shmbuffer.storage.streamcopy.kernels`, where a Writer or Buffer of
+large rows attaches: numba is costly to import (CPU and memory), which a writer of small rows never
 pays.
 
 :func:`stream` copies a cache line (64 bytes) a step with non-temporal stores (``!nontemporal``

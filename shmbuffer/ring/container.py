@@ -6,15 +6,15 @@ in-process :class:`~shmbuffer.Buffer` (which copies right after reserving) and t
 
 :class:`Container` is a composition, each part an object of its own:
 
-- :class:`~shmbuffer.ring.Ring` (``container.ring``): capacity, modes, units, the pointer,
+- :class:`~shmbuffer.ring.ring.Ring` (``container.ring``): capacity, modes, units, the pointer,
   the episode registry, two-phase reservations, eviction, restore and clear; it tells its
-  listeners (:class:`~shmbuffer.listeners.RingListener`) what happened and asks them before a
+  listeners (:class:`~shmbuffer.ring.listeners.RingListener`) what happened and asks them before a
   reservation whether it must wait;
-- :class:`~shmbuffer.table.Table` (``container.tables``, the first one ``container.table``,
+- :class:`~shmbuffer.ring.table.Table` (``container.tables``, the first one ``container.table``,
   named ``"default"``): a sampler, a rate limiter, a generator, use counts and priority
   counters over the ring, listening to it; ``sample_rows`` / ``sample_episodes`` /
   ``sample_slices``, priority updates, the limiter's ``sample_blocker``, ``rank_rows``, stats;
-- :mod:`shmbuffer.persistence`: ``state()`` / ``from_state()`` of the ring and the default
+- :mod:`shmbuffer.ring.persistence`: ``state()`` / ``from_state()`` of the ring and the default
   table, and the replayed draws of the journal.
 
 Its methods and attributes are the ring's and the default table's, handed on (one call each),
@@ -33,14 +33,12 @@ from typing import Any, Self
 import numpy as np
 import numpy.typing as npt
 
-from shmbuffer import persistence
-from shmbuffer.listeners import F64, Range, SampleLog, SampleRecord
-from shmbuffer.persistence import decode_state
-from shmbuffer.registry import Episode, EpisodeRegistry
-from shmbuffer.ring import Plan, Reservation, Ring
-from shmbuffer.samplers import RateLimiter, Sampler, make_rate_limiter, make_sampler
-from shmbuffer.samplers.base import Priority
-from shmbuffer.table import (
+from shmbuffer.registry.intervals import Episode, EpisodeRegistry
+from shmbuffer.ring import persistence
+from shmbuffer.ring.listeners import F64, Range, SampleLog, SampleRecord
+from shmbuffer.ring.persistence import decode_state
+from shmbuffer.ring.ring import Plan, Reservation, Ring
+from shmbuffer.ring.table import (
     I64,
     EpisodeSample,
     PriorityUpdate,
@@ -49,6 +47,8 @@ from shmbuffer.table import (
     Table,
     as_invalid_argument,
 )
+from shmbuffer.samplers import RateLimiter, Sampler, make_rate_limiter, make_sampler
+from shmbuffer.samplers.base import Priority
 
 __all__ = [
     "Container",
@@ -69,7 +69,7 @@ class Container:
 
     ``mode``: ``"circular"`` or ``"fixed"``; ``unit``: ``"transition"`` or ``"episode"``.
     ``sampler``, ``rate_limiter`` and ``seed`` make the default table (see
-    :class:`~shmbuffer.table.Table`): a sampler (None: uniform) and a limiter (None: no limit)
+    :class:`~shmbuffer.ring.table.Table`): a sampler (None: uniform) and a limiter (None: no limit)
     that belong to this container from now on, and the seed of the generator its draws use.
     """
 
@@ -99,7 +99,7 @@ class Container:
         rate_limiter: RateLimiter | None = None,
         seed: int | None = None,
     ) -> Table:
-        """Another table over the ring (as :class:`~shmbuffer.table.Table` takes its
+        """Another table over the ring (as :class:`~shmbuffer.ring.table.Table` takes its
         arguments), from now on told everything the ring does, its writes held back by its
         flow control as by the default table's. In process only: :meth:`state` keeps the
         default table's parts, and a load starts the others over from the loaded registry.
@@ -156,23 +156,23 @@ class Container:
         return len(self.ring.registry)
 
     def plan(self, num_rows: int, episodes: int | Sequence[int] = 1) -> Plan:
-        """:meth:`Ring.plan <shmbuffer.ring.Ring.plan>`."""
+        """:meth:`Ring.plan <shmbuffer.ring.ring.Ring.plan>`."""
         return self.ring.plan(num_rows, episodes)
 
     def reserve(self, plan: Plan, owner: object = None) -> Reservation:
-        """:meth:`Ring.reserve <shmbuffer.ring.Ring.reserve>`."""
+        """:meth:`Ring.reserve <shmbuffer.ring.ring.Ring.reserve>`."""
         return self.ring.reserve(plan, owner)
 
     def reserve_rows(
         self, num_rows: int, episodes: int | Sequence[int] = 1, owner: object = None
     ) -> Reservation:
-        """:meth:`Ring.reserve_rows <shmbuffer.ring.Ring.reserve_rows>`."""
+        """:meth:`Ring.reserve_rows <shmbuffer.ring.ring.Ring.reserve_rows>`."""
         return self.ring.reserve(self.ring.plan(num_rows, episodes), owner)
 
     def hold(
         self, reservation_id: int, ranges: Sequence[Range], episodes: int | Sequence[int]
     ) -> Reservation:
-        """:meth:`Ring.hold <shmbuffer.ring.Ring.hold>`."""
+        """:meth:`Ring.hold <shmbuffer.ring.ring.Ring.hold>`."""
         return self.ring.hold(reservation_id, ranges, episodes)
 
     def commit(self, reservation_id: int, priority: Priority = None) -> list[int]:
@@ -191,14 +191,14 @@ class Container:
         return self.ring.commit(reservation_id, given)
 
     def abort(self, reservation_id: int, written: int | None = None) -> list[Episode]:
-        """:meth:`Ring.abort <shmbuffer.ring.Ring.abort>`."""
+        """:meth:`Ring.abort <shmbuffer.ring.ring.Ring.abort>`."""
         return self.ring.abort(reservation_id, written)
 
     def restore(self, episodes: Sequence[Episode]) -> None:
         self.ring.restore(episodes)
 
     def clear(self) -> None:
-        """:meth:`Ring.clear <shmbuffer.ring.Ring.clear>`."""
+        """:meth:`Ring.clear <shmbuffer.ring.ring.Ring.clear>`."""
         self.ring.clear()
 
     # -- the default table's ----------------------------------------------------------------
@@ -236,17 +236,17 @@ class Container:
         return self.table.priority_updates_stale
 
     def sample_rows(self, n: int, *, beta: float | None = None) -> RowSample:
-        """:meth:`Table.sample_rows <shmbuffer.table.Table.sample_rows>`."""
+        """:meth:`Table.sample_rows <shmbuffer.ring.table.Table.sample_rows>`."""
         return self.table.sample_rows(n, beta=beta)
 
     def sample_episodes(self, n: int, *, beta: float | None = None) -> EpisodeSample:
-        """:meth:`Table.sample_episodes <shmbuffer.table.Table.sample_episodes>`."""
+        """:meth:`Table.sample_episodes <shmbuffer.ring.table.Table.sample_episodes>`."""
         return self.table.sample_episodes(n, beta=beta)
 
     def sample_slices(
         self, n: int, length: int, *, strict: bool = True, beta: float | None = None
     ) -> SliceSample:
-        """:meth:`Table.sample_slices <shmbuffer.table.Table.sample_slices>`."""
+        """:meth:`Table.sample_slices <shmbuffer.ring.table.Table.sample_slices>`."""
         return self.table.sample_slices(n, length, strict=strict, beta=beta)
 
     def count_use(self, rows: np.ndarray) -> None:
@@ -264,7 +264,7 @@ class Container:
         drop_last: bool = False,
         seed: int | Sequence[int] = 0,
     ) -> I64:
-        """:meth:`Table.rank_rows <shmbuffer.table.Table.rank_rows>`."""
+        """:meth:`Table.rank_rows <shmbuffer.ring.table.Table.rank_rows>`."""
         return self.table.rank_rows(
             rank, world_size, shuffle=shuffle, drop_last=drop_last, seed=seed
         )
@@ -272,11 +272,11 @@ class Container:
     def check_priority(
         self, num_rows: int, episodes: int | Sequence[int], priority: Priority
     ) -> F64 | None:
-        """:meth:`Table.check_priority <shmbuffer.table.Table.check_priority>`."""
+        """:meth:`Table.check_priority <shmbuffer.ring.table.Table.check_priority>`."""
         return self.table.check_priority(num_rows, episodes, priority)
 
     def commit_priorities(self, reservation_id: int, priority: Priority) -> PriorityUpdate | None:
-        """:meth:`Table.commit_priorities <shmbuffer.table.Table.commit_priorities>` of the
+        """:meth:`Table.commit_priorities <shmbuffer.ring.table.Table.commit_priorities>` of the
         default table."""
         return self.table.commit_priorities(reservation_id, priority)
 
@@ -287,7 +287,7 @@ class Container:
         generation: npt.ArrayLike | None = None,
         stamps: I64 | None = None,
     ) -> PriorityUpdate:
-        """:meth:`Table.check_priorities <shmbuffer.table.Table.check_priorities>`."""
+        """:meth:`Table.check_priorities <shmbuffer.ring.table.Table.check_priorities>`."""
         return self.table.check_priorities(rows, priority, generation, stamps)
 
     def apply_priorities(self, update: PriorityUpdate) -> int:
@@ -300,16 +300,16 @@ class Container:
         generation: npt.ArrayLike | None = None,
         stamps: I64 | None = None,
     ) -> int:
-        """:meth:`Table.update_priorities <shmbuffer.table.Table.update_priorities>`."""
+        """:meth:`Table.update_priorities <shmbuffer.ring.table.Table.update_priorities>`."""
         return self.table.update_priorities(rows, priority, generation, stamps)
 
     def stats(self) -> dict[str, Any]:
         return self.table.stats()
 
-    # -- saved states and the journal's replay (shmbuffer.persistence) ------------------------
+    # -- saved states and the journal's replay (shmbuffer.ring.persistence) ------------------------
 
     def state(self) -> dict[str, Any]:
-        """:func:`persistence.state_of <shmbuffer.persistence.state_of>` the ring and the
+        """:func:`persistence.state_of <shmbuffer.ring.persistence.state_of>` the ring and the
         default table."""
         return persistence.state_of(self.ring, self.table)
 
@@ -341,18 +341,18 @@ class Container:
         return container
 
     def load_state(self, state: Mapping[str, Any]) -> None:
-        """:func:`persistence.load_state <shmbuffer.persistence.load_state>` into the ring and
+        """:func:`persistence.load_state <shmbuffer.ring.persistence.load_state>` into the ring and
         the default table; every other table starts over from the loaded registry."""
         persistence.load_state(self.ring, self.table, state)
 
     def replay_reserve(
         self, evicted: Sequence[Range], pointer: int, rows_written: int, next_reservation: int
     ) -> None:
-        """:meth:`Ring.replay_reserve <shmbuffer.ring.Ring.replay_reserve>`."""
+        """:meth:`Ring.replay_reserve <shmbuffer.ring.ring.Ring.replay_reserve>`."""
         self.ring.replay_reserve(evicted, pointer, rows_written, next_reservation)
 
     def replay_commit(self, episodes: Sequence[tuple[int, int, int]]) -> None:
-        """:meth:`Ring.replay_commit <shmbuffer.ring.Ring.replay_commit>`."""
+        """:meth:`Ring.replay_commit <shmbuffer.ring.ring.Ring.replay_commit>`."""
         self.ring.replay_commit(episodes)
 
     def replay_restore(self, episodes: Sequence[Episode], pointer: int, rows_written: int) -> None:
@@ -366,6 +366,6 @@ class Container:
         return self.table.update_priorities(rows, priority)
 
     def replay_sample(self, draw: SampleRecord) -> bool:
-        """:func:`persistence.replay_sample <shmbuffer.persistence.replay_sample>` on the
+        """:func:`persistence.replay_sample <shmbuffer.ring.persistence.replay_sample>` on the
         default table."""
         return persistence.replay_sample(self.table, draw)

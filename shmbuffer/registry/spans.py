@@ -1,4 +1,4 @@
-"""Two pieces of the registry's uniform row draws (``registry.py``'s docstring says why):
+"""Two pieces of the registry's uniform row draws (``intervals.py``'s docstring says why):
 :class:`LiveSpans`, the runs of adjacent live rows a position maps through, and
 :func:`uniform_integers`, exact uniform draws from raw generator words.
 
@@ -88,7 +88,7 @@ def load_compiled_draws() -> ModuleType | None:
 
 
 def _load() -> ModuleType | None:
-    kernels = jit.load("shmbuffer._draw_jit")
+    kernels = jit.load("shmbuffer.registry._draw_jit")
     if kernels is None:
         return None
     began = time.perf_counter()

@@ -1,7 +1,8 @@
 """Rows in GPU memory: a named segment whose columns are one CUDA allocation, shared by IPC.
 
-The host half is a segment folder like any other (:mod:`shmbuffer.segment`): ``manifest.json``,
-written last, and a ``data.bin`` that holds only the int64 generation stamps, so the daemon and
+The host half is a segment folder like any other (:mod:`shmbuffer.storage.segment`):
+``manifest.json``, written last, and a ``data.bin`` that holds only the int64 generation stamps, so
+the daemon and
 readers compare stamps without a device sync. The columns are carved out of one
 ``torch.zeros(nbytes, uint8, device=...)`` at the offsets a CPU segment would give them; the
 daemon exports that storage once (``UntypedStorage._share_cuda_``) and writes the description
@@ -50,8 +51,8 @@ import numpy as np
 import torch
 
 from shmbuffer.errors import OutOfSpaceError, PermissionDeniedError, SchemaError, SegmentError
-from shmbuffer.schema import Field, Key, Schema, key_str
-from shmbuffer.segment import (
+from shmbuffer.storage.schema import Field, Key, Schema, key_str
+from shmbuffer.storage.segment import (
     ALIGN,
     MANIFEST,
     Nested,

@@ -1,7 +1,7 @@
 """The episode registry's storage: live episodes in id-ordered slot arrays, and the read-only
 queries over them (positions, uniform draws).
 
-:class:`SlotTable` is the half of :class:`~shmbuffer.registry.EpisodeRegistry` that knows
+:class:`SlotTable` is the half of :class:`~shmbuffer.registry.intervals.EpisodeRegistry` that knows
 slots, running totals and spans but nothing of how episodes come and go; the registry adds the
 overlap index and the mutations (see its module docstring for the whole design).
 
@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shmbuffer.errors import EmptyBufferError
-from shmbuffer.spans import LiveSpans
+from shmbuffer.registry.spans import LiveSpans
 
 __all__ = ["Episode", "SlotTable"]
 

@@ -3,9 +3,9 @@
 The command line sits above both sides: it launches the daemon and talks to it as a client.
 This module is the parser, its flag types and ``main`` (the console entry point), and the
 commands that need no daemon; the others live by job, and keep their names here:
-:mod:`shmbuffer.cli_start` runs a daemon (``start``, ``run_daemon``),
-:mod:`shmbuffer.cli_admin` talks to a running one (``stop``, ``status``, ``configure``,
-``checkpoint``), :mod:`shmbuffer.cli_demo` runs a daemon and its demo processes.
+:mod:`shmbuffer.cli.start` runs a daemon (``start``, ``run_daemon``),
+:mod:`shmbuffer.cli.admin` talks to a running one (``stop``, ``status``, ``configure``,
+``checkpoint``), :mod:`shmbuffer.cli.demo` runs a daemon and its demo processes.
 
 Only ``start`` (and the processes ``demo`` starts) import torch, seconds of CPU:
 ``status``, ``stop``, ``configure`` and ``keygen`` answer in a fraction of a second
@@ -23,11 +23,11 @@ import signal
 import sys
 from typing import Any
 
-from shmbuffer import curve
-from shmbuffer.cli_admin import cmd_checkpoint, cmd_configure, cmd_status, cmd_stop
-from shmbuffer.cli_start import cmd_start, run_daemon
+from shmbuffer.cli.admin import cmd_checkpoint, cmd_configure, cmd_status, cmd_stop
+from shmbuffer.cli.start import cmd_start, run_daemon
 from shmbuffer.errors import ShmBufferError
 from shmbuffer.samplers import OPTIONS, RATE_LIMITERS, SAMPLERS, Option, takers
+from shmbuffer.wire import curve
 
 __all__ = [
     "build_parser",
@@ -67,7 +67,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from shmbuffer.cli_demo import cmd_demo as run_demo
+    from shmbuffer.cli.demo import cmd_demo as run_demo
 
     return run_demo(args)
 

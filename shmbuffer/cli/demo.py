@@ -5,8 +5,8 @@ The run lasts ``--seconds`` for every process at once: each child connects, then
 start line (:class:`_StartLine`) until all have connected, so no child's run is spent while
 another is still importing torch. The start-up before it is bounded (:data:`STARTUP_S`) and
 overlaps the daemon's own; this process imports no torch (the children's data and loops are
-:mod:`shmbuffer.demo`, imported in the children only). On a terminal each second redraws the
-daemon's status; into a pipe or a file each second is one plain line.
+:mod:`shmbuffer.cli.demo_loops`, imported in the children only). On a terminal each second
+redraws the daemon's status; into a pipe or a file each second is one plain line.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shmbuffer.statusview import format_status, plural
+from shmbuffer.cli.statusview import format_status, plural
 
 #: Seconds the daemon and every child together may take to start (each imports torch) before
 #: the demo gives up; the run's ``--seconds`` come after.
@@ -37,9 +37,9 @@ FRAME_S = 1.0
 
 
 def episode_spec(obs_shape: tuple[int, ...]) -> dict[str, dict[str, Any]]:
-    """The schema of :func:`shmbuffer.demo.make_episode`'s rows, declared up front so that the
-    daemon allocates and prefaults its segment before it is ready (instead of stalling every
-    client when the first writer defines it), without importing torch here."""
+    """The schema of :func:`~shmbuffer.cli.demo_loops.make_episode`'s rows, declared up front so
+    that the daemon allocates and prefaults its segment before it is ready (instead of stalling
+    every client when the first writer defines it), without importing torch here."""
     scalar: list[int] = []
     return {
         "obs": {"dtype": "uint8", "shape": list(obs_shape)},
@@ -72,7 +72,7 @@ class _StartLine:
 
 
 def _child(role: str, target: str, line: _StartLine, out: Any, seconds: float, job: Any) -> None:
-    from shmbuffer import demo  # torch: imported in the children only
+    from shmbuffer.cli import demo_loops as demo  # torch: imported in the children only
 
     line.wait_up()
     if role == "writer":

@@ -1,5 +1,5 @@
 """The synthetic data of ``shmbuffer-daemon demo`` and the writer and learner loops that
-move it (the command itself, which imports none of this, is :mod:`shmbuffer.cli_demo`).
+move it (the command itself, which imports none of this, is :mod:`shmbuffer.cli.demo`).
 
 Every row carries who wrote it (``writer``), which of its episodes (``episode``), the step and
 an observation filled with a value derived from those three, so a learner can prove each

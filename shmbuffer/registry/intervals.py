@@ -28,7 +28,7 @@ Design, for the sampling hot path of the daemon:
 * :meth:`~EpisodeRegistry.sample_rows` maps its draws through the *spans*, the maximal runs of
   adjacent live rows (kept by every add, eviction and trim, O(log S + S) for S spans): one
   span is one addition per draw, a few (a wrapped ring, reservations in flight) one search
-  over them. Only a ring with more than :data:`~shmbuffer.registry_slots._MAX_SPANS` holes
+  over them. Only a ring with more than :data:`~shmbuffer.registry.slots._MAX_SPANS` holes
   falls back to the running totals over episodes. Draws are exact uniform integers from raw
   generator words (:func:`uniform_integers`), cheaper than ``Generator.integers``'s argument
   handling.
@@ -57,8 +57,8 @@ from typing import Any
 import numpy as np
 
 from shmbuffer.errors import NotFoundError
-from shmbuffer.registry_slots import _INITIAL_SLOTS, I64, Episode, SlotTable
-from shmbuffer.spans import uniform_integers
+from shmbuffer.registry.slots import _INITIAL_SLOTS, I64, Episode, SlotTable
+from shmbuffer.registry.spans import uniform_integers
 
 __all__ = ["Episode", "EpisodeRegistry", "uniform_integers"]
 

@@ -20,11 +20,12 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from shmbuffer import runtime, spans
+from shmbuffer import runtime
 from shmbuffer.daemon import security
 from shmbuffer.errors import ConfigError, ShmBufferError
-from shmbuffer.protocol import PROTOCOL_VERSION
+from shmbuffer.registry import spans
 from shmbuffer.runtime import runtime_dir
+from shmbuffer.wire.protocol import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     from shmbuffer.daemon.config import DaemonConfig
@@ -110,7 +111,7 @@ def _claim_name(config: DaemonConfig, keep_segment: bool = False) -> None:
         info.get("pid"),
     )
     runtime.remove(config.name)
-    from shmbuffer.segment import Segment
+    from shmbuffer.storage.segment import Segment
 
     Segment.unlink(config.name, info.get("storage_dir"))
 
@@ -140,7 +141,7 @@ def _serve(
 ) -> int:
     from shmbuffer.daemon.server import Server
     from shmbuffer.daemon.service import BufferService
-    from shmbuffer.segment import segment_path
+    from shmbuffer.storage.segment import segment_path
 
     for warning in security.check_daemon_access(config):  # refuses an exposed tcp endpoint
         log.warning("%s", warning)
@@ -196,7 +197,7 @@ def _serve(
         server.close()
         keep = keep or server.keep_segment
         if not keep:
-            from shmbuffer.segment import Segment
+            from shmbuffer.storage.segment import Segment
 
             Segment.unlink(config.name, config.storage_dir)
         runtime.remove(config.name, os.getpid())

@@ -1,0 +1,1 @@
+"""The episode interval registry: which rows hold which committed episode, and its draws."""

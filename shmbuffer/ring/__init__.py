@@ -1,0 +1,1 @@
+"""The ring and its tables: reservations, eviction, samples, priorities, state and replay."""

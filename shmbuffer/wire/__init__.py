@@ -1,0 +1,1 @@
+"""What crosses a socket: the protocol's tables, the msgpack codec, the framings, CURVE keys."""

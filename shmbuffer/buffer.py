@@ -65,8 +65,9 @@ class Buffer:
         auto_truncate: end an env's episode when a done key is true on a transition.
         done_keys: the keys that end an episode (Gymnasium's by default).
         postprocess_fn: turns one finished episode's ``{key: [per-step values]}`` into rows.
-        sampler: ``"uniform"`` (the default), ``"prioritized"``, ``"without-replacement"``,
-            ``"fifo"``, or a :class:`~shmbuffer.samplers.Sampler` (then give its options to it).
+        sampler: a ``--sampler`` name (``"uniform"``, the default; every name in
+            ``shmbuffer.samplers.SAMPLERS``), or a :class:`~shmbuffer.samplers.Sampler` (then
+            give its options to it).
         seed: seeds the sampler's random generator (and ``iterate``'s shuffles).
         priority_exponent, importance_exponent, priority_eps: prioritized replay's alpha
             (default 0.6), beta (default 0.4; per call too) and eps (default 1e-6).

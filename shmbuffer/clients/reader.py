@@ -7,8 +7,8 @@ handed out as zero-copy views under a lease that keeps writers off them until re
 reader renews it while the block is open (:mod:`shmbuffer.clients.leased`). A remote reader
 (``remote=True``) receives the rows as frames instead.
 
-The daemon's sampler decides what a sample gets (``--sampler``: uniform, prioritized,
-without-replacement, fifo); ``sample(..., return_info=True)`` returns what prioritized replay
+The daemon's sampler decides what a sample gets (``--sampler``, any name of
+``shmbuffer.samplers.SAMPLERS``); ``sample(..., return_info=True)`` returns what prioritized replay
 needs (index, generation stamp, probability, importance weight) for ``update_priorities``, and
 ``iterate`` walks every stored row once per pass, split across ranks. A FIFO or consume-once
 sample waits in the daemon (``sample_timeout``) for data; such samples are never prefetched,

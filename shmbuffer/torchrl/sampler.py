@@ -1,7 +1,7 @@
 """``DaemonSampler``: a TorchRL ``Sampler`` that leaves the draw to the daemon's sampler.
 
 The daemon runs one sampler for every process of the job (``shmbuffer-daemon start
---sampler uniform|prioritized|without-replacement|fifo``); this sampler asks it for each batch
+--sampler NAME``, any of ``shmbuffer.samplers.SAMPLERS``); this sampler asks it for each batch
 (``Reader.sample(n, return_info=True)``: one round trip, the rows copied and checked by the
 Reader), and ``update_priority`` sends new priorities to it (``Reader.update_priorities``),
 so an update made by any learner process changes what every learner samples next: the one

@@ -32,7 +32,8 @@ def used(before: Snapshot, after: Snapshot) -> dict[int, float]:
     out: dict[int, float] = {}
     for pid, proc in after.items():
         old = before.get(pid)
-        out[pid] = proc.cpu - old.cpu if old is not None and proc.cpu >= old.cpu else proc.cpu
+        spent = proc.cpu - old.cpu if old is not None and proc.cpu >= old.cpu else proc.cpu
+        out[pid] = round(spent, 6)  # whole ticks: no 0.060000000000000005 in the JSON
     return out
 
 
@@ -41,5 +42,5 @@ def share(spent: dict[int, float], server: int | None) -> tuple[float | None, fl
     (None without a server); ``(None, None)`` when nothing could be read (no ``/proc``)."""
     if not spent:
         return None, None
-    total = sum(spent.values())
+    total = round(sum(spent.values()), 6)
     return total, (spent.get(server, 0.0) if server is not None else None)

@@ -1,5 +1,6 @@
 """Contention scenario: writer processes and two learner processes at once, as training runs,
-and the insert and sample rates each side keeps up while the other works.
+and the insert and sample rates each side keeps up while the other works, with the CPU all of
+an implementation's processes spent per million rows inserted or sampled (:mod:`bench.cpu`).
 
 For each implementation in turn (the order rotates with the repetition), a fresh buffer of
 image rows is made in this process and shared with child processes (:mod:`bench.loads`):
@@ -48,15 +49,16 @@ def writer_role(
 
 @scenario(NAME)
 def contention(ctx: Context) -> list[Row]:
-    """1, 2 and 4 writer processes inserting 200-step image episodes (obs u8[4,84,84]) while
-    two learner processes sample(256), all at once for 3 s: insert and sample rates together;
-    shmbuffer through a daemon vs cpprb MPReplayBuffer and TorchRL's shared LazyMemmapStorage."""
-    counts = (2,) if ctx.quick else (1, 2, 4)
+    """1, 2 and 4 writer processes (--workers) inserting 200-step image episodes (u8[4,84,84])
+    while two learner processes sample(256), all at once for 3 s: insert and sample rates and
+    CPU per row; shmbuffer through a daemon vs cpprb MPReplayBuffer and TorchRL's shared
+    LazyMemmapStorage."""
+    counts = ctx.worker_counts()
     seconds = 0.5 if ctx.quick else 3.0
     pool_size = 2 if ctx.quick else 4
     capacity = ctx.size(200, minimum=50) * LENGTH  # rows
     row_bytes = data.row_bytes(data.SPECS[KIND])
-    fill_each = capacity // LENGTH // max(counts)
+    fill_each = max(1, capacity // LENGTH // max(counts))
     ctx.note(
         NAME,
         f"a {capacity:,}-row buffer ({capacity * row_bytes / 1e9:.2f} GB) filled untimed by "
@@ -79,6 +81,7 @@ def contention(ctx: Context) -> list[Row]:
         "forkserver that imported torch, shmbuffer and the peers once, with the parent's "
         "torch thread count (--threads)",
     )
+    ctx.note(NAME, loads.CPU_NOTE)
     writer_plan, learner_plan = loads.plans(counts, ("count", fill_each), ("idle", 0.0), seconds)
     out: list[Row] = []
     with bench_dirs(ctx) as root:

@@ -29,6 +29,7 @@ from contextlib import AbstractContextManager, contextmanager
 from types import TracebackType
 from typing import Any, NamedTuple
 
+from bench import cpu
 from bench.data import Spec, schema
 from bench.registry import Context
 
@@ -238,8 +239,11 @@ def running_daemon(
                 proc.wait(timeout=DAEMON_STOP_TIMEOUT)
 
 
-def _child_main(results: Any, go: list[Any], cid: int, role: Role, params: dict[str, Any]) -> None:
-    """Entry point of every spawned child: prepare, report ready, then one body per pass."""
+def _child_main(
+    results: Any, go: list[Any], done: Any, cid: int, role: Role, params: dict[str, Any]
+) -> None:
+    """Entry point of every spawned child: prepare, report ready, then one body per pass, then
+    wait for ``done`` before the role's teardown."""
     try:
         with role(**params) as body:
             results.put(("ready", cid))
@@ -249,6 +253,9 @@ def _child_main(results: Any, go: list[Any], cid: int, role: Role, params: dict[
                 t0 = time.perf_counter()
                 rows, final = body(p)
                 results.put(("pass", cid, p, t0, time.perf_counter(), rows, final))
+            # Alive until the parent is done with the passes: the last pass's CPU is read
+            # from /proc after the last report, and an exited process cannot be read.
+            done.wait(PASS_TIMEOUT)
     except BaseException:
         results.put(("error", cid, traceback.format_exc(limit=8)))
         raise
@@ -259,14 +266,20 @@ class Children:
 
     Use it as a context manager: on the way out the children are joined (each given
     ``JOIN_TIMEOUT`` to finish) and killed if need be; when the block failed, no one waits for
-    stragglers: the live ones are killed at once."""
+    stragglers: the live ones are killed at once.
+
+    ``cpu[p]``: the CPU seconds each descendant process spent in pass ``p``, from just before
+    its release to just after the last report (:mod:`bench.cpu`). So that the last pass's can
+    be read, a child that ran its passes waits, its role still open, until :meth:`close`."""
 
     def __init__(self, passes: int = len(PASSES), preloaded: bool = False) -> None:
         # preloaded: forked from a server that imported PRELOAD once (preloaded_context)
         self.mp = preloaded_context() if preloaded else mp.get_context("spawn")
         self.results = self.mp.Queue()
         self.go = [self.mp.Event() for _ in range(passes)]
+        self.done = self.mp.Event()  # the children may tear their roles down and exit
         self.procs: list[Any] = []
+        self.cpu: list[dict[int, float]] = []
 
     def __enter__(self) -> Children:
         return self
@@ -288,7 +301,7 @@ class Children:
         cid = len(self.procs)
         proc = self.mp.Process(
             target=_child_main,
-            args=(self.results, self.go, cid, role, params),
+            args=(self.results, self.go, self.done, cid, role, params),
             name=f"bench-{role.__name__.removesuffix('_role')}-{cid}",
             daemon=True,
         )
@@ -316,11 +329,14 @@ class Children:
             self._get(deadline)
 
     def pass_reports(self, p: int) -> tuple[float, list[Report]]:
-        """Release pass ``p``; the release time and every child's report, by child id."""
+        """Release pass ``p``; the release time and every child's report, by child id (and
+        the pass's CPU, appended to :attr:`cpu`)."""
+        before = cpu.snapshot()  # a scan takes a few ms: outside the timed window
         t_release = time.perf_counter()
         self.go[p].set()
         deadline = time.monotonic() + PASS_TIMEOUT
         msgs = [self._get(deadline) for _ in self.procs]
+        self.cpu.append(cpu.used(before, cpu.snapshot()))
         reports = [Report(cid=m[1], t0=m[3], t1=m[4], rows=m[5], final=m[6]) for m in msgs]
         return t_release, sorted(reports, key=lambda r: r.cid)
 
@@ -336,6 +352,7 @@ class Children:
         return [self.run_pass(p) for p in range(len(self.go))]
 
     def close(self) -> None:
+        self.done.set()
         for proc in self.procs:
             proc.join(timeout=JOIN_TIMEOUT if proc.exitcode is None else 0)
         for proc in self.procs:

@@ -9,7 +9,8 @@ from one preloaded forkserver (:func:`bench.harness.preloaded_context`) and run 
 process's thread count. A child's work per pass is a :data:`Plan` step: a fixed count of
 operations (the untimed fill), operations for a number of seconds (the timed load), or nothing
 (a writer not in this pass's writer count). A role's rate is its rows over the time from the
-pass's release to the last of its children's ends.
+pass's release to the last of its children's ends. Beside it, every pass records the CPU that all
+the implementation's processes spent in it, and its server's share (:mod:`bench.cpu`).
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from bench import data
+from bench import cpu, data
 from bench.adapters import PREFETCH, missing_module
 from bench.data import Batch, Spec
 from bench.harness import (
@@ -56,6 +57,15 @@ MODULES: dict[str, str | None] = {
     QUEUE: None,
 }
 QUEUE_EPISODES = 256  # bound of the Queue peer's queue: a full queue blocks its producers
+#: What a load's CPU columns mean (a note of each scenario that runs one).
+CPU_NOTE = (
+    "cpu_s_per_M_rows: the CPU seconds (utime + stime in /proc/<pid>/stat, every thread, 10 ms "
+    "ticks) that all processes of the implementation spent from a pass's release to its last "
+    "report (writers, idle ones included, learners, shmbuffer's daemon, any helper process, "
+    "the idle forkserver; not this bench process, which only waits), per million rows of the "
+    "row's side: written on the writers', sampled on the learners'. daemon_share: the "
+    "daemon's part of it (— for a peer: it has no daemon)"
+)
 
 Step = tuple[str, float]
 """``("count", n)``: n operations; ``("run", s)``: operations for s seconds; ``("drain", n)``:
@@ -93,24 +103,28 @@ def _torchrl_batch(batch: Batch) -> Any:
 
 
 @contextlib.contextmanager
-def shared_buffer(impl: str, root: str, capacity: int, unit: str, spec: Spec) -> Iterator[Any]:
-    """The buffer of ``impl`` for the children to share, as the handle their roles take;
+def shared_buffer(
+    impl: str, root: str, capacity: int, unit: str, spec: Spec
+) -> Iterator[tuple[Any, int | None]]:
+    """The buffer of ``impl`` for the children to share: the handle their roles take, and the
+    pid of the process that serves it (shmbuffer's daemon; None for a peer, which has none);
     freed on the way out (the daemon stopped, the memmap folder removed), so the children must
     be gone first."""
     ctx = preloaded_context()  # the children's (Children(preloaded=True))
     if impl == SHM:
-        from shmbuffer.runtime import resolve_endpoint
+        from shmbuffer import runtime
 
         with running_daemon(root, capacity, unit, spec) as target:
             # The endpoint, not the name: a forked child has the forkserver's environment,
             # whose runtime dir may be an earlier scenario's.
-            yield resolve_endpoint(target)
+            pid = (runtime.read(target) or {}).get("pid")
+            yield runtime.resolve_endpoint(target), pid if isinstance(pid, int) else None
     elif impl == CPPRB:
         import cpprb
 
         rb = cpprb.MPReplayBuffer(capacity, cpprb_env(spec), ctx=ctx)
         try:
-            yield rb
+            yield rb, None
         finally:
             del rb
     elif impl == TORCHRL:
@@ -127,14 +141,14 @@ def shared_buffer(impl: str, root: str, capacity: int, unit: str, spec: Spec) ->
                 # (the fill overwrites it).
                 zero = {k: np.zeros((1, *shape), dt) for k, (shape, dt) in spec.items()}
                 rb.extend(_torchrl_batch(zero))
-            yield rb
+            yield rb, None
             del rb
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     elif impl == QUEUE:
         data_q = ctx.Queue(QUEUE_EPISODES)
         try:
-            yield data_q
+            yield data_q, None
         finally:
             data_q.cancel_join_thread()
             data_q.close()
@@ -355,10 +369,27 @@ def role_rates(
     return out
 
 
-def run_plan(kids: Children, roles: dict[int, str], passes: int) -> list[dict[str, Any]]:
-    """Wait for every child, run ``passes`` passes; per pass the rates of :func:`role_rates`."""
+class Pass(NamedTuple):
+    """One pass of a load: per role ``(rows, seconds)`` (:func:`role_rates`); the CPU seconds
+    every process of the implementation spent in it, and its server's (the daemon's; None for
+    a peer); both None where the OS could not be read."""
+
+    rates: dict[str, tuple[int, float]]
+    cpu_s: float | None
+    server_cpu_s: float | None
+
+
+def run_plan(
+    kids: Children, roles: dict[int, str], passes: int, server: int | None = None
+) -> list[Pass]:
+    """Wait for every child, run ``passes`` passes; per pass its :class:`Pass` (``server``:
+    the pid whose CPU is reported apart)."""
     kids.wait_ready()
-    return [role_rates(*kids.pass_reports(p), roles) for p in range(passes)]
+    out = []
+    for p in range(passes):
+        rates = role_rates(*kids.pass_reports(p), roles)
+        out.append(Pass(rates, *cpu.share(kids.cpu[p], server)))
+    return out
 
 
 def plans(counts: tuple[int, ...], fill: Step, learner_fill: Step, seconds: float) -> Any:
@@ -382,17 +413,18 @@ def run_load(
     learners: int,
     learner_plan: Plan,
     learner_params: dict[str, Any],
-) -> list[dict[str, tuple[int, float]]]:
+) -> list[Pass]:
     """``writers`` children running ``writer(impl=, handle=, wid=, plan=, threads=,
     **writer_params)`` and ``learners`` running :func:`learner_role`, on a fresh ``buffer``
-    ``(capacity, unit, spec)`` of ``impl``; per pass, ``{"writers": (rows, s), "learners":
-    (rows, s)}``. ``threads``: this process's torch thread count, given to every child."""
+    ``(capacity, unit, spec)`` of ``impl``; per pass its :class:`Pass`, whose rates are
+    ``{"writers": (rows, s), "learners": (rows, s)}``. ``threads``: this process's torch
+    thread count, given to every child."""
     import torch
 
     threads = torch.get_num_threads()
     capacity, unit, spec = buffer
     with (
-        shared_buffer(impl, root, capacity, unit, spec) as handle,
+        shared_buffer(impl, root, capacity, unit, spec) as (handle, server),
         Children(passes=len(learner_plan), preloaded=True) as kids,
     ):
         roles: dict[int, str] = {}
@@ -411,7 +443,21 @@ def run_load(
                 threads=threads,
                 **learner_params,
             )
-        return run_plan(kids, roles, len(learner_plan))
+        return run_plan(kids, roles, len(learner_plan), server)
+
+
+def cpu_fields(rows: int, pass_: Pass) -> dict[str, float | None]:
+    """A row's CPU figures: ``cpu_s`` (every process of the implementation, over the pass),
+    ``cpu_s_per_m_rows`` (that over the row's own rows: rows written on a writer side, rows
+    sampled on a learner side, in millions), ``daemon_cpu_s`` and ``daemon_cpu_share`` (of
+    ``cpu_s``; None for a peer, which has no daemon)."""
+    total, server = pass_.cpu_s, pass_.server_cpu_s
+    return {
+        "cpu_s": total,
+        "cpu_s_per_m_rows": total / rows * 1e6 if total is not None and rows > 0 else None,
+        "daemon_cpu_s": server,
+        "daemon_cpu_share": server / total if server is not None and total else None,
+    }
 
 
 def rate_rows(
@@ -419,21 +465,22 @@ def rate_rows(
     scenario: str,
     impl: str,
     counts: tuple[int, ...],
-    passes: list[dict[str, tuple[int, float]]],
+    passes: list[Pass],
     sides: tuple[tuple[str, str, int], ...],
     row_bytes: int,
     learners: int,
 ) -> list[Row]:
     """One row per writer count and side of :func:`run_load`'s timed passes (the first pass,
     the untimed fill, is dropped): ``sides`` are ``(role, op, rows per call)``, the op named
-    ``<op>-<n>w``; a side with no report gets a note instead of a row."""
+    ``<op>-<n>w``, with the pass's CPU figures (:func:`cpu_fields`); a side with no report gets
+    a note instead of a row."""
     out: list[Row] = []
-    for n, rates in zip(counts, passes[1:], strict=True):
+    for n, pass_ in zip(counts, passes[1:], strict=True):
         for role, op, chunk in sides:
-            if role not in rates:
+            if role not in pass_.rates:
                 ctx.note(scenario, f"{impl} {op}-{n}w: no {role} report")
                 continue
-            rows, secs = rates[role]
+            rows, secs = pass_.rates[role]
             out.append(
                 make_row(
                     scenario,
@@ -446,6 +493,7 @@ def rate_rows(
                     chunk=chunk,
                     writers=n,
                     learners=learners,
+                    **cpu_fields(rows, pass_),
                 )
             )
     return out

@@ -93,7 +93,7 @@ class Proc(NamedTuple):
     reaped: float  # cutime + cstime: of the children it waited for
 
 
-def _descendants() -> dict[int, Proc]:
+def descendants() -> dict[int, Proc]:
     """Every live descendant of this process, from ``/proc/<pid>/stat``."""
     procs: dict[int, Proc] = {}
     tick = os.sysconf("SC_CLK_TCK")
@@ -143,7 +143,7 @@ class LoadWatch:
         self.before = os.getloadavg()
         self.busy = _busy_seconds()
         self.own = _times()
-        self.start = _descendants()
+        self.start = descendants()
         self.last = dict(self.start)
         self._done = threading.Event()
         self._interval = interval
@@ -152,7 +152,7 @@ class LoadWatch:
 
     def _watch(self) -> None:
         while not self._done.wait(self._interval):
-            self.last.update(_descendants())
+            self.last.update(descendants())
 
     def stop(self) -> dict[str, Any]:
         """``before``/``after``: the 1, 5 and 15-minute load averages; ``cpu_seconds``: CPU
@@ -160,7 +160,7 @@ class LoadWatch:
         busy on average (None where ``/proc/stat`` is missing)."""
         self._done.set()
         self._thread.join()
-        now = _descendants()
+        now = descendants()
         self.last.update(now)
         wall = max(time.monotonic() - self.wall, 1e-9)
         mine, reaped = _times()

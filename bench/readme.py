@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.registry import Row
-from bench.report import COPY_LIMIT, is_ours, is_peer, rate, rate_range, winner
+from bench.report import COPY_LIMIT, cpu, daemon_share, is_ours, is_peer, rate, rate_range, winner
 
 START = "<!-- bench:start -->"
 END = "<!-- bench:end -->"
@@ -42,6 +42,35 @@ def summary(rows: list[Row]) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def cpu_table(rows: list[Row]) -> list[str]:
+    """The markdown table of CPU seconds per million rows: per op of the scenarios that
+    measure it (rows with ``cpu_s_per_m_rows``), every implementation's, shmbuffer's daemon
+    share and its ratio to the lowest peer's (lower is better); no lines without such rows."""
+    measured = [r for r in rows if "cpu_s_per_m_rows" in r]
+    if not measured:
+        return []
+    impls = list(dict.fromkeys(r["impl"] for r in measured if is_ours(r["impl"])))
+    impls += list(dict.fromkeys(r["impl"] for r in measured if not is_ours(r["impl"])))
+    groups: dict[tuple[str, str], dict[str, Row]] = {}
+    for r in measured:
+        groups.setdefault((r["scenario"], r["op"]), {})[r["impl"]] = r
+    lines = [
+        "| scenario | op | " + " | ".join(impls) + " | daemon share | vs peer (lower = better) |",
+        "| --- | --- | " + " | ".join("---" for _ in impls) + " | --- | --- |",
+    ]
+    for (scen, op), by_impl in groups.items():
+        ours = [by_impl[i] for i in impls if i in by_impl and is_ours(i)]
+        ratio = ours[0].get("cpu_vs_best_peer") if ours else None
+        cells = [cpu(by_impl[i].get("cpu_s_per_m_rows")) if i in by_impl else "-" for i in impls]
+        share = daemon_share(ours[0]) if ours else "-"
+        lines.append(
+            f"| {scen} | {op} | "
+            + " | ".join(cells)
+            + f" | {share} | {'-' if ratio is None else f'{ratio:.2f}'} |"
+        )
+    return lines
 
 
 def _value(r: Row) -> str:
@@ -98,6 +127,17 @@ def section(
             f"| {s['scenario']} | {s['op']} | {s['pass']} | {_value(ours)} | {_value(peer)} | "
             f"{s['ratio']:.2f} | {winner(ours)} |"
         )
+    table = cpu_table(rows)
+    if table:
+        lines += [
+            "",
+            "CPU seconds per million rows: every process of the implementation (its writers, "
+            "learners, and shmbuffer's daemon), read from /proc over each pass, per million "
+            "rows written (writer ops) or sampled (learner ops); daemon share: the daemon's "
+            "part of shmbuffer's; vs peer: shmbuffer's over the lowest peer's, lower is better.",
+            "",
+            *table,
+        ]
     alone = sorted({r["scenario"] for r in rows} - {s["scenario"] for s in summary(rows)})
     if alone:
         lines += ["", "Without a peer (figures in results.md): " + ", ".join(alone) + "."]

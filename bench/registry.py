@@ -12,6 +12,8 @@ Row = dict[str, Any]
 ScenarioFn = Callable[["Context"], list[Row]]
 
 SCENARIOS: dict[str, ScenarioFn] = {}
+WORKER_COUNTS = (1, 2, 4)
+QUICK_WORKER_COUNTS = (2,)
 
 
 def scenario(name: str) -> Callable[[ScenarioFn], ScenarioFn]:
@@ -39,6 +41,15 @@ class Context:
     #: scenario may rotate its implementations' order by it, so none always runs first).
     rep: int = 0
     repeat: int = 1
+    #: Worker (writer) process counts of the multi-process loads, rollout and contention
+    #: (``--workers``); None: :data:`WORKER_COUNTS`, or :data:`QUICK_WORKER_COUNTS` quick.
+    workers: tuple[int, ...] | None = None
+
+    def worker_counts(self) -> tuple[int, ...]:
+        """The worker counts a multi-process load runs, one timed pass each."""
+        if self.workers:
+            return self.workers
+        return QUICK_WORKER_COUNTS if self.quick else WORKER_COUNTS
 
     def rotate(self, items: list[Any]) -> list[Any]:
         """``items`` rotated by the current repetition: A B C, then B C A, then C A B."""

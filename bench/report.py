@@ -24,8 +24,22 @@ COLUMNS = [
     "seconds",
     "winner",
 ]
-#: Shown after COLUMNS for a scenario whose rows carry them (per-call costs of repeated runs).
-OPTIONAL_COLUMNS = ["us_per_call", "us_min", "us_max"]
+#: Shown after COLUMNS for a scenario whose rows carry them (per-call costs of repeated runs;
+#: the CPU figures of the multi-process loads, see bench.loads.cpu_fields).
+OPTIONAL_COLUMNS = [
+    "us_per_call",
+    "us_min",
+    "us_max",
+    "cpu_s_per_m_rows",
+    "daemon_cpu_share",
+    "cpu_vs_best_peer",
+]
+#: A column's header where it is not its key; CPU is a cost: its ratio reads the other way.
+HEADERS = {
+    "cpu_s_per_m_rows": "cpu_s_per_M_rows",
+    "daemon_cpu_share": "daemon_share",
+    "cpu_vs_best_peer": "cpu_vs_best_peer (lower = better)",
+}
 
 
 def is_peer(impl: str) -> bool:
@@ -72,6 +86,8 @@ def aggregate(runs: list[list[Row]]) -> list[Row]:
         row["rows_per_s_min"] = ranked[0]["rows_per_s"]
         row["rows_per_s_max"] = ranked[-1]["rows_per_s"]
         row["runs_rows_per_s"] = [r["rows_per_s"] for r in reps]
+        if "cpu_s_per_m_rows" in row:
+            row["runs_cpu_s_per_m_rows"] = [r.get("cpu_s_per_m_rows") for r in reps]
         out.append(row)
     return out
 
@@ -113,11 +129,21 @@ def add_winners(rows: list[Row]) -> None:
 
 def add_ratios(rows: list[Row]) -> None:
     """``vs_copy``: throughput / the copy limit's (same scenario, op, pass);
-    ``vs_best_peer``: throughput / the best peer's (TorchRL, cpprb...). None when absent."""
+    ``vs_best_peer``: throughput / the best peer's (TorchRL, cpprb...). None when absent.
+    Rows with CPU figures also get ``cpu_vs_best_peer``: their CPU per row / the lowest a
+    peer spent (lower is better: below 1, less CPU per row than every peer)."""
     for group in _groups(rows).values():
         limit = [r["rows_per_s"] for r in group if r["impl"] == COPY_LIMIT]
         peers = [r["rows_per_s"] for r in group if is_peer(r["impl"])]
+        frugal = [
+            r["cpu_s_per_m_rows"]
+            for r in group
+            if is_peer(r["impl"]) and r.get("cpu_s_per_m_rows") is not None
+        ]
         for r in group:
+            if "cpu_s_per_m_rows" in r:
+                cpu = r["cpu_s_per_m_rows"]
+                r["cpu_vs_best_peer"] = cpu / min(frugal) if cpu is not None and frugal else None
             if r["op"] == "create":  # lazy allocators make creation ratios meaningless
                 r["vs_copy"] = r["vs_best_peer"] = None
                 continue
@@ -148,12 +174,29 @@ def winner(r: Row, markdown: bool = True) -> str:
     return text + (" ~" if r.get("winner_overlaps") else "")
 
 
+def cpu(value: float | None) -> str:
+    """CPU seconds per million rows, three figures: ``2.05``, ``12.3``, ``153``."""
+    if value is None:
+        return "-"
+    return f"{value:.3g}" if value < 1000 else f"{value:.0f}"
+
+
+def daemon_share(r: Row) -> str:
+    """The daemon's part of a row's CPU: ``23%``; ``—`` for an implementation without one."""
+    value = r.get("daemon_cpu_share")
+    if value is None:
+        return "—" if not is_ours(r["impl"]) else "-"
+    return f"{value:.0%}"
+
+
 def _fmt(key: str, value: Any) -> str:
     if value is None:
         return "-"
     if key == "rows_per_s":
         return rate(value)
-    if key in ("gb_per_s", "vs_copy", "vs_best_peer"):
+    if key == "cpu_s_per_m_rows":
+        return cpu(value)
+    if key in ("gb_per_s", "vs_copy", "vs_best_peer", "cpu_vs_best_peer"):
         return f"{value:.2f}"
     if key == "seconds":
         return f"{value:.3f}"
@@ -172,7 +215,13 @@ def _cell(c: str, r: Row, markdown: bool) -> str:
         return rate_range(r)
     if c == "winner":
         return winner(r, markdown)
+    if c == "daemon_cpu_share":
+        return daemon_share(r)
     return _fmt(c, r.get(c))
+
+
+def header(c: str) -> str:
+    return HEADERS.get(c, c)
 
 
 def table_rows(rows: list[Row], markdown: bool = True) -> list[list[str]]:
@@ -196,7 +245,13 @@ def scenario_line(info: dict[str, Any] | None) -> str:
 MD_LEGEND = (
     "rows_per_s: the median of the runs, range: their min-max; vs_copy / vs_best_peer: the "
     "median against the copy limit's and the best peer's; winner: the fastest implementation "
-    "of that op and pass (a peer in **bold**; `~`: its range overlaps the runner-up's)."
+    "of that op and pass (a peer in **bold**; `~`: its range overlaps the runner-up's). "
+    "Where a scenario runs processes (rollout, contention): cpu_s_per_M_rows: the CPU seconds "
+    "every process of the implementation spent in the pass (writers, learners, shmbuffer's "
+    "daemon, any helper), read from /proc, per million of the row's rows (written on a "
+    "writer side, sampled on a learner side); daemon_share: the daemon's part of it (—: the "
+    "implementation has no daemon); cpu_vs_best_peer: that over the lowest a peer spent, "
+    "lower is better (below 1: less CPU per row than every peer)."
 )
 
 
@@ -214,7 +269,7 @@ def markdown(rows: list[Row], notes: list[str], meta: dict[str, Any]) -> str:
         line = scenario_line(meta.get("scenarios", {}).get(name))
         if line:
             out += [line, ""]
-        out += ["| " + " | ".join(columns(sub)) + " |"]
+        out += ["| " + " | ".join(header(c) for c in columns(sub)) + " |"]
         out.append("|" + "|".join("---" for _ in columns(sub)) + "|")
         out += ["| " + " | ".join(t) + " |" for t in table_rows(sub)]
     if notes:
@@ -237,7 +292,7 @@ def print_tables(rows: list[Row], notes: list[str], meta: dict[str, Any]) -> Non
         table = Table(title=name)
         sub = [r for r in rows if r["scenario"] == name]
         for c in columns(sub):
-            table.add_column(c, justify="left" if c in ("impl", "op", "pass") else "right")
+            table.add_column(header(c), justify="left" if c in ("impl", "op", "pass") else "right")
         for t in table_rows(sub, markdown=False):
             table.add_row(*t)
         console.print(table)

@@ -1,6 +1,7 @@
 """Rollout scenario: an end-to-end collection loop. N worker processes step a cheap numpy
 environment and write each finished episode; one learner process samples batches, with a
-pause standing for its (GPU) update. Env steps per second and learner rows sampled per second.
+pause standing for its (GPU) update. Env steps per second and learner rows sampled per second,
+and the CPU all of an implementation's processes spent per million of them (:mod:`bench.cpu`).
 
 The same loop is built on each implementation (:mod:`bench.loads`), one after another (the
 order rotates with the repetition): shmbuffer through a daemon (``Writer.extend`` of the
@@ -87,10 +88,11 @@ def worker_role(impl: str, handle: Any, wid: int, plan: loads.Plan, threads: int
 
 @scenario(NAME)
 def rollout(ctx: Context) -> list[Row]:
-    """1, 2 and 4 worker processes stepping a numpy toy env (obs f32[64]) and writing each
-    100-step episode, one learner sample(256) + 2 ms update, 3 s: env steps/s and learner
-    rows/s; shmbuffer through a daemon vs a multiprocessing.Queue, cpprb MP, TorchRL shared."""
-    counts = (2,) if ctx.quick else (1, 2, 4)
+    """1, 2 and 4 worker processes (--workers) stepping a numpy toy env (obs f32[64]), writing
+    each 100-step episode, one learner sample(256) + 2 ms update, 3 s: env steps/s, learner
+    rows/s and CPU per row; shmbuffer through a daemon vs a multiprocessing.Queue, cpprb MP,
+    TorchRL shared."""
+    counts = ctx.worker_counts()
     seconds = 0.5 if ctx.quick else 3.0
     capacity = ctx.size(200_000, minimum=20_000)
     row_bytes = data.row_bytes(data.SPECS[KIND])
@@ -116,6 +118,7 @@ def rollout(ctx: Context) -> list[Row]:
         "Children are forked from one forkserver that imported torch, shmbuffer and the "
         "peers once, with the parent's torch thread count (--threads)",
     )
+    ctx.note(NAME, loads.CPU_NOTE)
     writer_plan, learner_plan = loads.plans(counts, ("count", WARM), ("idle", 0.0), seconds)
     out: list[Row] = []
     with bench_dirs(ctx) as root:

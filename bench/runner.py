@@ -1,5 +1,5 @@
-"""``python -m bench [SCENARIO ... | --all] [--quick] [--repeat K] [--out DIR] [--plot]
-[--readme [--force]] [--list]``.
+"""``python -m bench [SCENARIO ... | --all] [--quick] [--repeat K] [--workers N,N,...] [--out DIR]
+[--plot] [--readme [--force]] [--list]``.
 
 ``python -m bench --all --readme`` runs every scenario and writes the JSON, the markdown, the
 plots and the README's benchmark section (:mod:`bench.readme`) from that one run."""
@@ -26,12 +26,29 @@ from bench import (  # noqa: F401  (register the scenarios)
     runs,
     sampling,
 )
-from bench.registry import SCENARIOS, Context
+from bench.registry import QUICK_WORKER_COUNTS, SCENARIOS, WORKER_COUNTS, Context
 
+#: The scenarios whose worker (writer) process counts ``--workers`` sets.
+WORKER_SCENARIOS = ("rollout", "contention")
 MAX_OP_SECONDS = 5.0
 #: --quick's cap: a peer's slow op (TorchRL's sample of image rows, ~0.1-1 s a call on two
 #: busy cores) would otherwise spend 5 s apiece of a run that only checks it works.
 QUICK_MAX_OP_SECONDS = 1.0
+
+
+def worker_counts(text: str) -> tuple[int, ...]:
+    """``--workers``'s value: distinct positive integers separated by commas, in rising order
+    (``"4,8,14"`` -> ``(4, 8, 14)``)."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isascii() and p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"expected positive integers separated by commas (e.g. 4,8,14), got {text!r}"
+        )
+    counts = [int(p) for p in parts]
+    twice = sorted({n for n in counts if counts.count(n) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"{text!r} gives {twice[0]} more than once")
+    return tuple(sorted(counts))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +71,16 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="K",
         help="runs of each scenario, folded into median and min-max (default 3; 1 with --quick)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=worker_counts,
+        default=None,
+        metavar="N,N,...",
+        help="worker (writer) process counts of "
+        f"{' and '.join(WORKER_SCENARIOS)}, one timed pass each (default "
+        f"{','.join(map(str, WORKER_COUNTS))}; {','.join(map(str, QUICK_WORKER_COUNTS))} "
+        "with --quick)",
     )
     parser.add_argument(
         "--readme",
@@ -110,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown scenario(s) {unknown}; known: {list(SCENARIOS)}")
     if args.all and args.scenarios:
         parser.error(f"--all runs every scenario: give --all or names, not both ({args.scenarios})")
+    if args.workers and not any(n.split(".")[0] in WORKER_SCENARIOS for n in names):
+        parser.error(
+            f"--workers sets the worker counts of {' and '.join(WORKER_SCENARIOS)}, and "
+            f"neither is among the scenarios to run ({names})"
+        )
     repeat = args.repeat if args.repeat is not None else (1 if args.quick else 3)
     if repeat < 1:
         parser.error(f"--repeat must be >= 1, got {repeat}")
@@ -140,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         tmpdir=args.tmpdir,
         max_op_seconds=args.max_op_seconds,
         create_gb=args.create_gb,
+        workers=args.workers,
     )
     started = datetime.datetime.now(datetime.UTC)
     rows, scenarios = runs.run(names, ctx, repeat)

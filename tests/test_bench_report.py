@@ -172,6 +172,11 @@ def test_list_names_every_scenario() -> None:
         (["--readme", "core"], "--readme writes the table of every scenario"),
         (["--readme", "--quick"], "--readme with --quick"),
         (["--repeat", "0"], "--repeat must be >= 1"),
+        (["--workers", "0,2", "rollout"], "argument --workers: expected positive integers"),
+        (["--workers", "2,x", "rollout"], "argument --workers: expected positive integers"),
+        (["--workers", "", "rollout"], "argument --workers: expected positive integers"),
+        (["--workers", "4,2,4", "rollout"], "argument --workers: '4,2,4' gives 4 more than once"),
+        (["--workers", "4", "core"], "--workers sets the worker counts of rollout and contention"),
     ],
 )
 def test_bad_flags_are_refused_naming_the_flag(
@@ -234,3 +239,68 @@ def test_run_repeats_a_scenario_rotating_its_order_and_survives_a_failing_one() 
     ]
     assert "test.boom: failed: RuntimeError: no such field 'obs'" in ctx.notes
     assert info["test.fake"]["repeats"] == 3 and "load_after" in info["test.boom"]
+
+
+def test_workers_flag_sets_the_counts_of_the_loads(tmp_path: Path) -> None:
+    assert runner.worker_counts("8, 4,14") == (4, 8, 14)
+    assert Context().worker_counts() == (1, 2, 4)
+    assert Context(quick=True).worker_counts() == (2,)
+    seen: list[tuple[int, ...]] = []
+
+    def fake(ctx: Context) -> list[Row]:
+        seen.append(ctx.worker_counts())
+        return [_row("shmbuffer", f"x-{n}w", 10, scenario="rollout.fake") for n in seen[-1]]
+
+    SCENARIOS["rollout.fake"] = fake
+    try:
+        code, text = _main(
+            "rollout.fake", "--workers", "3,1", "--repeat", "1", "--out", str(tmp_path)
+        )
+    finally:
+        del SCENARIOS["rollout.fake"]
+    assert code == 0 and seen == [(1, 3)]
+    assert "python -m bench rollout.fake --workers 3,1 --repeat 1" in text
+
+
+def _cpu_rows() -> list[Row]:
+    figures = [
+        ("shmbuffer-daemon", 4.0, 0.25),
+        ("cpprb-MPReplayBuffer", 5.0, None),
+        ("torchrl-shared-LazyMemmapStorage", 8.0, None),
+    ]
+    rows = report.aggregate(
+        [
+            [
+                _row(impl, "insert-2w", 100, cpu_s_per_m_rows=c, daemon_cpu_share=d)
+                for impl, c, d in figures
+            ]
+        ]
+    )
+    rows.append(_row("shmbuffer-daemon", "ping-1c", 9))  # a scenario without CPU figures
+    report.add_ratios(rows)
+    report.add_winners(rows)
+    return rows
+
+
+def test_cpu_per_row_is_a_cost_compared_with_the_most_frugal_peer(tmp_path: Path) -> None:
+    rows = _cpu_rows()
+    assert rows[0]["cpu_vs_best_peer"] == pytest.approx(0.8)
+    assert rows[2]["cpu_vs_best_peer"] == pytest.approx(1.6)
+    assert rows[0]["runs_cpu_s_per_m_rows"] == [4.0]
+    assert "cpu_vs_best_peer" not in rows[3]
+    md = report.markdown(rows, [], {"versions": {}, "scenarios": {}})
+    assert "| cpu_s_per_M_rows | daemon_share | cpu_vs_best_peer (lower = better) |" in md
+    line = next(ln for ln in md.splitlines() if ln.startswith("| shmbuffer-daemon | insert"))
+    assert line.endswith("| 4 | 25% | 0.80 |")
+    line = next(ln for ln in md.splitlines() if ln.startswith("| cpprb-MPReplayBuffer |"))
+    assert line.endswith("| 5 | — | 1.00 |")
+    json.dumps(rows)
+
+    path = tmp_path / "README.md"
+    text = readme.section(rows, _meta(), tmp_path, [], path)
+    assert (
+        "| scenario | op | shmbuffer-daemon | cpprb-MPReplayBuffer | "
+        "torchrl-shared-LazyMemmapStorage | daemon share | vs peer (lower = better) |" in text
+    )
+    assert "| s | insert-2w | 4 | 5 | 8 | 25% | 0.80 |" in text
+    assert "| s | ping-1c |" not in text

@@ -104,6 +104,11 @@ def test_quick_all_scenarios(tmp_path: Path) -> None:
         for impl in impls:
             ops = {r["op"] for r in rows if r["scenario"] == scenario and r["impl"] == impl}
             assert ops == {f"{s}-2w" for s in sides}, (impl, ops, doc["notes"])  # --quick: 2
+        for r in (r for r in rows if r["scenario"] == scenario):
+            # every process's CPU, and the daemon's part of it where there is one
+            assert r["cpu_s"] > 0 and r["cpu_s_per_m_rows"] > 0, r
+            share = r["daemon_cpu_share"]
+            assert (0 <= share <= 1) if r["impl"] == "shmbuffer-daemon" else share is None, r
         assert not [n for n in doc["notes"] if n.startswith(scenario) and "failed" in n]
     for scenario in ("core.transitions", "core.episodes"):
         impls = {r["impl"] for r in rows if r["scenario"] == scenario}

@@ -1,6 +1,9 @@
-"""What the daemon, the command line and a writer import: not tensordict, whose import costs a
-process about 3 s of CPU here (it loads torch._dynamo). Every ``shmbuffer-daemon`` command, every
-daemon start and every env-worker process paid it before; only TensorDict-returning calls need it.
+"""What the daemon, the command line, a writer and a reader import: not tensordict, whose import
+costs a process about 3 s of CPU here (it loads torch._dynamo). Every ``shmbuffer-daemon`` command,
+every daemon start and every env-worker process paid it before; only TensorDict-returning calls
+need it. A reader imports not even torch until it first touches rows
+(``tests/e2e/test_reader_imports.py`` holds that against a daemon): a tool that attaches to read
+``stats()`` or ``len()`` starts in a fraction of the time.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from pathlib import Path
 import pytest
 
 LIGHT = ["shmbuffer.cli", "shmbuffer.daemon.server", "shmbuffer.clients.writer"]
+#: What ``from shmbuffer import Reader`` loads: none of these may import torch, tensordict or
+#: numba at module level (each is imported by the first call that needs it).
+READER = ["shmbuffer.clients.reader", "shmbuffer.api.reads", "shmbuffer.clients.episode_reads"]
 
 
 @pytest.mark.parametrize("module", LIGHT)
@@ -26,6 +32,32 @@ def test_module_does_not_import_tensordict(module: str) -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.strip() == "[]", f"{module} imports {out.stdout.strip()}"
+
+
+@pytest.mark.parametrize("module", READER)
+def test_reader_modules_import_neither_torch_nor_tensordict(module: str) -> None:
+    probe = (
+        f"import sys, {module}; "
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'tensordict', 'numba')); "
+        "print(heavy[:5])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "[]", f"{module} imports {out.stdout.strip()}"
+
+
+def test_the_public_reader_name_imports_no_torch() -> None:
+    probe = (
+        "import sys\n"
+        "from shmbuffer import Reader\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'tensordict'))[:5])\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_segment_builds_its_tensordict_on_first_use() -> None:

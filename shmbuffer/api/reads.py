@@ -22,26 +22,29 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from shmbuffer.errors import InvalidArgumentError
 from shmbuffer.samplers.base import check_beta, check_generation, check_update
-from shmbuffer.storage.rows import slice_rows
-from shmbuffer.storage.schema import Schema, to_host
+from shmbuffer.storage.indices import slice_rows, to_host
 from shmbuffer.wire.protocol import MAX_SAMPLE, check_sample_size
 
-if TYPE_CHECKING:  # the daemon imports this module, never tensordict (seconds of CPU)
+if TYPE_CHECKING:
+    # The daemon imports this module, never tensordict (seconds of CPU); a Reader imports it
+    # before it imports torch, which the first call that touches rows does.
+    import torch
     from tensordict import TensorDict
+
+    from shmbuffer.storage.schema import Schema
 
 I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]
 Mask = npt.NDArray[np.bool_]
 #: What logical indexing takes (``Buffer[index]``).
-Index = int | np.integer | slice | Sequence[int] | np.ndarray | torch.Tensor
+Index: TypeAlias = "int | np.integer[Any] | slice | Sequence[int] | np.ndarray | torch.Tensor"
 
 
 def as_integer(value: Any, name: str) -> int:
@@ -157,6 +160,8 @@ def slice_mask(lengths: I64, length: int) -> Mask:
 def mask_slices(data: TensorDict, mask: Mask, device: str | torch.device | None = None) -> None:
     """Zero the padding of a ``[n, length]`` sample of slices (a padding row is a copy of its
     slice's first row) and add the ``"mask"`` entry (on ``device``, beside the rows)."""
+    import torch  # loaded already: ``data`` holds tensors
+
     held = torch.from_numpy(mask)
     if device is not None:
         held = held.to(device)

@@ -14,18 +14,21 @@ import time
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from tensordict import TensorDict
 
 from shmbuffer.api.reads import check_episode_args
 from shmbuffer.clients.leased import ClientLease, EpisodeViews
 from shmbuffer.clients.readerstate import ReaderState
 from shmbuffer.clients.ticker import Ticker
 from shmbuffer.errors import NotFoundError, ShmBufferError, UnknownClientError
-from shmbuffer.storage import rows
 from shmbuffer.wire.protocol import decode_i64
+
+if TYPE_CHECKING:  # imported by the first call that touches rows (readerstate.py says why)
+    from tensordict import TensorDict
+
+    from shmbuffer.storage import rows
 
 
 class EpisodeReads(ReaderState):
@@ -65,6 +68,8 @@ class EpisodeReads(ReaderState):
             total = int(lengths.sum())
             copy_to = None
             if out is not None:
+                from shmbuffer.storage import rows
+
                 target = target or self._out_target(out)
                 assert target is not None  # the reply brought the schema
                 rows.check_out_rows(target[2], lengths)
@@ -101,6 +106,8 @@ class EpisodeReads(ReaderState):
         yet: then it is checked once the reply brought the schema)."""
         if out is None or self.schema is None:
             return None
+        from shmbuffer.storage import rows
+
         return rows.out_arrays(self.schema, out)
 
     def _copy_episodes(
@@ -115,6 +122,8 @@ class EpisodeReads(ReaderState):
         """Copy leased episodes into ``out`` and let the lease go: a lease that certainly held
         until the copy ended (:meth:`ClientLease.valid`) is released without waiting; else the
         release's answer decides, and LeaseExpiredError says the copy may be torn."""
+        from shmbuffer.storage import rows
+
         assert self.segment is not None
         try:
             target = target or self._out_target(out)

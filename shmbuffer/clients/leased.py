@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
-from tensordict import TensorDict
 
 from shmbuffer.clients.connection import Connection
 from shmbuffer.errors import LeaseExpiredError, NotFoundError, UnknownClientError
-from shmbuffer.storage import rows
+
+if TYPE_CHECKING:  # imported by the first view (a Reader imports neither before it attaches)
+    from tensordict import TensorDict
 
 Key = tuple[str, ...]
 
@@ -81,7 +82,7 @@ class ClientLease:
         )
 
 
-class EpisodeViews(Sequence[TensorDict]):
+class EpisodeViews(Sequence["TensorDict"]):
     """The episodes of one ``sample_episodes`` call, a sequence (like a list) whose item ``i``
     is episode ``i`` as a ``[length_i]`` TensorDict, built when accessed.
 
@@ -144,6 +145,8 @@ class EpisodeViews(Sequence[TensorDict]):
     def _view(self, i: int) -> TensorDict:
         if self._lease is not None and not self._lease.valid():
             raise self._lease.expired_error()
+        from shmbuffer.storage import rows  # imported by the attach: a lookup
+
         start, length = int(self.starts[i]), int(self.lengths[i])
         cut = {key: column[start : start + length] for key, column in self._columns.items()}
         return rows.nest(cut, [length])

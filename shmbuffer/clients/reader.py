@@ -24,11 +24,9 @@ leases. Every name importers used from here is still here.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from tensordict import TensorDict
 
 from shmbuffer.api.reads import (
     as_count,
@@ -45,7 +43,6 @@ from shmbuffer.clients.episode_reads import EpisodeReads
 from shmbuffer.clients.leased import ClientLease, EpisodeViews
 from shmbuffer.clients.readerstate import CONSUMING_SAMPLERS
 from shmbuffer.errors import ShmBufferError, TornReadError
-from shmbuffer.storage import rows
 from shmbuffer.wire.protocol import (
     MAX_UPDATES,
     decode_f64,
@@ -53,6 +50,10 @@ from shmbuffer.wire.protocol import (
     encode_f64,
     encode_i64,
 )
+
+if TYPE_CHECKING:  # both imported by the first call that touches rows (readerstate.py says why)
+    import torch
+    from tensordict import TensorDict
 
 __all__ = ["CONSUMING_SAMPLERS", "MAX_RESAMPLES", "ClientLease", "EpisodeViews", "Reader"]
 
@@ -190,6 +191,8 @@ class Reader(EpisodeReads):
     def _info(self, items: dict[str, Any]) -> dict[str, torch.Tensor]:
         """The info handed out with a sample; its rows and stamps are remembered for an
         update sent back without them (:mod:`shmbuffer.api.recent`)."""
+        import torch
+
         self._recent.remember(items["index"], items["generation"])
         return {
             "index": torch.from_numpy(items["index"]),
@@ -218,11 +221,15 @@ class Reader(EpisodeReads):
         lapped again and again (a fast machine did 8 in a row); a lease holds the writer back
         for one short copy and the redraw cannot be torn.
         """
+        from shmbuffer.storage import rows  # imported by the attach: a lookup
+
         assert self.segment is not None
         stamps = self.segment.generations
         data = rows.gather(self.segment.columns, physical, self.segment.arrays)
         if not (stamps[physical] != gens).any():  # the usual case, in one comparison
             return data
+        import torch
+
         self._went_stale()
         todo = np.arange(len(physical) // group)
         for _ in range(MAX_RESAMPLES):

@@ -16,11 +16,9 @@ import contextlib
 import math
 import operator
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from tensordict import TensorDict
 
 from shmbuffer.api.recent import RecentSamples
 from shmbuffer.clients.connection import Connection
@@ -35,11 +33,18 @@ from shmbuffer.errors import (
 )
 from shmbuffer.samplers import SAMPLERS
 from shmbuffer.storage import streamcopy
-from shmbuffer.storage.cuda_segment import attach_segment
-from shmbuffer.storage.rows import from_bytes, gather, nest
-from shmbuffer.storage.schema import Schema, to_host
-from shmbuffer.storage.segment import Segment
+from shmbuffer.storage.indices import to_host
 from shmbuffer.wire.protocol import MAX_SAMPLE, MAX_SAMPLE_ROWS, encode_i64
+
+if TYPE_CHECKING:
+    # Imported by the first call that touches rows, not with the Reader: torch's import is
+    # most of a fresh process's start-up (and tensordict's, which loads torch._dynamo, more),
+    # and a Reader asked only ``stats()`` or ``len()`` needs neither (``bench/startup.py``).
+    import torch
+    from tensordict import TensorDict
+
+    from shmbuffer.storage.schema import Schema
+    from shmbuffer.storage.segment import Segment
 
 #: Samplers whose samples consume what they hand out, as they declare it (``Sampler.consumes``;
 #: with any sampler: max_times_sampled): a sample sent ahead would take data the learner never
@@ -180,6 +185,9 @@ class ReaderState:
             info = self.conn.call("stats")["stats"]
             if info["schema"] is None:
                 return None
+            from shmbuffer.storage.cuda_segment import attach_segment
+            from shmbuffer.storage.schema import Schema
+
             self.schema = Schema.from_spec(info["schema"])
             if not self.remote:
                 seg = info["segment"]
@@ -312,7 +320,9 @@ class ReaderState:
             seq = self.conn.send("read", rows=encode_i64(physical), gens=encode_i64(stamps))
             _, frames = self.conn.wait(seq)
             return self._from_frames(frames, [physical.size]), np.zeros(physical.size, bool)
-        data = gather(segment.columns, physical, segment.arrays)
+        from shmbuffer.storage import rows as row_copies  # ``rows`` is the argument here
+
+        data = row_copies.gather(segment.columns, physical, segment.arrays)
         # A reservation bumps a row's stamp before its writer may touch the row.
         return data, segment.generations[physical] != stamps
 
@@ -324,6 +334,10 @@ class ReaderState:
     ) -> TensorDict:
         """The rows of payload frames, copied into fresh tensors, or into ``out`` (the arrays
         and tensors :func:`rows.out_arrays` made of the caller's ``out``)."""
+        import torch
+
+        from shmbuffer.storage.rows import from_bytes, nest
+
         assert self.schema is not None
         n = int(np.prod(batch_size))
         flat: dict[Any, Any] = {}

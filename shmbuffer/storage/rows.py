@@ -40,6 +40,8 @@ import numpy as np
 import torch
 
 from shmbuffer.errors import InvalidArgumentError
+from shmbuffer.storage.indices import episode_rows as episode_rows  # noqa: PLC0414
+from shmbuffer.storage.indices import slice_rows as slice_rows  # noqa: PLC0414
 from shmbuffer.storage.schema import Key, Schema, key_str
 from shmbuffer.storage.streamcopy import copy_into, copy_out, gather_into
 
@@ -400,20 +402,6 @@ def episodes(
         shaped = {k: t.view(n, length, *t.shape[1:]) for k, t in flat.items()}
         return nest(shaped, [n, length])
     return list(nest(flat, [int(lengths.sum())]).split(lengths.tolist()))
-
-
-def slice_rows(starts: np.ndarray, length: int) -> np.ndarray:
-    """The physical rows of slices ``[start, start + length)``, concatenated, vectorised."""
-    out: np.ndarray = (starts[:, None] + np.arange(length)).reshape(-1)
-    return out
-
-
-def episode_rows(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The physical rows of episodes ``[start, start + length)``, concatenated, vectorised."""
-    ends_before = np.cumsum(lengths) - lengths
-    out: np.ndarray = np.arange(int(lengths.sum()), dtype=np.int64)
-    out += np.repeat(starts - ends_before, lengths)
-    return out
 
 
 _NUMPY_DTYPES: dict[torch.dtype, np.dtype[Any]] = {}

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from shmbuffer.errors import SchemaError
+from shmbuffer.storage.indices import to_host as to_host  # noqa: PLC0414
 
 Key = tuple[str, ...]
 
@@ -122,14 +123,6 @@ def _dtype_of(value: Any) -> torch.dtype:
             dtype = _NUMPY_DTYPES[value.dtype] = torch.from_numpy(np.empty(0, value.dtype)).dtype
         return dtype
     return torch.as_tensor(value).dtype
-
-
-def to_host(value: Any) -> Any:
-    """A tensor (on any device, maybe needing grad) as a numpy array; others as given: how
-    every API takes index, priority and generation arguments."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
-    return value
 
 
 def _as_leaf(key: Key, value: Any) -> np.ndarray | torch.Tensor:

@@ -1,0 +1,73 @@
+"""A ring listener that keeps the ring's live runs published for readers that draw rows
+themselves (``registry/shared_spans.py``), and says whether they may.
+
+Told every change of the registry (a commit, each evicted range, a restore, a clear, a load) it
+publishes the runs at once, inside the ring's call: an eviction is therefore published before
+the ring's ``reserve`` returns, so before its owner bumps the reserved rows' stamps and hands
+them to a writer. That order is what makes a reader's draw safe (``docs/architecture.md``,
+"Local draws").
+
+Whether readers may draw themselves is the table's to say, published with the runs: its
+sampler must draw rows uniformly over the runs and change nothing
+(``Sampler.rows_uniform_over_spans``), and its rate limiter must decide by the stored size
+alone (``RateLimiter.samples_by_size``) and admit a sample now. Its owner calls
+:meth:`SpansPublisher.publish` itself after anything else that changes that answer (a
+limiter's settings).
+
+Calling rule: a :class:`~shmbuffer.ring.listeners.RingListener`'s; a publication is a handful of
+word stores into a mapped file, no system call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from shmbuffer.registry.intervals import Episode
+from shmbuffer.registry.shared_spans import SpansFile
+from shmbuffer.ring.listeners import F64, Range, RingListener
+from shmbuffer.ring.ring import Ring
+from shmbuffer.ring.table import Table
+
+
+class SpansPublisher(RingListener):
+    """Publishes ``table``'s ring's live runs into ``out`` after every change, from now on
+    (it listens to the ring, after the tables made before it, and publishes once now)."""
+
+    def __init__(self, table: Table, out: SpansFile) -> None:
+        self.table = table
+        self.ring: Ring = table.ring
+        self.out = out
+        self.ring.listen(self)
+        self.publish()
+
+    def open(self) -> bool:
+        """Whether a reader may draw rows itself now (see the module docstring)."""
+        table = self.table
+        limiter = table.rate_limiter
+        return (
+            table.sampler.rows_uniform_over_spans
+            and limiter.samples_by_size
+            and limiter.can_sample(1)
+        )
+
+    def publish(self) -> None:
+        registry = self.ring.registry
+        starts, ends = registry.spans.runs()
+        self.out.publish(starts, ends, registry.num_rows, self.open())
+
+    def on_commit(
+        self, episodes: Sequence[Episode], ranges: Sequence[Range], priority: F64 | None
+    ) -> None:
+        self.publish()
+
+    def on_evict(self, start: int, stop: int, evicted: Sequence[Episode], rows: int) -> None:
+        self.publish()
+
+    def on_restore(self, episodes: Sequence[Episode], rows: int) -> None:
+        self.publish()
+
+    def on_clear(self, rows: int) -> None:
+        self.publish()
+
+    def on_load(self) -> None:
+        self.publish()

@@ -124,6 +124,24 @@ class SampleOps(DaemonState):
             reply["gens"] = encode_i64(self.generations[physical])
         return reply, []
 
+    def op_drawn(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Reply:
+        """Rows a reader drew itself over the published runs (``ring/publisher.py``), sent
+        in bulk after the fact: counted as the daemon counts the rows of its own draws (use
+        counts, the limiter's sampled figure, the counters). Nothing is journaled, as for
+        the daemon's own draws of such a table: they change no sampler state."""
+        physical, gens = decode_i64(fields["rows"]), decode_i64(fields["gens"])
+        outside = (physical < 0) | (physical >= self.config.capacity)
+        if outside.any():
+            raise InvalidArgumentError(
+                f"op 'drawn': row {int(physical[outside][0])} of rows is out of range for a "
+                f"buffer of capacity {self.config.capacity}"
+            )
+        counted = self.container.table.count_drawn(physical, gens, self.generations)
+        self.counters.samples += fields["samples"]
+        self.counters.rows_sampled += physical.size
+        client.rows_sampled += physical.size
+        return {"counted": counted}, []
+
     def _holding(self, physical: np.ndarray) -> list[int]:
         """Ids of the episodes holding ``physical`` rows (one registry query per run of
         consecutive rows: a FIFO's rows and a slice are runs)."""

@@ -69,6 +69,7 @@ class BufferService(WriteOps, SampleOps):
             "abort": self.op_abort,
             "write": self.op_write,
             "sample": self.op_sample,
+            "drawn": self.op_drawn,
             "update_priorities": self.op_update_priorities,
             "iterate": self.op_iterate,
             "read": self.op_read,
@@ -222,6 +223,8 @@ class BufferService(WriteOps, SampleOps):
         except (TypeError, ValueError) as exc:  # nothing was changed
             raise InvalidArgumentError(f"op 'configure': {exc}") from None
         log.warning("rate limiter reconfigured: %s", limiter.blocked_reason())
+        if self.spans is not None:  # whether readers may draw themselves may have changed
+            self.spans.publish()
         if self.journal is not None:  # a resume keeps the new settings
             try:
                 self.journal.snapshot(self.persistent_state())
@@ -245,6 +248,7 @@ class BufferService(WriteOps, SampleOps):
         service.counters.restore(state.get("counters", {}))
         service._hold_pins(state.get("pins") or [], time.monotonic())
         service._start_journal()  # its first snapshot keeps the pins held again
+        service.publish_spans()  # the whole state, before any client is served
         return service
 
     def _hold_pins(self, entries: list[Any], now: float) -> None:

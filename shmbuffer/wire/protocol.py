@@ -45,7 +45,7 @@ from shmbuffer.wire.codec import encode_f64 as encode_f64  # noqa: PLC0414
 from shmbuffer.wire.codec import encode_i64 as encode_i64  # noqa: PLC0414
 
 #: Versioned separately from the package. Minor bumps add optional fields or ops only.
-PROTOCOL_VERSION = "1.7"
+PROTOCOL_VERSION = "1.8"
 PROTOCOL_MAJOR = int(PROTOCOL_VERSION.split(".", maxsplit=1)[0])
 
 MAX_INT = 2**62
@@ -83,6 +83,8 @@ MAX_SAMPLE = 1 << 20
 #: whatever carries it: a local reply holds an index and a stamp per row, so this is the
 #: default ``max_payload_bytes`` / 16, and a daemon configured lower refuses sooner.
 MAX_SAMPLE_ROWS = 1 << 27
+#: Most rows one ``drawn`` report carries (two int64 arrays: 32 KiB of its header).
+MAX_DRAWN = 2048
 #: Most reservations one ``reserve`` asks for ahead (``count``), and most it commits first.
 MAX_AHEAD = 16
 
@@ -145,6 +147,9 @@ REQUESTS: dict[str, dict[str, Spec]] = {
         "info": Spec((bool,), required=False),
         "timeout_ms": _TIMEOUT,
     },
+    # Rows a reader drew itself over the runs the daemon publishes, with their stamps then,
+    # and the sample calls they made: counted as the daemon counts its own draws (1.8).
+    "drawn": {"rows": Spec((bytes,)), "gens": Spec((bytes,)), "samples": _int(0)},
     # Set the priorities of sampled rows; stale ones (overwritten since) are skipped (1.2).
     "update_priorities": {
         "index": Spec((bytes,)),
@@ -270,6 +275,12 @@ def _check_read(op: str, fields: Mapping[str, Any]) -> None:
         raise ProtocolError(f"op {op!r}: fields 'rows' and 'gens' must hold as many values")
 
 
+def _check_drawn(op: str, fields: Mapping[str, Any]) -> None:
+    count = _array_size(op, "rows", fields["rows"], MAX_DRAWN)
+    if _array_size(op, "gens", fields["gens"], MAX_DRAWN) != count:
+        raise ProtocolError(f"op {op!r}: fields 'rows' and 'gens' must hold as many values")
+
+
 def _check_iterate(op: str, fields: Mapping[str, Any]) -> None:
     if fields["rank"] >= fields["world_size"]:
         raise ProtocolError(
@@ -293,6 +304,7 @@ VALIDATORS: dict[str, Callable[[str, Mapping[str, Any]], None]] = {
     "update_priorities": _check_update,
     "iterate": _check_iterate,
     "read": _check_read,
+    "drawn": _check_drawn,
     "configure": _check_configure,
 }
 
@@ -354,6 +366,11 @@ _BUFFER: dict[str, Spec] = {
     "max_times_sampled": Spec((int, _NIL)),
     # since 1.7: the sampler's own word on that, whatever its name
     "consumes": Spec((bool,), required=False),
+    # since 1.8: where the daemon publishes its live runs for readers' own draws (nil: it
+    # does not, a GPU buffer), and the seed they draw with (nil: from the OS)
+    "local_draws": Spec((dict, _NIL), required=False),
+    "local_draws.file": Spec((str,)),
+    "local_draws.seed": Spec((int, _NIL)),
 }
 #: The ``stats.sampler`` map (since 1.2).
 _SAMPLER: dict[str, Spec] = {
@@ -458,6 +475,7 @@ REPLIES: dict[str, dict[str, Spec]] = {
         "probability": _BIN,
         "weight": _BIN,
     },
+    "drawn": {"counted": Spec((int,))},
     "update_priorities": {"updated": Spec((int,)), "stale": Spec((int,))},
     "iterate": {"rows": Spec((bytes,)), "gens": Spec((bytes,)), "total": Spec((int,))},
     "read": {},

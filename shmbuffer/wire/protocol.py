@@ -83,8 +83,6 @@ MAX_SAMPLE = 1 << 20
 #: whatever carries it: a local reply holds an index and a stamp per row, so this is the
 #: default ``max_payload_bytes`` / 16, and a daemon configured lower refuses sooner.
 MAX_SAMPLE_ROWS = 1 << 27
-#: Most rows one ``drawn`` report carries (two int64 arrays: 32 KiB of its header).
-MAX_DRAWN = 2048
 #: Most reservations one ``reserve`` asks for ahead (``count``), and most it commits first.
 MAX_AHEAD = 16
 
@@ -147,9 +145,10 @@ REQUESTS: dict[str, dict[str, Spec]] = {
         "info": Spec((bool,), required=False),
         "timeout_ms": _TIMEOUT,
     },
-    # Rows a reader drew itself over the runs the daemon publishes, with their stamps then,
-    # and the sample calls they made: counted as the daemon counts its own draws (1.8).
-    "drawn": {"rows": Spec((bytes,)), "gens": Spec((bytes,)), "samples": _int(0)},
+    # Rows a reader drew itself over the runs the daemon publishes and the sample calls they
+    # came from, counted as the daemon counts its own draws; the rows and their stamps then
+    # travel as two payload frames of int64 (1.8).
+    "drawn": {"rows": _int(0, MAX_SAMPLE_ROWS), "samples": _int(0)},
     # Set the priorities of sampled rows; stale ones (overwritten since) are skipped (1.2).
     "update_priorities": {
         "index": Spec((bytes,)),
@@ -275,12 +274,6 @@ def _check_read(op: str, fields: Mapping[str, Any]) -> None:
         raise ProtocolError(f"op {op!r}: fields 'rows' and 'gens' must hold as many values")
 
 
-def _check_drawn(op: str, fields: Mapping[str, Any]) -> None:
-    count = _array_size(op, "rows", fields["rows"], MAX_DRAWN)
-    if _array_size(op, "gens", fields["gens"], MAX_DRAWN) != count:
-        raise ProtocolError(f"op {op!r}: fields 'rows' and 'gens' must hold as many values")
-
-
 def _check_iterate(op: str, fields: Mapping[str, Any]) -> None:
     if fields["rank"] >= fields["world_size"]:
         raise ProtocolError(
@@ -304,7 +297,6 @@ VALIDATORS: dict[str, Callable[[str, Mapping[str, Any]], None]] = {
     "update_priorities": _check_update,
     "iterate": _check_iterate,
     "read": _check_read,
-    "drawn": _check_drawn,
     "configure": _check_configure,
 }
 

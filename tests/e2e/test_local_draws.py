@@ -43,7 +43,11 @@ def messages(reader: Reader) -> int:
     return int(reader.stats()["messages"])
 
 
-def test_a_uniform_sample_asks_the_daemon_nothing_and_is_counted(daemon: Any) -> None:
+@pytest.mark.parametrize("lane", ["1", "0"], ids=["lane", "zmq"])
+def test_a_uniform_sample_asks_the_daemon_nothing_and_is_counted(
+    daemon: Any, monkeypatch: pytest.MonkeyPatch, lane: str
+) -> None:
+    monkeypatch.setenv("SHMBUFFER_LANE", lane)  # the reports' frames both ways
     d = daemon(capacity=256, unit="transition")
     fill(d.name, 256)
     with Reader(d.name) as reader:

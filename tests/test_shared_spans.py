@@ -145,6 +145,27 @@ def test_an_eviction_is_published_inside_the_reservation(tmp_path: Path) -> None
     assert all(rows.min() >= 15 for rows in probe.seen), "an evicted row was still drawn"
 
 
+def test_a_commit_is_published_at_the_owners_flush_or_the_next_eviction(tmp_path: Path) -> None:
+    """Rows that become live may wait (readers then draw over fewer rows, all live); rows
+    that stop being live never do."""
+    out, view = pair(tmp_path)
+    c = Container(40)
+    publisher = SpansPublisher(c.table, out)
+    rng = np.random.default_rng(0)
+    c.commit(c.reserve_rows(20).id)
+    assert publisher.stale and view.draw(rng, 4, STAMPS) is None  # still the empty ring
+    publisher.flush()
+    got = view.draw(rng, 400, STAMPS)
+    assert got is not None and got[2] == 20
+    c.commit(c.reserve_rows(20).id)  # rows 20..39, not published yet
+    got = view.draw(rng, 400, STAMPS)
+    assert got is not None and got[0].max() < 20
+    c.reserve_rows(10)  # evicts rows 0..9: published at once, with the commit before it
+    assert not publisher.stale
+    got = view.draw(rng, 400, STAMPS)
+    assert got is not None and got[2] == 30 and got[0].min() >= 10
+
+
 def test_who_may_draw_is_the_tables_say(tmp_path: Path) -> None:
     out, view = pair(tmp_path)
     rng = np.random.default_rng(0)
@@ -156,14 +177,17 @@ def test_who_may_draw_is_the_tables_say(tmp_path: Path) -> None:
         (Container(50, rate_limiter=SampleToInsertRatio(1.0, 1, 10.0)), False),
     ]
     for c, open_ in cases:
-        SpansPublisher(c.table, out)
+        publisher = SpansPublisher(c.table, out)
         c.commit(c.reserve_rows(20).id)
+        publisher.flush()
         assert (view.draw(rng, 4, STAMPS) is not None) is open_, c.sampler.name
     c = Container(50, rate_limiter=MinSize(30))
     publisher = SpansPublisher(c.table, out)
     c.commit(c.reserve_rows(20).id)
+    publisher.flush()
     assert view.draw(rng, 4, STAMPS) is None  # 20 of the 30 rows a sample waits for
     c.commit(c.reserve_rows(10).id)
+    publisher.flush()
     assert view.draw(rng, 4, STAMPS) is not None
     c.rate_limiter.configure(min_size=40)
     publisher.publish()  # the owner's call after a change of settings

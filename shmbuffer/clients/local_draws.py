@@ -34,8 +34,8 @@ from shmbuffer.wire.protocol import MAX_SAMPLE_ROWS
 I64 = npt.NDArray[np.int64]
 
 #: Rows drawn that make a report due (1 MiB of payload). A report is a message the daemon
-#: wakes for, whatever its size: a learner of ``sample(256)`` at 0.7 M rows/s sends about
-#: ten a second instead of thousands of requests.
+#: wakes for, whatever its size: a learner sampling in a loop sends about ``1 / REPORT_S`` a
+#: second, not one request per batch.
 REPORT_ROWS = 1 << 16
 #: Seconds after the last report at which a draw makes the next one due.
 REPORT_S = 0.1

@@ -105,7 +105,12 @@ class BufferService(WriteOps, SampleOps):
                 f"{self.config.client_idle_ttl:.0f}s of silence); reconnect"
             )
         client.last_seen = now
-        return self.handlers[op](client, fields, frames, now)
+        try:
+            return self.handlers[op](client, fields, frames, now)
+        finally:
+            spans = self.spans
+            if spans is not None and spans.stale:  # what it committed, for readers' draws
+                spans.publish()
 
     def op_hello(self, identity: bytes, fields: dict[str, Any], now: float) -> Reply:
         if identity not in self.clients and self.clients.full:

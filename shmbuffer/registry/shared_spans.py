@@ -121,11 +121,10 @@ class SpansView:
         finally:
             os.close(fd)
         self._words: I64 = np.frombuffer(self._mm, dtype=np.int64)
-        self._seq = -1  # the publication the arrays below were made of
+        #: ``(seq, live, ends, shift)``: the last publication copied, as a draw maps through
+        #: it (:meth:`LiveSpans.arrays`); one tuple, replaced whole.
+        self._copy: tuple[int, int, I64, I64] | None = None
         self._closed = -1  # the last publication found closed
-        self._live = 0
-        self._ends: I64 = np.zeros(0, dtype=np.int64)
-        self._shift: I64 = np.zeros(0, dtype=np.int64)
 
     @classmethod
     def open(cls, path: Path) -> SpansView | None:
@@ -155,34 +154,39 @@ class SpansView:
                 continue
             if seq == self._closed:
                 return None
-            if seq != self._seq and not self._take(seq):
-                if int(words[_SEQ]) == seq:
-                    self._closed = seq  # a whole publication that says: ask the daemon
-                    return None
-                continue
-            rows = draw_over(rng, self._live, self._ends, self._shift, n, kernels)
+            copy = self._copy
+            if copy is None or copy[0] != seq:
+                copy = self._take(seq)
+                if copy is None:
+                    if int(words[_SEQ]) == seq:
+                        self._closed = seq  # a whole publication that says: ask the daemon
+                        return None
+                    continue
+            _, live, ends, shift = copy
+            rows = draw_over(rng, live, ends, shift, n, kernels)
             gens = stamps.take(rows)
             if int(words[_SEQ]) == seq:  # no publication began: every row was live throughout
-                return rows, gens, self._live
+                return rows, gens, live
         return None
 
-    def _take(self, seq: int) -> bool:
-        """Copy publication ``seq`` into the arrays a draw maps through (checked whole by the
-        caller's second read of the sequence number); False where it is closed or empty."""
+    def _take(self, seq: int) -> tuple[int, int, I64, I64] | None:
+        """Copy publication ``seq`` as a draw maps through it, kept for the next draws (a copy
+        taken while a publication began is never used: the caller's second read of the
+        sequence number sees it, and the number never comes back); None where it is closed
+        or empty, or torn."""
         snap = self._words.copy()
-        self._seq = -1
         count = int(snap[_COUNT])
         live = int(snap[_LIVE])
         if not snap[_OPEN] or snap[_FORMAT] != FORMAT or not 0 < count <= MAX_RUNS or live <= 0:
-            return False
+            return None
         starts = snap[_STARTS : _STARTS + count]
         lengths = snap[_ENDS : _ENDS + count] - starts
         ends = np.cumsum(lengths)
         if int(ends[-1]) != live or (lengths <= 0).any():
-            return False  # torn: a publication began during the copy (the caller reads again)
-        self._ends, self._shift = ends, starts - (ends - lengths)
-        self._live, self._seq = live, seq
-        return True
+            return None  # torn: a publication began during the copy (the caller reads again)
+        copy = (seq, live, ends, starts - (ends - lengths))
+        self._copy = copy
+        return copy
 
     def close(self) -> None:
         del self._words

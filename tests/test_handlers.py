@@ -142,6 +142,8 @@ def test_real_replies_match_the_reply_table(h: Harness, tmp_path: Path) -> None:
         "updated": 4,
         "stale": 0,
     }
+    reported = [drawn["index"], drawn["generation"]]  # a reader's own draws, as frames
+    assert call(R, "drawn", frames=reported, rows=4, samples=1) == {"counted": 4}
     call(R, "sample", kind="slices", n=2, length=2)
     call(R, "sample", kind="slices", n=2, length=3, strict=False, info=True)
     listed = call(R, "iterate", rank=0, world_size=2, shuffle=False, drop_last=True, epoch=1)

@@ -2,7 +2,9 @@
 
 The daemon picks the rows (one small reply: indices and generation stamps); the reader copies
 them straight out of shared memory with one gather, then checks the stamps: rows a writer
-started to overwrite in between are sampled again, so a copy is never torn. Episodes are
+started to overwrite in between are sampled again, so a copy is never torn. On a uniform table
+the reader picks the rows of ``sample`` itself, over the live rows the daemon publishes, with
+no round trip (:mod:`shmbuffer.clients.local_draws`), and checks them the same way. Episodes are
 handed out as zero-copy views under a lease that keeps writers off them until released; the
 reader renews it while the block is open (:mod:`shmbuffer.clients.leased`). A remote reader
 (``remote=True``) receives the rows as frames instead.
@@ -23,6 +25,7 @@ leases. Every name importers used from here is still here.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +96,12 @@ class Reader(EpisodeReads):
             writers for at most ``max_lease_hold + lease_ttl``. ``episodes.renew()`` still works.
         curve_server_key, curve_client_cert: CURVE keys for a daemon started with
             ``--curve-secret`` (see :class:`~shmbuffer.clients.connection.Connection`).
+        local_draws: draw the rows of ``sample`` in this process, without a round trip,
+            where the daemon says a reader may (a CPU buffer with the uniform sampler,
+            without ``max_times_sampled``, under no rate limiter or a min-size one that is
+            met): the same draw, the same stamp checks; the daemon hears what was drawn in
+            bulk (:mod:`shmbuffer.clients.local_draws`). ``prefetch`` then does not matter
+            for ``sample``. False: every sample asks the daemon.
 
     Beside sampling, :meth:`read` copies rows named by physical index, checked against their
     stamps, and :meth:`committed_rows` lists every committed row with its stamp (what the
@@ -115,6 +124,9 @@ class Reader(EpisodeReads):
         ``sample_timeout`` seconds, then WaitTimeoutError."""
         n = check_sample_args(batch_size, beta)
         fields = self._fields("rows", n, return_info, beta)
+        drawn = self._draw_locally(n)
+        if drawn is not None:
+            return self._sample_drawn(drawn, fields, return_info)
         reply, frames = self._sample_ahead(**fields)
         items = self._items(reply, return_info, ())
         if self.remote:
@@ -128,6 +140,31 @@ class Reader(EpisodeReads):
             finally:
                 self._release_soon(leases)
         return (data, self._info(items)) if return_info else data
+
+    def _sample_drawn(
+        self, drawn: tuple[np.ndarray, np.ndarray, int], fields: dict[str, Any], info: bool
+    ) -> TensorDict | tuple[TensorDict, dict[str, torch.Tensor]]:
+        """The rows this reader drew itself, gathered and checked like the daemon's: rows
+        whose stamps moved before the copy was done are redrawn by the daemon, leased."""
+        physical, gens, live = drawn
+        items: dict[str, Any] = {}
+        if info:  # a uniform draw's: P = 1 / live rows, weight 1
+            n = physical.size
+            items = {
+                "index": physical.copy(),
+                "generation": gens.copy(),
+                "probability": np.full(n, 1.0 / live),
+                "weight": np.ones(n),
+            }
+        assert self._draws is not None
+        self._draws.count(physical, gens)  # before the gather: a redraw counts its own
+        leases: list[int] = []
+        try:
+            data = self._checked_gather(physical, gens, fields, 1, items, leases)
+        finally:
+            if leases:
+                self._release_soon(leases)
+        return (data, self._info(items)) if info else data
 
     def sample_slices(
         self,
@@ -370,6 +407,7 @@ class Reader(EpisodeReads):
     # -- info ---------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
+        self._report_draws()  # what this reader drew itself, counted before the figures
         stats: dict[str, Any] = self.conn.call("stats")["stats"]
         return stats
 
@@ -384,6 +422,11 @@ class Reader(EpisodeReads):
             self._renewer = None
         for lease in self._leases.values():  # their views are no longer protected
             lease.released = True
+        if self._draws is not None:  # counted before the goodbye, if the daemon still answers
+            with contextlib.suppress(ShmBufferError, OSError):
+                self._draws.report()
+            self._draws.close()
+            self._draws = None
         if self.segment is not None:
             self.segment.close()
             self.segment = None

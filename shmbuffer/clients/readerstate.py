@@ -16,6 +16,7 @@ import contextlib
 import math
 import operator
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,6 +24,7 @@ import numpy as np
 from shmbuffer.api.recent import RecentSamples
 from shmbuffer.clients.connection import Connection
 from shmbuffer.clients.leased import ClientLease
+from shmbuffer.clients.local_draws import LocalDraws, open_local_draws
 from shmbuffer.clients.ticker import Ticker
 from shmbuffer.errors import (
     EmptyBufferError,
@@ -135,6 +137,7 @@ class ReaderState:
         curve_client_cert: str | os.PathLike[str] | None = None,
         auto_renew: bool = True,
         max_lease_hold: float | None = 600.0,
+        local_draws: bool = True,
     ) -> None:
         depth = prefetch_depth(prefetch)  # before connecting: a bad value opens nothing
         self.auto_renew = auto_renew
@@ -176,6 +179,11 @@ class ReaderState:
         self.schema: Schema | None = None
         self.segment: Segment | None = None
         self.resamples = 0  # rows sampled again because a writer overwrote them mid-copy
+        #: Where the daemon publishes its live runs (None: it does not, or not for us).
+        self._local_info: dict[str, Any] | None = None
+        if local_draws and not self.remote:
+            self._local_info = self.conn.buffer.get("local_draws")
+        self._draws: LocalDraws | None = None  # this reader's own draws, once attached
 
     # -- attaching ----------------------------------------------------------------------------
 
@@ -195,7 +203,36 @@ class ReaderState:
                 self.segment = attach_segment(seg["name"], seg["storage_dir"], pin=True)
                 if self.segment.device == "cpu":  # large rows: gathers stream (rows.py)
                     streamcopy.warm(self.schema.row_nbytes)
+                    if self._local_info is not None:
+                        stamps = self.segment.generations
+                        folder = Path(seg["path"])
+                        self._draws = open_local_draws(self.conn, folder, stamps, self._local_info)
         return self.segment
+
+    @property
+    def local_draws(self) -> bool:
+        """Whether this reader draws the rows of ``sample`` itself where the daemon says it
+        may (:mod:`shmbuffer.clients.local_draws`); known once attached (the first sample)."""
+        return self._draws is not None
+
+    def _draw_locally(self, n: int) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """``n`` rows drawn by this reader, their stamps and the live rows; None: ask the
+        daemon."""
+        draws = self._draws
+        if draws is None:
+            if self.schema is not None or self._local_info is None:
+                return None
+            self._ready()  # the first sample attaches
+            draws = self._draws
+            if draws is None:
+                return None
+        self.conn.check()  # closed, or used in a forked child: refused as by the daemon path
+        return draws.draw(n)
+
+    def _report_draws(self) -> None:
+        """Send what this reader drew itself, so that its next request sees it counted."""
+        if self._draws is not None:
+            self._draws.report()
 
     def attach(self) -> Schema | None:
         """The buffer's schema, asked for (and, locally, its segment mapped) the first time
@@ -206,6 +243,7 @@ class ReaderState:
     # -- sample round trips -------------------------------------------------------------------
 
     def _send_sample(self, fields: dict[str, Any]) -> int:
+        self._report_draws()
         if self._daemon_waits:
             fields = {**fields, "timeout_ms": min(int(self.sample_timeout * 1000), 3_600_000)}
         return self.conn.send("sample", payload=self.remote, **fields)

@@ -131,6 +131,10 @@ class ShardFanout:
             # A batch's split changes from call to call: a sample sent ahead would miss, but
             # a reader of one shard asks it for the same every time.
             prefetch=len(self._links) == 1,
+            # Every call asks each shard's daemon, so a shard that dies or hangs shows in
+            # the call that needs it (its reader's own draws would go on over its last runs
+            # until a report went unanswered for the timeout).
+            local_draws=False,
             sample_timeout=self.sample_timeout,
             curve_server_key=shard.curve_server_key,
             auto_renew=self.auto_renew,

@@ -124,6 +124,39 @@ class SampleOps(DaemonState):
             reply["gens"] = encode_i64(self.generations[physical])
         return reply, []
 
+    def op_drawn(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Reply:
+        """Rows a reader drew itself over the published runs (``ring/publisher.py``), sent
+        in bulk after the fact, as two payload frames (the rows, their stamps then): counted
+        as the daemon counts the rows of its own draws (use counts, the limiter's sampled
+        figure, the counters). Nothing is journaled, as for the daemon's own draws of such a
+        table: they change no sampler state."""
+        num_rows = fields["rows"]
+        size = 16 * num_rows
+        if size > self.config.max_payload_bytes:
+            raise LimitExceededError(
+                f"op 'drawn': {num_rows:,} rows make a payload of {size:,} bytes, over the "
+                f"limit max_payload_bytes={self.config.max_payload_bytes:,}; report fewer"
+            )
+        sizes = [memoryview(frame).nbytes for frame in frames]
+        if sizes != [8 * num_rows] * 2:
+            raise InvalidArgumentError(
+                f"op 'drawn': expected two payload frames of {8 * num_rows} bytes (the rows and "
+                f"their stamps, int64), got {sizes}"
+            )
+        physical = np.frombuffer(frames[0], dtype="<i8").astype(np.int64, copy=False)
+        gens = np.frombuffer(frames[1], dtype="<i8").astype(np.int64, copy=False)
+        outside = (physical < 0) | (physical >= self.config.capacity)
+        if outside.any():
+            raise InvalidArgumentError(
+                f"op 'drawn': row {int(physical[outside][0])} is out of range for a buffer of "
+                f"capacity {self.config.capacity}"
+            )
+        counted = self.container.table.count_drawn(physical, gens, self.generations)
+        self.counters.samples += fields["samples"]
+        self.counters.rows_sampled += num_rows
+        client.rows_sampled += num_rows
+        return {"counted": counted}, []
+
     def _holding(self, physical: np.ndarray) -> list[int]:
         """Ids of the episodes holding ``physical`` rows (one registry query per run of
         consecutive rows: a FIFO's rows and a slice are runs)."""

@@ -69,6 +69,7 @@ class BufferService(WriteOps, SampleOps):
             "abort": self.op_abort,
             "write": self.op_write,
             "sample": self.op_sample,
+            "drawn": self.op_drawn,
             "update_priorities": self.op_update_priorities,
             "iterate": self.op_iterate,
             "read": self.op_read,
@@ -104,7 +105,12 @@ class BufferService(WriteOps, SampleOps):
                 f"{self.config.client_idle_ttl:.0f}s of silence); reconnect"
             )
         client.last_seen = now
-        return self.handlers[op](client, fields, frames, now)
+        try:
+            return self.handlers[op](client, fields, frames, now)
+        finally:
+            spans = self.spans
+            if spans is not None and spans.stale:  # what it committed, for readers' draws
+                spans.publish()
 
     def op_hello(self, identity: bytes, fields: dict[str, Any], now: float) -> Reply:
         if identity not in self.clients and self.clients.full:
@@ -222,6 +228,8 @@ class BufferService(WriteOps, SampleOps):
         except (TypeError, ValueError) as exc:  # nothing was changed
             raise InvalidArgumentError(f"op 'configure': {exc}") from None
         log.warning("rate limiter reconfigured: %s", limiter.blocked_reason())
+        if self.spans is not None:  # whether readers may draw themselves may have changed
+            self.spans.publish()
         if self.journal is not None:  # a resume keeps the new settings
             try:
                 self.journal.snapshot(self.persistent_state())
@@ -245,6 +253,7 @@ class BufferService(WriteOps, SampleOps):
         service.counters.restore(state.get("counters", {}))
         service._hold_pins(state.get("pins") or [], time.monotonic())
         service._start_journal()  # its first snapshot keeps the pins held again
+        service.publish_spans()  # the whole state, before any client is served
         return service
 
     def _hold_pins(self, entries: list[Any], now: float) -> None:

@@ -35,7 +35,9 @@ from shmbuffer.daemon.processes import Process
 from shmbuffer.daemon.security import segment_access
 from shmbuffer.daemon.stats import Counters, RateMeter
 from shmbuffer.errors import CheckpointError, OutOfSpaceError
+from shmbuffer.registry.shared_spans import SPANS_FILE, SpansFile
 from shmbuffer.ring.container import Container
+from shmbuffer.ring.publisher import SpansPublisher
 from shmbuffer.storage.cuda_segment import check_room, create_segment
 from shmbuffer.storage.schema import Schema
 from shmbuffer.storage.segment import Segment
@@ -124,6 +126,9 @@ class DaemonState:
         self.admin_refused: str | None = None
         self.segment = segment
         self.journal: Journal | None = None  # metadata log for --resume; see journal.py
+        #: The live runs published for readers' own draws (``ring/publisher.py``); None
+        #: before the segment, on a GPU, and, on a segment taken over, until the state is.
+        self.spans: SpansPublisher | None = None
         #: The checkpoint being written (or the last one); see checkpoint.py.
         self.checkpoint_job: CheckpointJob | None = None
         #: Whether ``checkpoint`` replies later (the Server sets it: it parks the request until
@@ -171,8 +176,10 @@ class DaemonState:
         )
         self.generations = self.segment.generations
         try:
+            self.publish_spans()
             self._start_journal()
         except BaseException:  # no journal, no segment: a later schema must start over
+            self.spans = None  # (its file went with the folder)
             self.segment.close()
             Segment.unlink(self.config.name, self.config.storage_dir)
             self.segment = None
@@ -198,6 +205,28 @@ class DaemonState:
             "storage_dir": str(self.segment.path.parent),
         }
 
+    def publish_spans(self) -> None:
+        """Publish the live runs in ``spans.bin`` beside the rows from now on, so that readers
+        draw uniform rows themselves (``registry/shared_spans.py``); a CPU segment only. A
+        segment taken over (``--resume``) is published once its state is whole, never
+        during the replay: the file holds the dead daemon's last runs until then, which stay
+        true while no daemon grants a reservation."""
+        if self.spans is not None or self.segment is None or self.segment.device != "cpu":
+            return
+        access = segment_access(self.config.group)
+        out = SpansFile(self.segment.path / SPANS_FILE, access["file_mode"], access["group"])
+        self.spans = SpansPublisher(self.container.table, out)
+
+    def local_draws_info(self) -> dict[str, Any] | None:
+        """The ``hello`` reply's word on local draws: the file's name and the seed a reader
+        draws with (nil: from the OS), where this daemon publishes its runs."""
+        if self.config.device != "cpu":
+            return None
+        seed = self.config.seed
+        if seed is not None:  # a resumed daemon's may be 128 bits: a 62-bit one made of it
+            seed = int(np.random.SeedSequence(seed).generate_state(1, np.uint64)[0] >> 2)
+        return {"file": SPANS_FILE, "seed": seed}
+
     def buffer_info(self) -> dict[str, Any]:
         return {
             "name": self.config.name,
@@ -212,6 +241,7 @@ class DaemonState:
             "sampler": self.container.sampler.name,
             "max_times_sampled": self.container.sampler.max_times_sampled,
             "consumes": self.container.sampler.consuming,
+            "local_draws": self.local_draws_info(),
         }
 
     def _start_journal(self) -> None:

@@ -151,6 +151,11 @@ class SlotTable:
     def _episode_at_slot(self, slot: int) -> Episode:
         return Episode(int(self._ids[slot]), int(self._starts[slot]), int(self._ends[slot]))
 
+    @property
+    def spans(self) -> LiveSpans:
+        """The maximal runs of adjacent live rows (read them; the registry changes them)."""
+        return self._spans
+
     # ------------------------------------------------------------------ positions
 
     def _row_base(self) -> int:

@@ -201,23 +201,19 @@ class LiveSpans:
         """``n`` rows drawn uniformly, with replacement, from the ``high`` live rows (the
         spans' total): compiled where :func:`compiled_draws` loads, else numpy."""
         kernels = compiled_draws()
-        if kernels is not None:
-            ends, shift = self.arrays()
-            words = rng.bit_generator.random_raw(n)
-            out = words.view(np.int64)  # in place: a word is read before its row is written
-            stop, done = kernels.span_rows(words, high, ends, shift, out), 0
-            while stop >= 0:  # a rejected word (a share < high / 2**64): the rest drawn again
-                done += stop
-                redraw_rejected(rng, words[done:], high)
-                stop = kernels.span_rows(words[done:], high, ends, shift, out[done:])
-            return out
-        pos = uniform_integers(rng, high, n)
-        if self.count == 1:
+        if kernels is None and self.count == 1:  # no arrays to build: one addition
+            pos = uniform_integers(rng, high, n)
             pos += self.first
             return pos
         ends, shift = self.arrays()
-        pos += shift.take(ends.searchsorted(pos, side="right"))
-        return pos
+        return draw_over(rng, high, ends, shift, n, kernels)
+
+    def runs(self) -> tuple[list[int], list[int]]:
+        """``(starts, ends)`` of the spans in row order (the starts are the spans' own list:
+        read it, never change it; both are stale after the next change)."""
+        starts = self._starts
+        end_of = self._end_of
+        return starts, [end_of[s] for s in starts]
 
     def arrays(self) -> tuple[I64, I64]:
         """``(ends, shift)``: running totals of the span lengths, and per span what turns a
@@ -228,3 +224,34 @@ class LiveSpans:
             total = np.cumsum(ends - starts)
             self._arrays = total, starts - (total - (ends - starts))
         return self._arrays
+
+
+def draw_over(
+    rng: np.random.Generator,
+    high: int,
+    ends: I64,
+    shift: I64,
+    n: int,
+    kernels: ModuleType | None = None,
+) -> I64:
+    """``n`` rows drawn uniformly from ``high`` live rows held by spans given as
+    :meth:`LiveSpans.arrays` gives them (``ends``: running totals of their lengths, the last
+    one ``high``; ``shift``: what turns a position into a row). ``kernels``: the compiled
+    loops (:func:`compiled_draws`), or None for numpy; the same rows from the same words
+    either way. The registry draws through it, and so does a reader drawing over the spans a
+    daemon publishes (``shared_spans.py``)."""
+    if kernels is not None:
+        words = rng.bit_generator.random_raw(n)
+        out = words.view(np.int64)  # in place: a word is read before its row is written
+        stop, done = kernels.span_rows(words, high, ends, shift, out), 0
+        while stop >= 0:  # a rejected word (a share < high / 2**64): the rest drawn again
+            done += stop
+            redraw_rejected(rng, words[done:], high)
+            stop = kernels.span_rows(words[done:], high, ends, shift, out[done:])
+        return out
+    pos = uniform_integers(rng, high, n)
+    if ends.size == 1:
+        pos += int(shift[0])
+        return pos
+    pos += shift.take(ends.searchsorted(pos, side="right"))
+    return pos

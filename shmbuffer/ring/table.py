@@ -302,6 +302,18 @@ class Table(RingListener):
         elif kernels.add_one(self.use_counts, rows) >= 0:
             raise IndexError(f"rows out of range for {self.use_counts.size} rows")
 
+    def count_drawn(self, rows: I64, generations: I64, stamps: I64) -> int:
+        """Count ``rows`` a reader drew itself over the published runs of live rows
+        (``registry/shared_spans.py``), as :meth:`sample_rows` counts its own: the limiter is
+        told of every one; a row's use count goes up only while it still holds what was
+        drawn, its stamp still ``generations`` (``stamps`` being the owner's) and committed
+        data in it (a clear changes no stamp). Returns the use counts raised."""
+        self.rate_limiter.on_sample(rows.size)
+        held = rows[stamps.take(rows) == generations]
+        held = held[self.use_counts.take(held) >= 0]
+        self.count_use(held)
+        return int(held.size)
+
     def sample_blocker(self, rows: int) -> str | None:
         """Why a sample of ``rows`` rows must wait now (the rate limiter's reason), or None."""
         if self.rate_limiter.can_sample(rows):

@@ -328,6 +328,15 @@ class Sampler(Declared, ABC):
         return self.waits_for_data or self.max_times_sampled is not None
 
     @property
+    def rows_uniform_over_spans(self) -> bool:
+        """Whether ``sample_rows`` draws every live row equally likely through the registry's
+        runs of live rows alone (``EpisodeRegistry.sample_rows``) and changes nothing: then a
+        reader may draw its rows itself over the runs the daemon publishes
+        (``registry/shared_spans.py``) and get what this sampler would give it. None does
+        unless it says so."""
+        return False
+
+    @property
     def draws_change_state(self) -> bool:
         """Whether a draw changes this sampler's state (counts, consumption, epochs): what a
         journal replay must then redo exactly. Only ``max_times_sampled`` does, here."""

@@ -85,6 +85,11 @@ class RateLimiter(ABC):
     #: Whether ``can_insert`` depends on the rows asked for (then the owner adds the rows
     #: reserved and not committed yet: inserts are counted at commit).
     bounds_inserts: ClassVar[bool] = False
+    #: Whether ``can_sample`` depends on the stored size alone, never on the rows asked for
+    #: nor on what was sampled: then its answer changes only when rows come and go (or its
+    #: settings do), and a reader that draws rows itself may go by the answer the daemon
+    #: published with the live rows (``registry/shared_spans.py``).
+    samples_by_size: ClassVar[bool] = False
 
     def __init__(self) -> None:
         #: The rows its buffer can hold (:meth:`bind`); None until bound.
@@ -199,6 +204,7 @@ class NoLimit(RateLimiter):
     """Every request proceeds; counts are kept for ``status``."""
 
     name = "none"
+    samples_by_size = True
 
     def can_insert(self, n: int) -> bool:
         return True
@@ -212,6 +218,7 @@ class MinSize(RateLimiter):
 
     name = "min-size"
     options = ("min_size",)
+    samples_by_size = True
 
     def __init__(self, min_size: int = 1) -> None:
         super().__init__()

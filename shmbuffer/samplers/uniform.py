@@ -141,6 +141,10 @@ class UniformSampler(Sampler):
         self.index.clear()
         self._masses.clear()
 
+    @property
+    def rows_uniform_over_spans(self) -> bool:
+        return self._engine is None  # with max_times_sampled, retired items are skipped
+
     # -- sampling ----------------------------------------------------------------------------
 
     def sample_rows(self, n: int, rng: np.random.Generator) -> Draw:

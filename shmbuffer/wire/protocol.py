@@ -45,7 +45,7 @@ from shmbuffer.wire.codec import encode_f64 as encode_f64  # noqa: PLC0414
 from shmbuffer.wire.codec import encode_i64 as encode_i64  # noqa: PLC0414
 
 #: Versioned separately from the package. Minor bumps add optional fields or ops only.
-PROTOCOL_VERSION = "1.7"
+PROTOCOL_VERSION = "1.8"
 PROTOCOL_MAJOR = int(PROTOCOL_VERSION.split(".", maxsplit=1)[0])
 
 MAX_INT = 2**62
@@ -145,6 +145,10 @@ REQUESTS: dict[str, dict[str, Spec]] = {
         "info": Spec((bool,), required=False),
         "timeout_ms": _TIMEOUT,
     },
+    # Rows a reader drew itself over the runs the daemon publishes and the sample calls they
+    # came from, counted as the daemon counts its own draws; the rows and their stamps then
+    # travel as two payload frames of int64 (1.8).
+    "drawn": {"rows": _int(0, MAX_SAMPLE_ROWS), "samples": _int(0)},
     # Set the priorities of sampled rows; stale ones (overwritten since) are skipped (1.2).
     "update_priorities": {
         "index": Spec((bytes,)),
@@ -354,6 +358,11 @@ _BUFFER: dict[str, Spec] = {
     "max_times_sampled": Spec((int, _NIL)),
     # since 1.7: the sampler's own word on that, whatever its name
     "consumes": Spec((bool,), required=False),
+    # since 1.8: where the daemon publishes its live runs for readers' own draws (nil: it
+    # does not, a GPU buffer), and the seed they draw with (nil: from the OS)
+    "local_draws": Spec((dict, _NIL), required=False),
+    "local_draws.file": Spec((str,)),
+    "local_draws.seed": Spec((int, _NIL)),
 }
 #: The ``stats.sampler`` map (since 1.2).
 _SAMPLER: dict[str, Spec] = {
@@ -458,6 +467,7 @@ REPLIES: dict[str, dict[str, Spec]] = {
         "probability": _BIN,
         "weight": _BIN,
     },
+    "drawn": {"counted": Spec((int,))},
     "update_priorities": {"updated": Spec((int,)), "stale": Spec((int,))},
     "iterate": {"rows": Spec((bytes,)), "gens": Spec((bytes,)), "total": Spec((int,))},
     "read": {},

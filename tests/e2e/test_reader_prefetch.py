@@ -46,7 +46,7 @@ def test_a_different_request_drops_what_was_fetched(daemon: Any) -> None:
     d = daemon(capacity=256, unit="transition")
     with Writer(d.name) as writer:
         writer.extend({"id": torch.arange(256)})
-    with Reader(d.name, prefetch=3) as reader:
+    with Reader(d.name, prefetch=3, local_draws=False) as reader:  # the daemon's draws
         assert reader.sample(8).batch_size == torch.Size([8])
         assert reader.sample(5).batch_size == torch.Size([5])  # not a piece of the 8s
         assert reader.sample(8).batch_size == torch.Size([8])
@@ -89,7 +89,8 @@ def test_a_fetched_batch_overwritten_meanwhile_is_redrawn_and_prefetch_backs_off
     daemon: Any,
 ) -> None:
     d = daemon(capacity=64, unit="transition")
-    with Writer(d.name) as writer, Reader(d.name, prefetch=4) as reader:
+    # prefetch is a daemon draw's: a reader drawing itself draws fresh rows every call
+    with Writer(d.name) as writer, Reader(d.name, prefetch=4, local_draws=False) as reader:
         writer.extend({"id": torch.arange(64)})
         writer.flush()
         assert (reader.sample(16)["id"] < 64).all()  # 3 more batches of these rows wait

@@ -227,7 +227,7 @@ def test_metrics_port_serves_prometheus_metrics_that_follow_writes(daemon, e2e_e
     assert after["shmbuffer_fill_ratio"] == pytest.approx(0.05)
     assert after['shmbuffer_request_seconds_count{op="reserve"}'] >= 1  # commits ride on it
 
-    with Reader(d.name) as reader:
+    with Reader(d.name, local_draws=False) as reader:  # the daemon's draw, timed
         reader.sample(4)
         sampled = wait_for(
             lambda: (m := scrape(url))["shmbuffer_sample_seconds_count"] >= 1 and m,

@@ -125,6 +125,10 @@ class Buffer:
             rate_limiter=limiter_part,
             seed=seed,
         )
+        # The hot paths address the ring and its default table directly: a write or a sample
+        # is a few microseconds of Python, where each delegation through the container shows.
+        self._ring = self.container.ring
+        self._table = self.container.table
         self.assembler = EpisodeAssembler(
             num_envs=num_envs,
             auto_truncate=auto_truncate,
@@ -146,7 +150,7 @@ class Buffer:
 
     @property
     def capacity(self) -> int:
-        return self.container.capacity
+        return self._ring.capacity
 
     @property
     def unit(self) -> str:
@@ -154,7 +158,7 @@ class Buffer:
 
     @property
     def mode(self) -> str:
-        return self.container.mode
+        return self._ring.mode
 
     @property
     def schema(self) -> Schema | None:
@@ -240,12 +244,13 @@ class Buffer:
         # A lazy schema is fixed by the first batch accepted, never by one refused (a bad
         # batch, priority, or more rows than a fixed buffer holds): rows are reserved first.
         segment = self.segment
+        ring = self._ring
         plan = plan_write(
             None if segment is None else segment.schema,
             batch,
             num_sub_episodes,
-            self.capacity,
-            self.mode,
+            ring.capacity,
+            ring.mode,
         )
         if plan is None:
             return []
@@ -261,7 +266,7 @@ class Buffer:
                 keeps=sampler.has_priorities,
                 most=sampler.priority_limit,
             )
-        reservation = container.reserve_rows(num_rows, kept)
+        reservation = ring.reserve(ring.plan(num_rows, kept))
         if segment is None:
             try:
                 self._allocate(schema)
@@ -279,6 +284,8 @@ class Buffer:
             rows.write(
                 segment.columns, segment.arrays, reservation.ranges, leaves, first_row, progress
             )
+        if priority is None:  # what the container adds is the tables' priority checks
+            return ring.commit(reservation.id)
         return container.commit(reservation.id, priority)
 
     def _allocate(self, schema: Schema) -> None:
@@ -333,7 +340,7 @@ class Buffer:
         self._check_open()
         if type(batch_size) is int and batch_size > MAX_SAMPLE:  # named as the caller knows it
             check_sample_size(batch_size, what="batch_size")
-        drawn = self.container.sample_rows(batch_size, beta=beta)
+        drawn = self._table.sample_rows(batch_size, beta=beta)
         data = self._copy(drawn.rows)
         if not return_info:
             return data

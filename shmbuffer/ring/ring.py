@@ -40,6 +40,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from shmbuffer.errors import CapacityError, NotFoundError, WaitTimeoutError
 from shmbuffer.names import MODES, UNITS, check_choice
@@ -76,11 +77,12 @@ class Reservation:
         return sum(stop - start for start, stop in self.ranges)
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
+class Plan(NamedTuple):
     """What a reservation of ``num_rows`` would do, decided once against the ring as it
     stands (:meth:`Ring.plan`) and consumed by :meth:`Ring.reserve`: its rows, what it
-    evicts, and why it must wait if it must. Valid only while the ring has not moved."""
+    evicts, and why it must wait if it must. Valid only while the ring has not moved. A
+    NamedTuple, immutable and built on every write: a frozen dataclass's constructor cost
+    a microsecond of a Buffer's write."""
 
     num_rows: int
     #: Each episode's length, validated (a count of equal ones, or the lengths given).

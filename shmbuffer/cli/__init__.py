@@ -7,30 +7,7 @@ daemon and its demo processes (:mod:`~shmbuffer.cli.demo_loops`), and
 and ``stop`` answer without torch.
 """
 
-from shmbuffer.cli.parser import (
-    build_parser,
-    cmd_checkpoint,
-    cmd_cleanup,
-    cmd_configure,
-    cmd_demo,
-    cmd_keygen,
-    cmd_start,
-    cmd_status,
-    cmd_stop,
-    main,
-    run_daemon,
-)
+from shmbuffer.cli import parser as _parser
+from shmbuffer.cli.parser import *  # noqa: F403 (the parser's names, as listed there)
 
-__all__ = [
-    "build_parser",
-    "cmd_checkpoint",
-    "cmd_cleanup",
-    "cmd_configure",
-    "cmd_demo",
-    "cmd_keygen",
-    "cmd_start",
-    "cmd_status",
-    "cmd_stop",
-    "main",
-    "run_daemon",
-]
+__all__ = _parser.__all__

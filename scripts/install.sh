@@ -16,4 +16,4 @@ EXTRAS="${EXTRAS:-dev,examples,torchrl,live,fast}"
 # Compile the streaming copy of large rows and the uniform draws once (the fast extra; numba
 # caches them beside the package): a first compile takes seconds, which the first writer,
 # reader or long-sampling process would spend instead.
-.venv/bin/python -c "from shmbuffer import spans, streamcopy; streamcopy.warm(); spans.load_compiled_draws()"
+.venv/bin/python -c "from shmbuffer.registry import spans; from shmbuffer.storage import streamcopy; streamcopy.warm(); spans.load_compiled_draws()"

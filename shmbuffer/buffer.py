@@ -154,7 +154,7 @@ class Buffer:
 
     @property
     def unit(self) -> str:
-        return self.container.unit
+        return self._ring.unit
 
     @property
     def mode(self) -> str:
@@ -183,10 +183,10 @@ class Buffer:
     @property
     def use_counts(self) -> np.ndarray:
         """Reads of each physical row since it was written (-1: holds no committed data)."""
-        return self.container.use_counts
+        return self._table.use_counts
 
     def __len__(self) -> int:
-        return len(self.container)
+        return len(self._ring)
 
     def __repr__(self) -> str:
         return (
@@ -309,16 +309,16 @@ class Buffer:
                 # are n-1 rows apart is one physical range (a gap or a wrap would break the
                 # distance). Its ends are in range by construction.
                 ends = np.array([start, stop - 1], dtype=np.int64)
-                first, last = self.container.registry.rows_at(ends, checked=True)
+                first, last = self._ring.registry.rows_at(ends, checked=True)
                 if last - first == stop - start - 1:
-                    self.container.use_counts[first : last + 1] += 1
+                    self._table.use_counts[first : last + 1] += 1
                     columns, arrays = self.segment.columns, self.segment.arrays
                     return rows.copy_range(columns, int(first), int(last) + 1, arrays)
         positions, scalar = normalize_index(index, len(self))
         if self.unit == "episode":
-            _, starts, ends = self.container.registry.at_many(positions)
+            _, starts, ends = self._ring.registry.at_many(positions)
             return self._episodes(starts, ends, scalar)
-        physical = self.container.registry.rows_at(positions, checked=True)  # normalized
+        physical = self._ring.registry.rows_at(positions, checked=True)  # normalized
         data = self._read(physical)
         return data[0] if scalar else data
 

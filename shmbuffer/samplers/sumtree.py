@@ -31,11 +31,9 @@ sum tree's own, a zero leaf counting as +inf. They share one layout:
   and an ``argmax``).
 * Rounding: a parent is BLAS's sum of its children (a product with a vector of ones, in an
   order of its own) and a descent compares against their sequential running sums, which may
-  differ in the last bit. A query a rounding error
-  past its node's running sums goes to the last child, so it can end on an empty leaf; every
-  result is checked and those few are redone by a slow descent that never enters a subtree of
-  sum zero. That is what makes a zero-weight leaf unreachable.
-
+  differ in the last bit. A query a rounding error past its node's running sums goes to the
+  last child, so it can end on an empty leaf; every result is checked and those few are redone
+  by a slow descent that never enters a subtree of sum zero: no zero-weight leaf is reachable.
 * Compiled trees (``jit``, the default where numba is installed: the ``fast`` extra) keep this
   layout, 16-ary up to a top of :data:`JIT_TOP` entries, with every level of a tree inside one
   flat array; ``draw``, ``find_prefix_sum``, :func:`update_pair` and :func:`assign_pair` of up
@@ -54,7 +52,6 @@ Not thread-safe; the owning sampler serialises calls.
 from __future__ import annotations
 
 import functools
-import importlib
 import itertools
 import operator
 from types import ModuleType
@@ -105,14 +102,6 @@ def jit_available() -> ModuleType | None:
     return jit.load("shmbuffer.samplers._jit")
 
 
-def _import_torch() -> None:
-    """Bind ``torch`` in this module when the first tree is built, not on import: the
-    sampler classes (and the options they declare, which the command line reads to build its
-    parser) then import without it."""
-    if "torch" not in globals():
-        globals()["torch"] = importlib.import_module("torch")
-
-
 def _flat_levels(sizes: list[int], neutral: float) -> tuple[F64, I64, list[F64]]:
     """One array holding every level (the kernels walk it), its level offsets, and views."""
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -132,7 +121,11 @@ class _Tree:
     _neutral: float = 0.0
 
     def __init__(self, capacity: int, *, top: int = TOP) -> None:
-        _import_torch()
+        # torch is bound here when the first tree is built, not on import: the sampler
+        # declarations (read by the command line's parser) then import without it.
+        global torch  # noqa: PLW0603
+        import torch
+
         capacity, top = operator.index(capacity), operator.index(top)
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")

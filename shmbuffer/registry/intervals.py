@@ -131,11 +131,6 @@ class EpisodeRegistry(SlotTable):
             raise ValueError(f"invalid row range [{start}, {end}): start > end")
         return start, end
 
-    def _overlapping_ids(self, start: int, end: int) -> tuple[int, int, list[int]]:
-        lo, hi = self._overlap_range(start, end)
-        ids = sorted(self._by_start[s][1] for s in self._sorted_starts[lo:hi])
-        return lo, hi, ids
-
     # ------------------------------------------------------------------ mutation
 
     def add(self, start: int, end: int) -> int:
@@ -229,12 +224,29 @@ class EpisodeRegistry(SlotTable):
                 )
         return runs
 
-    def evict(self, start: int, end: int) -> list[Episode]:
-        """Remove every live episode overlapping ``[start, end)``; return them oldest first."""
+    def evict(self, start: int, end: int, trimmed: list[Episode] | None = None) -> list[Episode]:
+        """Remove every live episode overlapping ``[start, end)``; return them oldest first.
+
+        ``trimmed`` (transition unit, where a chunk is overwritten row by row): the episode
+        that starts inside the range and reaches past ``end`` keeps its tail instead, trimmed
+        to start at ``end``; its old bounds are appended to ``trimmed``."""
         start, end = self._check_query(start, end)
-        lo, hi, ids = self._overlapping_ids(start, end)
-        if not ids:
-            return []
+        lo, hi = self._overlap_range(start, end)
+        kept = None
+        if trimmed is not None and hi > lo:
+            last = self._sorted_starts[hi - 1]
+            last_end, last_id = self._by_start[last]
+            if last >= start and last_end > end:
+                kept, hi = Episode(last_id, last, last_end), hi - 1
+        ids = sorted(self._by_start[s][1] for s in self._sorted_starts[lo:hi])
+        out = self._evict_ids(lo, hi, ids) if ids else []
+        if kept is not None and trimmed is not None:
+            # After the removals it is the oldest left, so its trim is O(1).
+            self.trim_front(kept.id, end)
+            trimmed.append(kept)
+        return out
+
+    def _evict_ids(self, lo: int, hi: int, ids: list[int]) -> list[Episode]:
         out = []
         for episode_id in ids:
             slot = self._slot_of(episode_id)

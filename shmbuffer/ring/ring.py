@@ -291,20 +291,9 @@ class Ring:
         """Unpublish rows ``start:stop``. Episode unit drops every episode they touch; transition
         unit keeps the surviving tail of a chunk the ring only partly overwrites (its old
         bounds are appended to ``trimmed``)."""
-        registry = self.registry
         if self.unit == "episode":
-            return registry.evict(start, stop)
-        evicted, kept = [], []
-        for ep in registry.overlapping(start, stop):
-            if start <= ep.start and ep.end > stop:
-                kept.append(ep)  # at most one: the chunk holding row ``stop``
-            else:
-                evicted.append(ep)
-        registry.remove_many([ep.id for ep in evicted])
-        for ep in kept:  # after the removals: the oldest left, so its trim is O(1)
-            registry.trim_front(ep.id, stop)
-            trimmed.append(ep)
-        return evicted
+            return self.registry.evict(start, stop)
+        return self.registry.evict(start, stop, trimmed)
 
     # -- committing, aborting, restoring, clearing --------------------------------------------
 

@@ -34,8 +34,9 @@ Design, for the sampling hot path of the daemon:
   handling.
 * A commit's episodes go in as one run (:meth:`~EpisodeRegistry.add_run`: one overlap query
   per run of adjacent episodes, one vectorised append) and an eviction's come out as one
-  (:meth:`~EpisodeRegistry.remove_many`: consecutive slots cleared together), where one call
-  per episode was half the daemon's work with small-row writers.
+  (:meth:`~EpisodeRegistry.evict`: consecutive slots cleared together, and in transition unit
+  the chunk the range ends inside trimmed in the same call), where one call per episode was
+  half the daemon's work with small-row writers.
 * Overlap queries (:meth:`~EpisodeRegistry.add`, :meth:`~EpisodeRegistry.evict`,
   :meth:`~EpisodeRegistry.overlapping`) bisect over a sorted Python list of live starts. Live
   intervals are disjoint, so their ends are sorted too and the overlapping ones are one
@@ -238,25 +239,35 @@ class EpisodeRegistry(SlotTable):
             last_end, last_id = self._by_start[last]
             if last >= start and last_end > end:
                 kept, hi = Episode(last_id, last, last_end), hi - 1
-        ids = sorted(self._by_start[s][1] for s in self._sorted_starts[lo:hi])
-        out = self._evict_ids(lo, hi, ids) if ids else []
+        by_start = self._by_start
+        found = sorted((by_start[s][1], s, by_start[s][0]) for s in self._sorted_starts[lo:hi])
+        out = [Episode(i, s, e) for i, s, e in found]
+        if out:
+            self._evict_found(lo, hi, out)
         if kept is not None and trimmed is not None:
             # After the removals it is the oldest left, so its trim is O(1).
             self.trim_front(kept.id, end)
             trimmed.append(kept)
         return out
 
-    def _evict_ids(self, lo: int, hi: int, ids: list[int]) -> list[Episode]:
-        out = []
-        for episode_id in ids:
-            slot = self._slot_of(episode_id)
+    def _evict_found(self, lo: int, hi: int, found: list[Episode]) -> None:
+        """Remove ``found``, the episodes at ``_sorted_starts[lo:hi]`` in id order: a run of
+        consecutive slots (a ring's eviction, nearly always) in a few vectorised steps."""
+        k = len(found)
+        first = self._slot_of(found[0].id)
+        assert first is not None
+        if k > 1 and first + k <= self._tail and self._alive[first : first + k].all():
+            if self._ids[first : first + k].tolist() == [ep.id for ep in found]:
+                self._remove_slot_run(first, k)
+                return
+        for ep in found:
+            slot = first if ep is found[0] else self._slot_of(ep.id)
             assert slot is not None
-            out.append(self._kill_slot(slot))
+            self._kill_slot(slot)
         for s in self._sorted_starts[lo:hi]:
             del self._by_start[s]
         del self._sorted_starts[lo:hi]
         self._after_removals()
-        return out
 
     def trim_front(self, episode_id: int, new_start: int) -> Episode:
         """Drop the rows before ``new_start`` from a live episode, keeping its id and place.

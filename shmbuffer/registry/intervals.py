@@ -256,10 +256,15 @@ class EpisodeRegistry(SlotTable):
         k = len(found)
         first = self._slot_of(found[0].id)
         assert first is not None
-        if k > 1 and first + k <= self._tail and self._alive[first : first + k].all():
-            if self._ids[first : first + k].tolist() == [ep.id for ep in found]:
-                self._remove_slot_run(first, k)
-                return
+        run = slice(first, first + k)
+        if (
+            k > 1
+            and first + k <= self._tail
+            and self._alive[run].all()
+            and self._ids[run].tolist() == [ep.id for ep in found]
+        ):
+            self._remove_slot_run(first, k)
+            return
         for ep in found:
             slot = first if ep is found[0] else self._slot_of(ep.id)
             assert slot is not None

@@ -21,7 +21,6 @@ then. Sample (consume) first, or write less, and call again.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -280,10 +279,15 @@ class Buffer:
             generations[start:stop] += 1
         # Validation decided every cast, so only an interrupt or a device error fails the copy:
         # what the reservation evicted comes back wherever the copy had not reached.
-        with rows.Progress(functools.partial(container.abort, reservation.id)) as progress:
+        # (try/except, not rows.Progress's ``with``: an abort bound per write cost ~0.5 us.)
+        progress = rows.Progress()
+        try:
             rows.write(
                 segment.columns, segment.arrays, reservation.ranges, leaves, first_row, progress
             )
+        except BaseException:
+            container.abort(reservation.id, progress.rows)
+            raise
         if priority is None:  # what the container adds is the tables' priority checks
             return ring.commit(reservation.id)
         return container.commit(reservation.id, priority)

@@ -69,13 +69,21 @@ class LocalDraws:
             return None
         return self.view.draw(self.rng, n, self.stamps, loaded_draws())
 
-    def count(self, rows: I64, generations: I64) -> None:
+    def redraw(self, n: int) -> tuple[I64, I64, int] | None:
+        """:meth:`draw` of ``n`` rows in place of rows of a sample that were overwritten
+        during its copy, counted as drawn (the sample itself already was)."""
+        drawn = self.draw(n)
+        if drawn is not None:
+            self.count(drawn[0], drawn[1], calls=0)
+        return drawn
+
+    def count(self, rows: I64, generations: I64, calls: int = 1) -> None:
         """Note a sample's draw (copies of ``rows`` and their stamps then) for the next
-        report; send it when one is due."""
+        report; send it when one is due. ``calls``: the sample calls it stands for."""
         self._rows.append(rows.copy())
         self._gens.append(generations.copy())
         self._pending += rows.size
-        self._calls += 1
+        self._calls += calls
         now = time.monotonic()
         if self._pending >= REPORT_ROWS or now - self._last >= REPORT_S:
             self.report(now)

@@ -26,7 +26,7 @@ leases. Every name importers used from here is still here.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -61,6 +61,12 @@ if TYPE_CHECKING:  # both imported by the first call that touches rows (readerst
 __all__ = ["CONSUMING_SAMPLERS", "MAX_RESAMPLES", "ClientLease", "EpisodeViews", "Reader"]
 
 MAX_RESAMPLES = 8
+#: Of those, how many a reader that drew a sample's rows itself draws again itself before it
+#: asks the daemon for a leased redraw (see ``Reader._checked_gather``).
+LOCAL_REDRAWS = 4
+#: A reader's own draw of ``n`` rows, counted for its next report: ``(rows, stamps, live
+#: rows)``, or None where it cannot draw now.
+Redraw = Callable[[int], "tuple[np.ndarray, np.ndarray, int] | None"]
 #: The per-item arrays of a sample with ``info``, in the reply and in ``info``.
 _INFO = ("index", "generation", "probability", "weight")
 
@@ -160,7 +166,9 @@ class Reader(EpisodeReads):
         self._draws.count(physical, gens)  # before the gather: a redraw counts its own
         leases: list[int] = []
         try:
-            data = self._checked_gather(physical, gens, fields, 1, items, leases)
+            data = self._checked_gather(
+                physical, gens, fields, 1, items, leases, self._draws.redraw
+            )
         finally:
             if leases:
                 self._release_soon(leases)
@@ -246,6 +254,7 @@ class Reader(EpisodeReads):
         group: int,
         items: dict[str, Any],
         leases: list[int],
+        redraw: Redraw | None = None,
     ) -> TensorDict:
         """Gather rows, then redo (with fresh samples) the groups whose stamps moved; the
         per-item ``items`` of the groups redone are patched with the fresh ones (and the
@@ -253,10 +262,17 @@ class Reader(EpisodeReads):
 
         A group whose stamps still match after its copy was copied untorn, so only the groups
         just redone are checked again: rechecking all of them would blame rows that were
-        overwritten after their (good) copy was taken. A redraw is leased: rows lapped once
-        are on a ring that a writer laps faster than this copy, where an unleased redraw can be
-        lapped again and again (a fast machine did 8 in a row); a lease holds the writer back
-        for one short copy and the redraw cannot be torn.
+        overwritten after their (good) copy was taken. A redraw by the daemon is leased: rows
+        lapped once are on a ring that a writer laps faster than this copy, where an unleased
+        redraw can be lapped again and again (a fast machine did 8 in a row); a lease holds
+        the writer back for one short copy and the redraw cannot be torn. Rows this reader
+        drew itself (``redraw``: its own draw of ``n`` rows, or None) are first drawn again
+        here, :data:`LOCAL_REDRAWS` times at most: the same uniform draw over the rows live
+        now, with no message, and no lease holding writers back. A batch of large rows on a
+        small ring that writers lap quickly has a few rows overwritten during nearly every
+        gather, and a round trip and a lease for each such batch made the daemon, and the
+        writers it held back, the bottleneck (``docs/architecture.md``); a redraw of a few
+        rows is copied in a fraction of the batch's time, so it is rarely lapped again.
         """
         from shmbuffer.storage import rows  # imported by the attach: a lookup
 
@@ -269,25 +285,35 @@ class Reader(EpisodeReads):
 
         self._went_stale()
         todo = np.arange(len(physical) // group)
-        for _ in range(MAX_RESAMPLES):
+        for attempt in range(MAX_RESAMPLES):
             where = rows.slice_rows(todo * group, group)
             moved = (stamps[physical[where]] != gens[where]).reshape(-1, group).any(axis=1)
             if not moved.any():
                 return data
             todo = todo[moved]
             self.resamples += len(todo)
-            reply, _ = self._sample(**{**fields, "n": len(todo), "lease": True})
-            if "lease" in reply:
-                leases.append(reply["lease"])
-            for name, values in items.items():
-                values[todo] = _decode_item(name, reply[name])
-            if fields["kind"] == "slices":
-                lengths = items["lengths"][todo] if "lengths" in items else None
-                fresh, _ = expand_slices(decode_i64(reply["starts"]), group, lengths)
+            mine = redraw(len(todo)) if redraw is not None and attempt < LOCAL_REDRAWS else None
+            if mine is not None:  # rows only (group 1): drawn here again, as at first
+                fresh, fresh_gens, live = mine
+                self.local_redraws += len(todo)
+                patch = {"index": fresh, "generation": fresh_gens, "probability": 1.0 / live}
+                for name, values in items.items():
+                    if name in patch:  # a uniform draw's weight stays 1
+                        values[todo] = patch[name]
             else:
-                fresh = decode_i64(reply["rows"])
+                reply, _ = self._sample(**{**fields, "n": len(todo), "lease": True})
+                if "lease" in reply:
+                    leases.append(reply["lease"])
+                for name, values in items.items():
+                    values[todo] = _decode_item(name, reply[name])
+                if fields["kind"] == "slices":
+                    lengths = items["lengths"][todo] if "lengths" in items else None
+                    fresh, _ = expand_slices(decode_i64(reply["starts"]), group, lengths)
+                else:
+                    fresh = decode_i64(reply["rows"])
+                fresh_gens = decode_i64(reply["gens"])
             where = rows.slice_rows(todo * group, group)
-            physical[where], gens[where] = fresh, decode_i64(reply["gens"])
+            physical[where], gens[where] = fresh, fresh_gens
             data[torch.from_numpy(where)] = rows.gather(
                 self.segment.columns, fresh, self.segment.arrays
             )

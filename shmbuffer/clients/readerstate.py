@@ -179,6 +179,7 @@ class ReaderState:
         self.schema: Schema | None = None
         self.segment: Segment | None = None
         self.resamples = 0  # rows sampled again because a writer overwrote them mid-copy
+        self.local_redraws = 0  # of those, rows this reader drew again itself
         #: Where the daemon publishes its live runs (None: it does not, or not for us).
         self._local_info: dict[str, Any] | None = None
         if local_draws and not self.remote:

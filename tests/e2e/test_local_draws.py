@@ -137,6 +137,39 @@ def test_no_torn_row_while_a_writer_laps_the_ring(daemon: Any, children: Any, un
     assert laps >= 2, "the writer never lapped the ring: nothing was tested"
 
 
+def test_rows_overwritten_during_the_copy_are_drawn_again_here(
+    daemon: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer reserves the oldest episode's rows while the reader copies a sample that
+    holds some of them (a real write, made from inside the gather): the reader draws those
+    rows again itself, with no round trip and no lease, and hands out only whole rows."""
+    from shmbuffer.storage import rows
+
+    d = daemon(capacity=8 * 32, unit="episode")
+    with Writer(d.name) as writer, Reader(d.name, timeout=10) as reader:
+        for e in range(8):
+            writer.add_episode(make_episode(0, e, 32, IMAGE))
+        writer.flush()
+        reader.sample(8)
+        assert reader.local_draws
+        real, overwritten = rows.gather, []
+
+        def gather_then_overwrite(*args: Any, **kwargs: Any) -> Any:
+            out = real(*args, **kwargs)
+            if not overwritten:  # the first gather only: the sample's own
+                overwritten.append(True)
+                writer.add_episode(make_episode(0, 8, 32, IMAGE))  # evicts episode 0
+                writer.flush()
+            return out
+
+        monkeypatch.setattr(rows, "gather", gather_then_overwrite)
+        batch = reader.sample(128)  # 128 of 256 rows: episode 0's 32 are all but certainly in
+        check_rows(batch)
+        assert reader.resamples > 0, "no drawn row was overwritten: nothing was tested"
+        assert reader.local_redraws == reader.resamples
+        assert set(batch["episode"].tolist()) <= set(range(1, 9))
+
+
 def test_a_stopped_writer_holds_nobody_back_and_its_rows_are_never_drawn(
     daemon: Any, children: Any
 ) -> None:

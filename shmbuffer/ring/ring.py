@@ -264,11 +264,15 @@ class Ring:
 
     def conflicts(self, ranges: list[Range]) -> list[Reservation]:
         """Open reservations holding any row of ``ranges`` (a writer still copying there)."""
-        return [
-            other
-            for other in self.reservations.values()
-            if any(s < stop and start < e for s, e in other.ranges for start, stop in ranges)
-        ]
+        # Plain loops, not any() over a generator: the daemon asks this for every reserve,
+        # with every open reservation of every writer (a batch ahead each) to look at.
+        found = []
+        for other in self.reservations.values():
+            for s, e in other.ranges:
+                if any_overlap(s, e, ranges):
+                    found.append(other)
+                    break
+        return found
 
     # -- eviction -----------------------------------------------------------------------------
 
@@ -419,6 +423,14 @@ class Ring:
     def replay_clear(self, pointer: int) -> None:
         self.clear()
         self.pointer = pointer
+
+
+def any_overlap(s: int, e: int, ranges: Sequence[Range]) -> bool:
+    """Whether rows ``[s, e)`` overlap any of ``ranges``."""
+    for start, stop in ranges:  # noqa: SIM110 (a loop: any() over a generator costs more)
+        if s < stop and start < e:
+            return True
+    return False
 
 
 def episode_lengths(num_rows: int, episodes: int | Sequence[int]) -> list[int]:

@@ -64,9 +64,11 @@ process, not the machine (which takes the segment with it anyway).
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import mmap
 import os
+import struct
 import time
 import zlib
 from collections.abc import Callable
@@ -197,6 +199,12 @@ def restore_container(
 
 
 # -- the journal ------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def _int64s(count: int) -> struct.Struct:
+    """The packer of a record body of ``count`` little-endian int64s (one per length seen)."""
+    return struct.Struct(f"<{count}q")
 
 
 class Journal:
@@ -427,8 +435,8 @@ class Journal:
         if isinstance(fields, np.ndarray):  # vectorised: no Python int per field
             body = np.concatenate([np.array([kind], dtype="<i8"), fields.astype("<i8")])
             self._append_body(body.tobytes())
-        else:
-            self._append_body(np.array([kind, *fields], dtype="<i8").tobytes())
+        else:  # a few fields (a reserve's, a commit's: two per write): struct, not numpy
+            self._append_body(_int64s(len(fields) + 1).pack(kind, *fields))
 
     def _append_body(self, body: bytes) -> None:
         """Frame and write one record body (its type first, little-endian int64s). Inline,
@@ -467,7 +475,7 @@ class Journal:
             return
         process = pin.process
         extra = pin_fields(pin.reservation, process.pid, process.start, pin.ranges, pin.split)
-        self._append(RESERVE_PINNED, np.concatenate([np.array(fields, dtype="<i8"), extra]))
+        self._append(RESERVE_PINNED, [*fields, *extra])
 
     def append_abort(self, reservation_id: int) -> None:
         """A pinned reservation ended without a commit."""

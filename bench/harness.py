@@ -102,11 +102,11 @@ class Report(NamedTuple):
 
 @contextmanager
 def bench_dirs(ctx: Context) -> Iterator[str]:
-    """A bench-owned folder for segments and scratch files (on /dev/shm when there is one),
-    with its own runtime dir (``SHMBUFFER_RUNTIME_DIR``, inherited by the daemons and children
-    started meanwhile) so nothing else that cleans the default one can pull a name from under
-    a run. Both are removed, and the variable restored, afterwards."""
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else ctx.tmpdir
+    """A bench-owned folder for segments and scratch files (in ``--shm-dir``, else on /dev/shm
+    when there is one), with its own runtime dir (``SHMBUFFER_RUNTIME_DIR``, inherited by the
+    daemons and children started meanwhile) so nothing else that cleans the default one can
+    pull a name from under a run. Both are removed, and the variable restored, afterwards."""
+    base = ctx.shm_dir or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else ctx.tmpdir)
     root = tempfile.mkdtemp(prefix="bench-daemon-", dir=base)
     run_dir = os.path.join(root, "run")
     os.mkdir(run_dir, 0o700)

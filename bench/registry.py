@@ -34,6 +34,8 @@ class Context:
 
     quick: bool = False
     tmpdir: str = "/tmp"
+    #: Where the daemons' segments go (``--shm-dir``); None: /dev/shm where it is writable.
+    shm_dir: str | None = None
     max_op_seconds: float = 5.0  # an op stops after the call that crosses this (calls reported)
     create_gb: float = 4.0  # size of the buffer core.create makes (GB, 1e9 bytes)
     notes: list[str] = field(default_factory=list)

@@ -96,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tmpdir", default=tempfile.gettempdir(), help="scratch for memmap peers")
     parser.add_argument(
+        "--shm-dir",
+        default=None,
+        help="folder for the daemons' segments (default /dev/shm): a tmpfs mounted "
+        "huge=within_size measures shared rows on 2 MiB pages (docs/architecture.md)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -173,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         max_op_seconds=args.max_op_seconds,
         create_gb=args.create_gb,
         workers=args.workers,
+        shm_dir=args.shm_dir,
     )
+    if args.shm_dir:
+        ctx.note("all", f"the daemons' segments in {args.shm_dir} (--shm-dir), not /dev/shm")
     started = datetime.datetime.now(datetime.UTC)
     rows, scenarios = runs.run(names, ctx, repeat)
     report.add_ratios(rows)

@@ -8,7 +8,10 @@ generation check), no socket and no row copy (``daemon.sample`` measures the wir
 ``update_priorities(256)``, and uniform ``sample_slices(32, 16)``. The peers are called the same
 way, indices only: TorchRL ``RandomSampler`` / ``SliceSampler`` ``.sample(storage, n)`` on a
 ``LazyTensorStorage``, TorchRL's ``PrioritizedSampler`` and cpprb's ``PrioritizedReplayBuffer``
-(whose ``sample`` also gathers its one float column: 256 values).
+(whose ``sample`` also gathers its one float column: 256 values). Beside the daemon's uniform
+draw, ``shmbuffer-reader-draw`` times what a learner's default ``Reader`` runs instead on its own
+core: a draw over the live runs the daemon publishes and a read of the rows' stamps (their use
+counts are raised by the daemon, in bulk).
 
 Every buffer holds the same episodes (uniform random lengths 100-1000, the last one cut to fit)
 in one float column, filled untimed; the prioritized ones then get the same random priorities.
@@ -28,10 +31,13 @@ import contextlib
 import gc
 import logging
 import os
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,6 +49,9 @@ NAME = "sampling.scaling"
 SIZES = (10_000, 100_000, 1_000_000, 10_000_000)
 QUICK_SIZES = (10_000, 100_000)
 SHM = "shmbuffer"
+#: A Reader's own uniform draw of 256 rows and their stamps, no round trip (the default for a
+#: uniform table): what a learner's core spends per ``sample(256)`` before its gather.
+READER_DRAW = "shmbuffer-reader-draw"
 
 #: op -> (what one call does, rows it hands out)
 OPS: dict[str, tuple[str, int]] = {
@@ -108,11 +117,34 @@ def _container(layout: Layout, sampler_name: str) -> Any:
 
 @contextlib.contextmanager
 def shm_uniform(layout: Layout) -> Iterator[Offer]:
+    from shmbuffer.registry.shared_spans import SPANS_FILE, SpansFile, SpansView
+    from shmbuffer.registry.spans import loaded_draws
+    from shmbuffer.ring.publisher import SpansPublisher
+
     container = _container(layout, "uniform")
-    yield [
-        (SHM, "sample", lambda _: container.table.sample_rows(256)),
-        (SHM, "slices", lambda _: container.table.sample_slices(32, 16)),
-    ]
+    # A learner's Reader draws a uniform table's rows itself over the runs the daemon
+    # publishes, reading their stamps (clients/local_draws.py); its use counts reach the daemon
+    # in bulk (READER_DRAW's note).
+    folder = tempfile.mkdtemp(prefix="bench-spans-", dir=_shm_or_tmp())
+    out = SpansFile(Path(folder) / SPANS_FILE)
+    SpansPublisher(container.table, out)
+    view = SpansView(Path(folder) / SPANS_FILE)
+    stamps = np.zeros(layout.size, dtype=np.int64)  # the segment's generation stamps
+    rng, kernels = np.random.default_rng(0), loaded_draws()
+    try:
+        yield [
+            (SHM, "sample", lambda _: container.table.sample_rows(256)),
+            (READER_DRAW, "sample", lambda _: view.draw(rng, 256, stamps, kernels)),
+            (SHM, "slices", lambda _: container.table.sample_slices(32, 16)),
+        ]
+    finally:
+        view.close()
+        out.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _shm_or_tmp() -> str:
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
 @contextlib.contextmanager
@@ -360,6 +392,14 @@ def scaling(ctx: Context) -> list[Row]:
         "only while nothing is written (an extend clears it); cpprb's sample includes its "
         "256-value gather and weights",
     )
+    ctx.note(
+        NAME,
+        f"{READER_DRAW} = what a learner's default Reader runs per sample(256) of a uniform "
+        "table before its gather: a draw over the live runs the daemon publishes (spans.bin, "
+        "seqlocked) and a read of the 256 rows' generation stamps, no round trip; the rows' "
+        "use counts are raised by the daemon from the reader's bulk reports, on the daemon's "
+        "core (that count's cost is the difference from the shmbuffer row at 10M)",
+    )
     out: list[Row] = []
     per_op: dict[tuple[str, str, int], list[float]] = {}
     memory: list[str] = []
@@ -450,16 +490,17 @@ def _targets(ctx: Context, per_op: dict[tuple[str, str, int], list[float]], size
             parts.append(f"{op} {text}")
     ctx.note(NAME, f"target within 2x from {span}, median: " + "; ".join(parts))
 
-    def versus(peer: str, op: str, size: int, strict: bool) -> str | None:
+    def versus(peer: str, op: str, size: int, strict: bool, impl: str = SHM) -> str | None:
         def compare(stat: Any) -> str | None:
-            ours, theirs = pick(SHM, op, size, stat), pick(peer, op, size, stat)
+            ours, theirs = pick(impl, op, size, stat), pick(peer, op, size, stat)
             if ours is None or theirs is None:
                 return None
             ok = ours < theirs if strict else ours <= theirs
-            return f"{ours:.0f} vs {theirs:.0f} us = {theirs / ours:.2f}x as fast {_verdict(ok)}"
+            return f"{ours:.1f} vs {theirs:.1f} us = {theirs / ours:.2f}x as fast {_verdict(ok)}"
 
         text = both(compare)
-        return None if text is None else f"{op}@{_label(size)} vs {peer}: {text}"
+        who = "" if impl == SHM else f" ({impl})"
+        return None if text is None else f"{op}@{_label(size)}{who} vs {peer}: {text}"
 
     peers = {
         "sample": ["torchrl-RandomSampler"],
@@ -473,6 +514,11 @@ def _targets(ctx: Context, per_op: dict[tuple[str, str, int], list[float]], size
         for peer in names
         for size in big
         if (text := versus(peer, op, size, strict=True))
+    ]
+    parts += [  # what a learner's default Reader spends on its own core (READER_DRAW)
+        text
+        for size in big
+        if (text := versus("torchrl-RandomSampler", "sample", size, True, READER_DRAW))
     ]
     ctx.note(
         NAME,

@@ -269,7 +269,7 @@ class Ring:
         found = []
         for other in self.reservations.values():
             for s, e in other.ranges:
-                if any_overlap(s, e, ranges):
+                if _overlaps(s, e, ranges):
                     found.append(other)
                     break
         return found
@@ -342,7 +342,7 @@ class Ring:
         back = [
             ep
             for ep in (*reservation.evicted, *reservation.trimmed)
-            if not any(ep.start < e and s < ep.end for s, e in blocked)
+            if not _overlaps(ep.start, ep.end, blocked)
         ]
         self.restore(back)
         return back
@@ -425,7 +425,7 @@ class Ring:
         self.pointer = pointer
 
 
-def any_overlap(s: int, e: int, ranges: Sequence[Range]) -> bool:
+def _overlaps(s: int, e: int, ranges: Sequence[Range]) -> bool:
     """Whether rows ``[s, e)`` overlap any of ``ranges``."""
     for start, stop in ranges:  # noqa: SIM110 (a loop: any() over a generator costs more)
         if s < stop and start < e:

@@ -69,15 +69,14 @@ class EpisodeRegistry(SlotTable):
 
     # ------------------------------------------------------------------ mutation (slots)
 
-    def _kill_slot(self, slot: int) -> Episode:
-        """Tombstone one live slot; the caller updates the overlap index."""
-        ep = self._episode_at_slot(slot)
+    def _kill_slot(self, slot: int, ep: Episode) -> None:
+        """Tombstone live slot ``slot``, which holds ``ep``; the caller updates the overlap
+        index."""
         self._alive[slot] = False
         self._n_live -= 1
         self._num_rows -= ep.length
         self._spans.remove(ep.start, ep.end)
         self._settle_ends()
-        return ep
 
     def _settle_ends(self) -> None:
         """After slots were tombstoned: head and tail on live slots again (none left: reset)."""
@@ -240,8 +239,13 @@ class EpisodeRegistry(SlotTable):
             if last >= start and last_end > end:
                 kept, hi = Episode(last_id, last, last_end), hi - 1
         by_start = self._by_start
-        found = sorted((by_start[s][1], s, by_start[s][0]) for s in self._sorted_starts[lo:hi])
-        out = [Episode(i, s, e) for i, s, e in found]
+        if hi - lo == 1:  # a ring's steady eviction: one chunk, nothing to order
+            first_start = self._sorted_starts[lo]
+            first_end, first_id = by_start[first_start]
+            out = [Episode(first_id, first_start, first_end)]
+        else:
+            found = sorted((by_start[s][1], s, by_start[s][0]) for s in self._sorted_starts[lo:hi])
+            out = [Episode(i, s, e) for i, s, e in found]
         if out:
             self._evict_found(lo, hi, out)
         if kept is not None and trimmed is not None:
@@ -265,10 +269,10 @@ class EpisodeRegistry(SlotTable):
         ):
             self._remove_slot_run(first, k)
             return
-        for ep in found:
+        for ep in found:  # the overlap index's bounds are the slots' (kept in step)
             slot = first if ep is found[0] else self._slot_of(ep.id)
             assert slot is not None
-            self._kill_slot(slot)
+            self._kill_slot(slot, ep)
         for s in self._sorted_starts[lo:hi]:
             del self._by_start[s]
         del self._sorted_starts[lo:hi]
@@ -303,7 +307,8 @@ class EpisodeRegistry(SlotTable):
         slot = self._slot_of(episode_id) if self._is_id(episode_id) else None
         if slot is None:
             raise NotFoundError(f"episode {episode_id!r} is not live")
-        ep = self._kill_slot(slot)
+        ep = self._episode_at_slot(slot)
+        self._kill_slot(slot, ep)
         i = bisect.bisect_left(self._sorted_starts, ep.start)
         del self._sorted_starts[i]
         del self._by_start[ep.start]

@@ -102,6 +102,9 @@ class Plan(NamedTuple):
         return len(self.lengths)
 
 
+_new_tuple = tuple.__new__
+
+
 class Ring:
     """``capacity`` rows written in order; see the module docstring.
 
@@ -174,8 +177,10 @@ class Ring:
             blocked = listener.insert_blocker(num_rows, evict)
             if blocked is not None:
                 break
-        return Plan(
-            num_rows, lengths, ranges, evict, busy, blocked, (self.pointer, self.rows_written)
+        # tuple.__new__, not Plan(...): its generated constructor is a Python-level call
+        return _new_tuple(
+            Plan,
+            (num_rows, lengths, ranges, evict, busy, blocked, (self.pointer, self.rows_written)),
         )
 
     def _plan(self, num_rows: int) -> tuple[list[Range], list[Range]]:
@@ -227,7 +232,7 @@ class Ring:
             trimmed=trimmed,
             before=before,
             travelled=self.travelled,
-            num_episodes=plan.episodes,
+            num_episodes=len(plan.lengths),
         )
         self.next_reservation += 1
         self.reservations[reservation.id] = reservation

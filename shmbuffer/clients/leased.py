@@ -101,6 +101,11 @@ class EpisodeViews(Sequence["TensorDict"]):
         lease: ClientLease | None = None,
         conn: Connection | None = None,
     ) -> None:
+        # Imported by the attach that gave these columns, so a lookup; bound once here, not
+        # per view (an import statement per view was a twentieth of a view's cost).
+        from shmbuffer.storage.rows import nest
+
+        self._nest = nest
         self._columns = columns
         self.ids, self.starts, self.lengths = ids, starts, lengths
         self._lease = lease
@@ -145,11 +150,9 @@ class EpisodeViews(Sequence["TensorDict"]):
     def _view(self, i: int) -> TensorDict:
         if self._lease is not None and not self._lease.valid():
             raise self._lease.expired_error()
-        from shmbuffer.storage import rows  # imported by the attach: a lookup
-
         start, length = int(self.starts[i]), int(self.lengths[i])
         cut = {key: column[start : start + length] for key, column in self._columns.items()}
-        return rows.nest(cut, [length])
+        return self._nest(cut, [length])
 
     def __repr__(self) -> str:
         state = "copies" if self._lease is None else f"lease {self._lease.id}"

@@ -251,3 +251,12 @@ def test_live_entries_and_their_bounds_always_match_the_registry(
         lengths = meta.select()["length"]
         assert lengths.tolist() == [ep.end - ep.start for ep in live]
     assert math.isfinite(meta.stats()["span"])
+
+
+def test_strings_order_by_their_text_and_decode_in_the_records() -> None:
+    buf = Buffer(100, unit="episode")
+    for i, env in enumerate(["b", "c", "a", "c"]):
+        buf.add_episode(episode(i, 2), meta={"env": env})
+    assert buf.episodes(order_by="env").ids.tolist() == [2, 0, 1, 3]
+    assert buf.episodes(order_by="-env").ids.tolist() == [1, 3, 0, 2]
+    assert buf.episodes(where="env >= 'b'")["env"].tolist() == ["b", "c", "c"]

@@ -206,6 +206,23 @@ def test_mask_matches_the_per_episode_reference(
     assert got.dtype == bool and got.shape == (size,)
     np.testing.assert_array_equal(got, expected, err_msg=text)
     assert where.names == names_of(tree)
+    # the same strings coded (each distinct one once, an index per episode) mask the same
+    np.testing.assert_array_equal(where.mask(coded(columns), size), expected, err_msg=text)
+
+
+def coded(columns: dict[str, Column]) -> dict[str, Column]:
+    """``columns`` with every string column as categories and codes into them."""
+    out = {}
+    for name, column in columns.items():
+        if column.values.dtype != object:
+            out[name] = column
+            continue
+        strings = [v if p else None for v, p in zip(column.values, column.present, strict=True)]
+        categories = sorted({v for v in strings if v is not None}, reverse=True)
+        index = {v: i for i, v in enumerate(categories)}
+        codes = np.array([index.get(v, 0) for v in strings], dtype=np.int32)
+        out[name] = Column(codes, column.present, np.array(categories, dtype=object))
+    return out
 
 
 # ---------------------------------------------------------------------- grammar and semantics
@@ -575,3 +592,23 @@ def test_query_error_is_an_invalid_argument_that_travels_as_one() -> None:
     assert QueryError.code == "invalid_argument"
     assert type(error_from_code(QueryError.code, "x")) is InvalidArgumentError
     assert shmbuffer.QueryError is QueryError and "QueryError" in shmbuffer.__all__
+
+
+def test_coded_strings_of_many_categories_mask_as_the_strings_do() -> None:
+    # every path of a coded comparison: a few categories hit, a few missed, many of each
+    strings = [f"e{i}" for i in range(12)] * 3 + [None] * 4
+    plain, size = table(env=strings)
+    for text in [
+        "env == 'e3'",
+        "env in ('e1', 'e2', 'e3')",
+        "env != 'e3'",
+        "env not in ('e1', 'e2')",
+        "env >= 'e3'",
+        "env < 'e5' or env == 'e9'",
+        "env in ('x', 'y')",
+        "not env in ('e0', 'e1', 'e2', 'e3', 'e4', 'e5')",
+    ]:
+        where = parse_where(text)
+        np.testing.assert_array_equal(
+            where.mask(coded(plain), size), where.mask(plain, size), err_msg=text
+        )

@@ -83,10 +83,14 @@ _INT64 = np.iinfo(np.int64)
 
 
 class Column(NamedTuple):
-    """One metadata name's values, one entry per episode."""
+    """One metadata name's values, one entry per episode. Strings may come coded:
+    ``categories`` holds each distinct string once and ``values`` an integer index into it
+    per episode, so a comparison with a literal runs over the few categories and then one
+    lookup per episode instead of a string comparison per episode."""
 
-    values: npt.NDArray[Any]  # int64, float64, bool, or object (str)
+    values: npt.NDArray[Any]  # int64, float64, bool, object (str), or codes into categories
     present: npt.NDArray[np.bool_]  # False where the episode has no value for this name
+    categories: npt.NDArray[Any] | None = None  # the strings ``values`` index (coded only)
 
 
 class _Token(NamedTuple):
@@ -315,6 +319,15 @@ class _Operand(NamedTuple):
     kind: str
     name: str | None  # None for a literal
     pos: int
+    categories: Any = None  # coded strings: ``values`` index these
+
+    def decoded(self) -> Any:
+        """The values as strings (a coded column decoded: the slow way, for name vs name)."""
+        if self.categories is None:
+            return self.values
+        if not len(self.categories):  # nothing present: the result is masked anyway
+            return np.full(len(self.values), "", dtype=object)
+        return self.categories[self.values]
 
     def describe(self) -> str:
         if self.name is None:
@@ -339,11 +352,15 @@ class _Walk:
     def operand(self, node: _Name | _Literal) -> _Operand:
         if isinstance(node, _Literal):
             return _Operand(node.value, True, _kind(node.value), None, node.pos)
-        values = np.asarray(self.columns[node.name].values)
-        present = np.asarray(self.columns[node.name].present, dtype=bool)
+        column = self.columns[node.name]
+        values = np.asarray(column.values)
+        present = np.asarray(column.present, dtype=bool)
         if values.shape != (self.size,) or present.shape != (self.size,):
             shapes = f"values of shape {values.shape} and present of shape {present.shape}"
             raise self.fail(node.pos, f"{node.name!r} has {shapes}, not ({self.size},)")
+        if column.categories is not None:
+            categories = np.asarray(column.categories, dtype=object)
+            return _Operand(values, present, "string", node.name, node.pos, categories)
         kind = _KINDS.get(values.dtype.kind)
         if kind is None:
             raise self.fail(node.pos, f"{node.name!r} holds dtype {values.dtype}, not filterable")
@@ -382,17 +399,53 @@ class _Walk:
             self.same_kind(left, self.operand(node.first))
             if left.name is None:
                 return np.bool_((left.values in node.items.tolist()) != node.negated)
-            found = np.isin(left.values, node.items, invert=node.negated)
+            if left.categories is not None:  # over the categories, then a lookup each
+                hits = np.isin(left.categories, node.items, invert=node.negated)
+                found = _lookup(hits, left.values)
+            else:
+                found = np.isin(left.values, node.items, invert=node.negated)
             return np.logical_and(found, left.present)
         left, right = self.operand(node.left), self.operand(node.right)
         self.same_kind(left, right)
         if left.kind == "bool" and node.op not in ("==", "!="):
             raise self.fail(node.pos, f"bools compare only with == and !=, not {node.op!r}")
+        compare = _COMPARE[node.op]
         try:
-            result = _COMPARE[node.op](left.values, right.values)
+            if left.categories is not None and right.name is None:
+                result = _lookup(np.asarray(compare(left.categories, right.values)), left.values)
+            elif right.categories is not None and left.name is None:
+                result = _lookup(np.asarray(compare(left.values, right.categories)), right.values)
+            else:
+                result = compare(left.decoded(), right.decoded())
         except TypeError as exc:  # an object column holding something other than strings
             raise self.fail(node.pos, f"cannot compare these values ({exc})") from None
         return np.logical_and(np.logical_and(result, left.present), right.present)
+
+
+def _lookup(hits: npt.NDArray[np.bool_], codes: npt.NDArray[Any]) -> npt.NDArray[np.bool_]:
+    """``hits[codes]``: each episode's category's result. A few categories hit (or missed)
+    are compared directly, a pass each, cheaper than a lookup per episode."""
+    found = np.flatnonzero(hits)
+    if len(found) == 0 or len(found) == len(hits):
+        return np.full(len(codes), len(found) > 0)
+    out: npt.NDArray[np.bool_]
+    if len(found) <= _DIRECT:
+        out = codes == found[0]
+        for code in found[1:]:
+            out |= codes == code
+        return out
+    missed = np.flatnonzero(~hits)
+    if len(missed) <= _DIRECT:
+        out = codes != missed[0]
+        for code in missed[1:]:
+            out &= codes != code
+        return out
+    result: npt.NDArray[np.bool_] = hits[codes]
+    return result
+
+
+#: Categories hit (or missed) up to which a coded comparison compares codes directly.
+_DIRECT = 4
 
 
 class Where:

@@ -45,7 +45,9 @@ I64 = npt.NDArray[np.int64]
 KINDS = ("int", "float", "bool", "str")
 #: The names the buffer records itself, and their kinds (``id`` is computed, never stored).
 BUILTIN = {"id": "int", "length": "int", "commit_time": "float", "writer": "str"}
-_DTYPES = {"int": np.int64, "float": np.float64, "bool": np.bool_, "str": object}
+#: A str is kept as a code: an index into its name's strings, each kept once (a filter then
+#: compares the few strings, not one per episode: ``registry/query.py``'s coded columns).
+_DTYPES = {"int": np.int64, "float": np.float64, "bool": np.bool_, "str": np.int32}
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _MIN_SLOTS = 64
 
@@ -113,7 +115,8 @@ class _Columns(Mapping[str, Column]):
         if name == "id":
             ids = np.arange(meta.base + lo, meta.base + hi, dtype=np.int64)
             return Column(ids, np.ones(hi - lo, dtype=bool))
-        return Column(meta._values[name][lo:hi], meta._present[name][lo:hi])
+        values, present = meta._values[name][lo:hi], meta._present[name][lo:hi]
+        return Column(values, present, meta._strings.get(name))
 
     def __iter__(self) -> Iterator[str]:
         return iter(["id", *self._meta._values])
@@ -160,6 +163,8 @@ class EpisodeMeta(RingListener):
         self._starts = np.zeros(_MIN_SLOTS, dtype=np.int64)
         self._values: dict[str, np.ndarray] = {}
         self._present: dict[str, np.ndarray] = {}
+        self._strings: dict[str, np.ndarray] = {}  # a str name's strings, by code
+        self._codes: dict[str, dict[str, int]] = {}  # and their codes
         for name, kind in {**BUILTIN, **self._kinds}.items():
             if name != "id":
                 self._add_column(name, kind)
@@ -168,6 +173,9 @@ class EpisodeMeta(RingListener):
         slots = len(self._alive)
         self._values[name] = np.zeros(slots, dtype=_DTYPES[kind])
         self._present[name] = np.zeros(slots, dtype=bool)
+        if kind == "str":
+            self._strings[name] = np.empty(0, dtype=object)
+            self._codes[name] = {}
 
     def _cover(self, last_id: int) -> None:
         """Positions up to ``last_id``'s: drop a dead front half first, then grow."""
@@ -261,12 +269,29 @@ class EpisodeMeta(RingListener):
         if not ids or not (meta or writer is not None):
             return
         positions = np.asarray(ids, dtype=np.int64) - self._base
-        for name, value in meta.items():  # every name has its column: check() made it
-            self._values[name][positions] = value
+        values = {**meta} if writer is None else {**meta, "writer": writer}
+        for name, value in values.items():  # every name has its column: check() made it
+            self._values[name][positions] = (
+                self._code(name, value) if name in self._codes else value
+            )
             self._present[name][positions] = True
-        if writer is not None:
-            self._values["writer"][positions] = writer
-            self._present["writer"][positions] = True
+
+    def _code(self, name: str, value: str) -> int:
+        codes = self._codes[name]
+        code = codes.get(value)
+        if code is None:
+            code = codes[value] = len(codes)
+            self._strings[name] = np.append(self._strings[name], np.array([value], dtype=object))
+        return code
+
+    def _decoded(self, name: str, codes: np.ndarray) -> np.ndarray:
+        strings = self._strings.get(name)
+        if strings is None:
+            return codes
+        if not len(strings):  # no value yet: every entry is masked
+            return np.full(len(codes), "", dtype=object)
+        decoded: np.ndarray = strings[codes]
+        return decoded
 
     # -- the ring's news -----------------------------------------------------------------------
 
@@ -401,7 +426,7 @@ class EpisodeMeta(RingListener):
                 columns[name] = np.ma.MaskedArray(ids, mask=np.zeros(len(ids), dtype=bool))
             else:
                 values, present = self._values[name][positions], self._present[name][positions]
-                columns[name] = np.ma.MaskedArray(values, mask=~present)
+                columns[name] = np.ma.MaskedArray(self._decoded(name, values), mask=~present)
         return EpisodeRecords(ids, columns)
 
     def _ordered(self, positions: I64, name: str, descending: bool) -> I64:
@@ -410,6 +435,11 @@ class EpisodeMeta(RingListener):
         values, present = self._values[name][positions], self._present[name][positions]
         has, missing = positions[present], positions[~present]
         keys = values[present]
+        strings = self._strings.get(name)
+        if strings is not None and len(strings):  # codes ranked by their strings' order
+            rank = np.empty(len(strings), dtype=np.int64)
+            rank[np.argsort(strings, kind="stable")] = np.arange(len(strings))
+            keys = rank[keys]
         if keys.dtype == np.float64:  # NaN sorts last either way, as a missing value does
             nan = np.isnan(keys)
             missing = np.concatenate([has[nan], missing])

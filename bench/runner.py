@@ -21,6 +21,7 @@ from bench import (  # noqa: F401  (register the scenarios)
     core,
     daemon,
     memory,
+    queries,
     report,
     rollout,
     runs,

@@ -39,14 +39,25 @@ from shmbuffer.api.reads import (
 )
 from shmbuffer.api.recent import RecentSamples
 from shmbuffer.api.writeplan import plan_write, vector_episode, write_priority
-from shmbuffer.errors import ClosedError, InvalidArgumentError
-from shmbuffer.ring.container import Container, as_invalid_argument
-from shmbuffer.samplers import OPTIONS, RateLimiter, Sampler, build_rate_limiter, build_sampler
+from shmbuffer.errors import ClosedError
+from shmbuffer.ring.container import Container
+from shmbuffer.ring.meta import EpisodeMeta, EpisodeRecords
+from shmbuffer.samplers import (
+    OPTIONS,
+    RateLimiter,
+    Sampler,
+    build_rate_limiter,
+    build_sampler,
+    instance_or_built,
+)
 from shmbuffer.samplers.base import Priority
 from shmbuffer.storage import rows, streamcopy
 from shmbuffer.storage.schema import Schema, to_host
 from shmbuffer.storage.segment import LocalSegment, Segment
 from shmbuffer.wire.protocol import MAX_SAMPLE, check_sample_size
+
+#: Scalars to attach to an episode (``{"return": 12.5, "env_id": "e3"}``), or None.
+Meta = Mapping[str, Any] | None
 
 
 class Buffer:
@@ -75,6 +86,8 @@ class Buffer:
         rate_limiter: ``"none"`` (default), ``"min-size"`` or ``"sample-to-insert"``, or a
             :class:`~shmbuffer.samplers.RateLimiter`; ``min_size``, ``samples_per_insert``
             and ``error_buffer`` are its settings (counted in rows).
+        meta: the metadata names episodes may carry, and their kinds (``{"return": "float",
+            "env_id": "str"}``), or None to take them as given (``docs/metadata.md``).
 
     Options left None take the sampler's or limiter's default; one given that the chosen
     sampler or limiter does not take raises InvalidArgumentError naming it.
@@ -103,11 +116,12 @@ class Buffer:
         min_size: int | None = None,
         samples_per_insert: float | None = None,
         error_buffer: float | None = None,
+        meta: Mapping[str, str] | None = None,
     ) -> None:
         given = locals()  # the keywords of the options the samplers declare, by name
         options = {option.name: given[option.name] for option in OPTIONS}
-        sampler_part = _part("sampler", sampler, Sampler, build_sampler, **options)
-        limiter_part = _part(
+        sampler_part = instance_or_built("sampler", sampler, Sampler, build_sampler, **options)
+        limiter_part = instance_or_built(
             "rate_limiter",
             rate_limiter,
             RateLimiter,
@@ -142,6 +156,8 @@ class Buffer:
         self.segment: Segment | LocalSegment | None = None
         self._closed = False
         self._recent = RecentSamples()  # stamps for updates sent back without generation=
+        # Episode metadata, kept from its first use on (a listener costs every write a little)
+        self._meta = None if meta is None else EpisodeMeta(self._ring, meta)
         if schema is not None:
             self._allocate(schema if isinstance(schema, Schema) else Schema.from_spec(schema))
 
@@ -195,34 +211,49 @@ class Buffer:
 
     # -- writing ----------------------------------------------------------------------------
 
-    def extend(self, batch: Mapping[str, Any], priority: Priority = None) -> list[int]:
+    def extend(
+        self, batch: Mapping[str, Any], priority: Priority = None, meta: Meta = None
+    ) -> list[int]:
         """Write rows straight in: a chunk of transitions, or one whole episode in episode
         unit. Returns the ids of the (single) registry entry written.
 
         ``priority`` (prioritized sampler only): a scalar, one value per row (transition
         unit) or one for the episode (episode unit); None gives the largest priority seen so
-        far. Checked before anything is written."""
+        far. ``meta``: scalars to attach to the entry written (:meth:`episodes`). Both
+        checked before anything is written."""
         self._check_open()
-        return self._write(batch, priority=priority)
+        return self._write(batch, priority=priority, meta=self._checked_meta(meta))
 
     def add_episode(
-        self, episode: Mapping[str, Any], num_envs: int = 1, priority: Priority = None
+        self,
+        episode: Mapping[str, Any],
+        num_envs: int = 1,
+        priority: Priority = None,
+        meta: Meta = None,
     ) -> list[int]:
         """Write a finished episode; with ``num_envs > 1`` its leaves are ``[L, num_envs, ...]``
         and each sub-env becomes its own episode. Returns the new episode ids.
 
         ``priority`` as for :meth:`extend`; with ``num_envs > 1`` one value per sub-episode
-        (episode unit) or per row, shaped ``[L, num_envs]`` like the data (transition unit)."""
+        (episode unit) or per row, shaped ``[L, num_envs]`` like the data (transition unit).
+        ``meta``: scalars to attach to the episode (to each sub-episode), as :meth:`episodes`
+        reads them."""
         self._check_open()
+        checked = self._checked_meta(meta)
         if num_envs == 1:
-            return self._write(episode, priority=priority)
+            return self._write(episode, priority=priority, meta=checked)
         batch, priority = vector_episode(episode, num_envs, self.unit, priority)
-        return self._write(batch, num_sub_episodes=num_envs, priority=priority)
+        return self._write(batch, num_sub_episodes=num_envs, priority=priority, meta=checked)
 
-    def add_transition(self, env_id: str, transition: Mapping[str, Any]) -> list[int]:
-        """Append one step of ``env_id``; returns ids of episodes it finished (if any)."""
+    def add_transition(
+        self, env_id: str, transition: Mapping[str, Any], meta: Meta = None
+    ) -> list[int]:
+        """Append one step of ``env_id``; returns ids of episodes it finished (if any).
+        ``meta`` is merged into the metadata of the episode in progress, attached when it
+        ends (a later value of a name replaces an earlier one)."""
         self._check_open()
-        return self._write_finished(self.assembler.add_transition(env_id, transition))
+        checked = self._checked_meta(meta)
+        return self._write_finished(self.assembler.add_transition(env_id, transition, checked))
 
     def end_episode(self, env_id: str) -> list[int]:
         """End ``env_id``'s pending episode now (a no-op when nothing is pending)."""
@@ -234,11 +265,17 @@ class Buffer:
 
     def _write_finished(self, episodes: list[FinishedEpisode]) -> list[int]:
         return [
-            i for ep in episodes for i in self._write(ep.data, num_sub_episodes=ep.num_sub_episodes)
+            i
+            for ep in episodes
+            for i in self._write(ep.data, num_sub_episodes=ep.num_sub_episodes, meta=ep.meta)
         ]
 
     def _write(
-        self, batch: Mapping[str, Any], num_sub_episodes: int = 1, priority: Priority = None
+        self,
+        batch: Mapping[str, Any],
+        num_sub_episodes: int = 1,
+        priority: Priority = None,
+        meta: Mapping[str, Any] | None = None,
     ) -> list[int]:
         # A lazy schema is fixed by the first batch accepted, never by one refused (a bad
         # batch, priority, or more rows than a fixed buffer holds): rows are reserved first.
@@ -289,8 +326,13 @@ class Buffer:
             container.abort(reservation.id, progress.rows)
             raise
         if priority is None:  # what the container adds is the tables' priority checks
-            return ring.commit(reservation.id)
-        return container.commit(reservation.id, priority)
+            ids = ring.commit(reservation.id)
+        else:
+            ids = container.commit(reservation.id, priority)
+        if meta:
+            assert self._meta is not None  # it checked them
+            self._meta.attach(ids, meta)
+        return ids
 
     def _allocate(self, schema: Schema) -> None:
         streamcopy.warm(schema.row_nbytes)  # large rows: writes stream (streamcopy.py)
@@ -331,7 +373,11 @@ class Buffer:
         return self[:]
 
     def sample(
-        self, batch_size: int, return_info: bool = False, beta: float | None = None
+        self,
+        batch_size: int,
+        return_info: bool = False,
+        beta: float | None = None,
+        where: str | None = None,
     ) -> TensorDict | tuple[TensorDict, dict[str, torch.Tensor]]:
         """``batch_size`` rows drawn by the sampler (uniform: from all committed rows, with
         replacement).
@@ -340,11 +386,13 @@ class Buffer:
         :meth:`update_priorities`), ``info["generation"]`` (each row's stamp now),
         ``info["probability"]`` (float64) and ``info["weight"]`` (float32; the PER importance
         weight ``(N * P) ** -beta`` over its largest value, 1 unless prioritized), each
-        ``[batch_size]``. ``beta`` overrides the importance exponent for this call."""
+        ``[batch_size]``. ``beta`` overrides the importance exponent for this call. ``where``:
+        only from the episodes this metadata filter selects (:meth:`episodes`), uniformly."""
         self._check_open()
         if type(batch_size) is int and batch_size > MAX_SAMPLE:  # named as the caller knows it
             check_sample_size(batch_size, what="batch_size")
-        drawn = self._table.sample_rows(batch_size, beta=beta)
+        among = None if where is None else self._metadata().subset(where, self._table)
+        drawn = self._table.sample_rows(batch_size, beta=beta, among=among)
         data = self._copy(drawn.rows)
         if not return_info:
             return data
@@ -373,7 +421,10 @@ class Buffer:
         return self.container.update_priorities(index, priority, seen, stamps)
 
     def sample_episodes(
-        self, n: int, out: TensorDict | Mapping[str, Any] | None = None
+        self,
+        n: int,
+        out: TensorDict | Mapping[str, Any] | None = None,
+        where: str | None = None,
     ) -> TensorDict | list[TensorDict]:
         """``n`` whole episodes drawn by the sampler: ``[n, L]`` if their lengths agree, else a
         list.
@@ -388,12 +439,13 @@ class Buffer:
         then views of ``out`` (its first rows), valid until the next call that reuses it. A
         key, dtype or shape that does not fit raises InvalidArgumentError naming it before
         anything is drawn; too few rows raises it after the draw (the episodes drawn count as
-        sampled)."""
+        sampled). ``where`` as for :meth:`sample`."""
         self._check_open()
         target = None
         if out is not None and self.segment is not None:
             target = rows.out_arrays(self.segment.schema, out)
-        drawn = self.container.sample_episodes(n)
+        among = None if where is None else self._metadata().subset(where, self._table)
+        drawn = self._table.sample_episodes(n, among=among)
         if target is None:
             return self._episodes(drawn.starts, drawn.ends, scalar=False, physical=drawn.rows)
         assert self.segment is not None
@@ -411,16 +463,19 @@ class Buffer:
         strict: bool = True,
         return_info: bool = False,
         beta: float | None = None,
+        where: str | None = None,
     ) -> TensorDict | tuple[TensorDict, dict[str, torch.Tensor]]:
         """``[n, length]`` runs of consecutive rows, each inside one episode.
 
         ``strict=False`` admits episodes shorter than ``length`` too: their slice starts at
         their first row and is zero-padded, and a bool ``"mask"`` entry ``[n, length]`` is
         True on real rows (a prefix). ``return_info`` as for :meth:`sample`, per slice, with
-        ``index`` its first row (a prioritized slice carries its first row's priority)."""
+        ``index`` its first row (a prioritized slice carries its first row's priority).
+        ``where`` as for :meth:`sample`."""
         self._check_open()
         check_mask_free(self.schema, strict)
-        drawn = self.container.sample_slices(n, length, strict=strict, beta=beta)
+        among = None if where is None else self._metadata().subset(where, self._table)
+        drawn = self._table.sample_slices(n, length, strict=strict, beta=beta, among=among)
         data = self._copy(drawn.rows).reshape(n, length)
         if drawn.mask is not None:
             mask_slices(data, drawn.mask)
@@ -461,6 +516,23 @@ class Buffer:
         stop = len(physical) - len(physical) % batch_size if drop_last else len(physical)
         for first in range(0, stop, batch_size):
             yield self._read(physical[first : first + batch_size])
+
+    def episodes(
+        self, where: str | None = None, order_by: str | None = None, limit: int | None = None
+    ) -> EpisodeRecords:
+        """The live episodes ``where`` selects (``"return > 100 and policy_version >= 7"``;
+        None: all), by id or ``order_by`` a name (``"-return"``: descending), at most ``limit``:
+        :class:`~shmbuffer.ring.meta.EpisodeRecords` (``docs/metadata.md``)."""
+        self._check_open()
+        meta = self._metadata()
+        return meta.select(None if where is None else meta.parsed(where), order_by, limit)
+
+    def _metadata(self) -> EpisodeMeta:
+        self._meta = self._meta or EpisodeMeta(self._ring)  # from now on (module docstring)
+        return self._meta
+
+    def _checked_meta(self, meta: Meta) -> dict[str, Any] | None:
+        return None if meta is None else self._metadata().check(meta)
 
     def stats(self) -> dict[str, Any]:
         """Sizes, the sampler's and limiter's state, and priority update counts."""
@@ -546,17 +618,3 @@ class Buffer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _part(what: str, part: Any, kind: type[Any], build: Callable[..., Any], **options: Any) -> Any:
-    """A sampler or limiter: an instance as given (its options went to its constructor), or
-    built by name from the options given (InvalidArgumentError names a bad one)."""
-    if isinstance(part, kind):
-        given = sorted(k for k, v in options.items() if v is not None)
-        if given:
-            raise InvalidArgumentError(
-                f"{what} is an instance; pass {', '.join(given)} to its constructor instead"
-            )
-        return part
-    with as_invalid_argument:
-        return build(part, **options)

@@ -44,6 +44,12 @@ class InvalidArgumentError(ShmBufferError, ValueError):
     code = "invalid_argument"
 
 
+class QueryError(InvalidArgumentError):
+    """A metadata filter or order key that cannot be used: a syntax error, an unknown name,
+    or a comparison of mismatched kinds. The message names the character position (travels
+    as ``invalid_argument``)."""
+
+
 class CapacityError(ShmBufferError):
     """The rows do not fit: a fixed-mode buffer is full, or a request exceeds capacity."""
 

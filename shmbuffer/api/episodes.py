@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -56,6 +56,8 @@ class FinishedEpisode:
     data: TensorDict
     num_sub_episodes: int = 1
     env_id: str = ""
+    #: The metadata given with its steps, merged (a later value of a name replaces one before).
+    meta: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def length(self) -> int:
@@ -219,6 +221,7 @@ class _Pending:
     steps: list[dict[str, Any]]
     keys: frozenset[Key]
     width: int  # 1, or num_envs for whole vector steps kept without auto-truncation
+    meta: dict[str, Any] = field(default_factory=dict)  # merged from its steps' meta
 
 
 class EpisodeAssembler:
@@ -261,8 +264,12 @@ class EpisodeAssembler:
 
     # -- adding ----------------------------------------------------------------------------
 
-    def add_transition(self, env_id: str, transition: Mapping[str, Any]) -> list[FinishedEpisode]:
-        """Add one step; return the episodes it finished (done flag on it), postprocessed."""
+    def add_transition(
+        self, env_id: str, transition: Mapping[str, Any], meta: Mapping[str, Any] | None = None
+    ) -> list[FinishedEpisode]:
+        """Add one step; return the episodes it finished (done flag on it), postprocessed.
+        ``meta`` (checked by the caller) is merged into the metadata of the episode the step
+        belongs to (of each sub-env's, for a vector step split by env)."""
         if not isinstance(env_id, str):
             raise TypeError(f"env_id must be a str, got {type(env_id).__name__}")
         tree = _copy_tree(transition)
@@ -292,7 +299,9 @@ class EpisodeAssembler:
             for sid, step in items:
                 if any(_flag(step.get(k), sid, k) for k in self.done_keys if k in step):
                     pending = self._pending.get(sid)
-                    episode = self._finish(sid, [*(pending.steps if pending else []), step], 1)
+                    merged = {**(pending.meta if pending else {}), **(meta or {})}
+                    steps = [*(pending.steps if pending else []), step]
+                    episode = self._finish(sid, steps, 1, merged)
                     done.add(sid)
                     if episode is not None:
                         finished.append(episode)
@@ -300,7 +309,10 @@ class EpisodeAssembler:
             if sid in done:
                 self._pending.pop(sid, None)
             else:
-                self._pending.setdefault(sid, _Pending([], keys, width)).steps.append(step)
+                pending = self._pending.setdefault(sid, _Pending([], keys, width))
+                pending.steps.append(step)
+                if meta:
+                    pending.meta.update(meta)
         return finished
 
     # -- ending ------------------------------------------------------------------------------
@@ -330,14 +342,15 @@ class EpisodeAssembler:
         return ids
 
     def _end(self, ids: list[str]) -> list[FinishedEpisode]:
-        episodes = [
-            self._finish(sid, self._pending[sid].steps, self._pending[sid].width) for sid in ids
-        ]
+        pending = [(sid, self._pending[sid]) for sid in ids]
+        episodes = [self._finish(sid, p.steps, p.width, p.meta) for sid, p in pending]
         for sid in ids:
             del self._pending[sid]
         return [episode for episode in episodes if episode is not None]
 
-    def _finish(self, sid: str, steps: list[dict[str, Any]], width: int) -> FinishedEpisode | None:
+    def _finish(
+        self, sid: str, steps: list[dict[str, Any]], width: int, meta: Mapping[str, Any]
+    ) -> FinishedEpisode | None:
         """Postprocess ``steps`` into rows; ``None`` (with a warning) when no rows result."""
         merged = {name: [step[name] for step in steps] for name in steps[0]}
         out = self._postprocess(merged)
@@ -369,4 +382,4 @@ class EpisodeAssembler:
                 tree, lambda _k, t: t.transpose(0, 1).reshape(width * length, *t.shape[2:])
             )
         data = tensordict_class()(tree, batch_size=[width * length], device=self.device)
-        return FinishedEpisode(data=data, num_sub_episodes=width, env_id=sid)
+        return FinishedEpisode(data=data, num_sub_episodes=width, env_id=sid, meta=dict(meta))

@@ -22,15 +22,43 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
-from shmbuffer.errors import InvalidArgumentError
+from shmbuffer.errors import InvalidArgumentError, ShmBufferError
 from shmbuffer.samplers.base import check_beta, check_generation, check_update
 from shmbuffer.storage.indices import slice_rows, to_host
 from shmbuffer.wire.protocol import MAX_SAMPLE, check_sample_size
+
+
+class _Arguments:
+    """Turns a sampler's plain ValueError/IndexError into InvalidArgumentError (a class with
+    ``__enter__``/``__exit__``: cheaper than ``contextlib.contextmanager`` on the hot path)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        # TypeError stays what it is: a wrong type is the caller's bug, not a bad value.
+        if isinstance(exc, ValueError | IndexError) and not isinstance(exc, ShmBufferError):
+            raise InvalidArgumentError(str(exc)) from exc
+
+
+#: ``with as_invalid_argument:`` around argument checks (the Buffer uses it too).
+as_invalid_argument = _Arguments()
+
+
+def raise_invalid(exc: ValueError | IndexError) -> NoReturn:
+    """Raise ``exc`` as InvalidArgumentError (as it is if it is a ShmBufferError already)."""
+    if isinstance(exc, ShmBufferError):
+        raise exc
+    raise InvalidArgumentError(str(exc)) from exc
+
 
 if TYPE_CHECKING:
     # The daemon imports this module, never tensordict (seconds of CPU); a Reader imports it

@@ -33,6 +33,7 @@ from typing import Any, Self
 import numpy as np
 import numpy.typing as npt
 
+from shmbuffer.api.reads import as_invalid_argument
 from shmbuffer.registry.intervals import Episode, EpisodeRegistry
 from shmbuffer.ring import persistence
 from shmbuffer.ring.listeners import F64, Range, SampleLog, SampleRecord
@@ -45,7 +46,6 @@ from shmbuffer.ring.table import (
     RowSample,
     SliceSample,
     Table,
-    as_invalid_argument,
 )
 from shmbuffer.samplers import RateLimiter, Sampler, make_rate_limiter, make_sampler
 from shmbuffer.samplers.base import Priority

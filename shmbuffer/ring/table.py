@@ -34,21 +34,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from shmbuffer.api.reads import (
+    as_invalid_argument,
     check_episode_args,
     check_rank,
     check_sample_args,
     check_slice_args,
     check_update_args,
     expand_slices,
+    raise_invalid,
 )
-from shmbuffer.errors import InvalidArgumentError, NotFoundError, ShmBufferError, WaitTimeoutError
+from shmbuffer.errors import InvalidArgumentError, NotFoundError, WaitTimeoutError
 from shmbuffer.registry.intervals import Episode
 from shmbuffer.registry.spans import loaded_draws
 from shmbuffer.ring.listeners import (
@@ -63,6 +64,7 @@ from shmbuffer.ring.listeners import (
     rng_words,
 )
 from shmbuffer.ring.ring import Ring, episode_lengths
+from shmbuffer.ring.subset import Subset
 from shmbuffer.samplers import NoLimit, RateLimiter, Sampler, UniformSampler
 from shmbuffer.samplers.base import (
     Priority,
@@ -73,32 +75,6 @@ from shmbuffer.storage.rows import episode_rows
 I64 = npt.NDArray[np.int64]
 Mask = npt.NDArray[np.bool_]
 _ONE_USE = np.int32(1)  # count_use's increment, of use_counts' dtype (numpy's fast add.at)
-
-
-class _Arguments:
-    """Turns a sampler's plain ValueError/IndexError into InvalidArgumentError (a class with
-    ``__enter__``/``__exit__``: cheaper than ``contextlib.contextmanager`` on the hot path)."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        # TypeError stays what it is: a wrong type is the caller's bug, not a bad value.
-        if isinstance(exc, ValueError | IndexError) and not isinstance(exc, ShmBufferError):
-            raise InvalidArgumentError(str(exc)) from exc
-
-
-#: ``with as_invalid_argument:`` around argument checks (the Buffer uses it too).
-as_invalid_argument = _Arguments()
-
-
-def raise_invalid(exc: ValueError | IndexError) -> NoReturn:
-    """Raise ``exc`` as InvalidArgumentError (as it is if it is a ShmBufferError already)."""
-    if isinstance(exc, ShmBufferError):
-        raise exc
-    raise InvalidArgumentError(str(exc)) from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,9 +316,12 @@ class Table(RingListener):
             ones.setflags(write=False)
         return ones
 
-    def sample_rows(self, n: int, *, beta: float | None = None) -> RowSample:
+    def sample_rows(
+        self, n: int, *, beta: float | None = None, among: Subset | None = None
+    ) -> RowSample:
         """``n`` rows by the sampler, counted as read and told to the limiter. ``beta``: the
-        importance exponent of the weights (None: the sampler's default).
+        importance exponent of the weights (None: the sampler's default). ``among``: drawn
+        from these episodes only (:meth:`filtered`), in place of the sampler.
 
         EmptyBufferError when the sampler has nothing to hand out, WaitTimeoutError when the
         limiter refuses, InvalidArgumentError for bad arguments; nothing is counted then."""
@@ -356,7 +335,7 @@ class Table(RingListener):
                 raise self._refused(f"{n} rows")
             rng = None if log is None else self._before_draw(log, n)
             try:
-                draw = self.sampler.sample_rows(n, self.rng)
+                draw = (self.sampler if among is None else among).sample_rows(n, self.rng)
             except BaseException:
                 self._draw_refused(ROWS, n, 0, True, rng)
                 raise
@@ -368,6 +347,17 @@ class Table(RingListener):
         if log is not None:
             log.sampled(SampleRecord(ROWS, n, 0, True, n, False, rng))
         return RowSample(draw.rows, draw.probability, weight)
+
+    def filtered(self, ids: I64, starts: I64, ends: I64, where: str) -> Subset:
+        """The episodes a filter selected, to draw from (``among``): uniformly, so only on a
+        table whose sampler draws uniformly and keeps no state a draw changes (InvalidArgument
+        otherwise: a filtered draw would bypass its priorities or its consumption)."""
+        if not self.sampler.rows_uniform_over_spans:
+            raise InvalidArgumentError(
+                f"where= draws uniformly among the episodes it selects, so it needs a uniform "
+                f"table without max_times_sampled; this one's sampler is {self.sampler.name!r}"
+            )
+        return Subset(ids, starts, ends, where)
 
     def _before_draw(self, log: SampleLog, n: int) -> list[int] | None:
         """Room in the log first; the generator's state if a refused draw moved it."""
@@ -390,7 +380,9 @@ class Table(RingListener):
         if sampler.uses_rng:
             self.rng_unlogged = True
 
-    def sample_episodes(self, n: int, *, beta: float | None = None) -> EpisodeSample:
+    def sample_episodes(
+        self, n: int, *, beta: float | None = None, among: Subset | None = None
+    ) -> EpisodeSample:
         """``n`` whole episodes by the sampler. The limiter is asked about ``n`` times the mean
         stored episode length (the lengths are known only after the draw, which the sampler
         counts) and told the rows actually handed out."""
@@ -404,7 +396,7 @@ class Table(RingListener):
             self._admit(expected, f"{n} episodes")
             rng = None if log is None else self._before_draw(log, n)
             try:
-                draw = self.sampler.sample_episodes(n, self.rng)
+                draw = (self.sampler if among is None else among).sample_episodes(n, self.rng)
             except BaseException:
                 self._draw_refused(EPISODES, n, 0, True, rng)
                 raise
@@ -418,7 +410,13 @@ class Table(RingListener):
         return EpisodeSample(draw.ids, draw.starts, draw.ends, draw.probability, weight, physical)
 
     def sample_slices(
-        self, n: int, length: int, *, strict: bool = True, beta: float | None = None
+        self,
+        n: int,
+        length: int,
+        *,
+        strict: bool = True,
+        beta: float | None = None,
+        among: Subset | None = None,
     ) -> SliceSample:
         """``n`` slices of ``length`` consecutive rows, each inside one episode (see
         :meth:`Sampler.sample_slices`; ``strict=False`` admits shorter episodes, padded). The
@@ -429,7 +427,8 @@ class Table(RingListener):
             self._admit(n * length, f"{n} slices of {length} rows")
             rng = None if log is None else self._before_draw(log, n)
             try:
-                draw = self.sampler.sample_slices(n, length, self.rng, strict)
+                sampler = self.sampler if among is None else among
+                draw = sampler.sample_slices(n, length, self.rng, strict)
             except BaseException:
                 self._draw_refused(SLICES, n, length, strict, rng)
                 raise

@@ -14,8 +14,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+from collections.abc import Callable
 from typing import Any
 
+from shmbuffer.errors import InvalidArgumentError, ShmBufferError
 from shmbuffer.samplers.base import Draw, EpisodeDraw, Sampler, SliceDraw, check_priority
 from shmbuffer.samplers.declare import Declared, Option, declared
 from shmbuffer.samplers.fifo import FifoSampler
@@ -54,6 +56,7 @@ __all__ = [
     "build_rate_limiter",
     "build_sampler",
     "check_priority",
+    "instance_or_built",
     "make_rate_limiter",
     "make_sampler",
     "takers",
@@ -157,3 +160,23 @@ def build_rate_limiter(name: str, **options: Any) -> RateLimiter:
     """A rate limiter from flag-style options; None means "not given" (see build_sampler)."""
     takes = list(inspect.signature(_lookup("rate limiter", name, RATE_LIMITERS)).parameters)
     return make_rate_limiter(name, **_given("rate limiter", name, takes, options))
+
+
+def instance_or_built(
+    what: str, part: Any, kind: type[Any], build: Callable[..., Any], **options: Any
+) -> Any:
+    """A sampler or limiter: an instance as given (its options went to its constructor), or
+    built by name from the options given (InvalidArgumentError names a bad one)."""
+    if isinstance(part, kind):
+        given = sorted(k for k, v in options.items() if v is not None)
+        if given:
+            raise InvalidArgumentError(
+                f"{what} is an instance; pass {', '.join(given)} to its constructor instead"
+            )
+        return part
+    try:
+        return build(part, **options)
+    except (ValueError, IndexError) as exc:
+        if isinstance(exc, ShmBufferError):
+            raise
+        raise InvalidArgumentError(str(exc)) from exc

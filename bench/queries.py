@@ -1,0 +1,122 @@
+"""Episode metadata queries: what a filter over every live episode costs, and a draw filtered
+by one, at 10k, 100k and 1M episodes.
+
+shmbuffer keeps episode metadata columnar beside its registry (``shmbuffer/ring/meta.py``) and
+evaluates a filter vectorised (``shmbuffer/registry/query.py``); a draw with ``where=`` tests
+only what was committed since its last draw (a standing filter). No peer filters episodes
+across processes, so the baseline is what a user writes without one: the same episodes as a
+list of dicts and a list comprehension over it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from bench.registry import Context, Row, make_row, scenario
+
+NAME = "meta.queries"
+SIZES = (10_000, 100_000, 1_000_000)
+QUICK_SIZES = (10_000,)
+#: Episodes committed per reservation while filling (one commit attaches one set of values).
+PER_COMMIT = 100
+LENGTH = 4  # rows per episode: the rows themselves are never read here
+QUERY = "ret > 0.9 and version >= 2 and env in ('e1', 'e3')"  # selects about 1 in 40
+SELECTIVE = "ret > 0.99"  # about 1 in 100, for the draws
+
+
+def _filled(episodes: int) -> tuple[Any, Any, list[dict[str, Any]]]:
+    """A ring of ``episodes`` live episodes with metadata, its default table, and the same
+    metadata as a list of dicts (the baseline's)."""
+    from shmbuffer.ring.container import Container
+    from shmbuffer.ring.meta import EpisodeMeta
+
+    container = Container(episodes * LENGTH, unit="episode")
+    meta = EpisodeMeta(container.ring)
+    rng = np.random.default_rng(0)
+    dicts: list[dict[str, Any]] = []
+    for commit in range(episodes // PER_COMMIT):
+        values = {"ret": float(rng.random()), "version": commit % 5, "env": f"e{commit % 4}"}
+        reservation = container.ring.reserve_rows(PER_COMMIT * LENGTH, PER_COMMIT)
+        ids = container.ring.commit(reservation.id)
+        meta.attach(ids, meta.check(values))
+        dicts += [{"id": i, **values} for i in ids]
+    return meta, container.table, dicts
+
+
+def _per_call_us(fn: Callable[[], Any], seconds: float) -> tuple[float, int]:
+    """Median microseconds per call of ``fn`` over repetitions filling ``seconds``."""
+    fn()  # first use: parse, allocate
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times) < 3:
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) * 1e6, len(times)
+
+
+@scenario(NAME)
+def queries(ctx: Context) -> list[Row]:
+    """A filter over every live episode (``episodes(where=..., limit=10)``) and
+    ``sample(256, where=...)``'s draw at 10k / 100k / 1M episodes; vs a list comprehension
+    over the same metadata as dicts."""
+    sizes = QUICK_SIZES if ctx.quick else SIZES
+    seconds = 0.05 if ctx.quick else 0.5
+    ctx.note(
+        NAME,
+        f"in-process EpisodeMeta over a ring of episodes of {LENGTH} rows, metadata ret (float), "
+        f"version (int), env (str), one set per {PER_COMMIT} episodes; query = {QUERY!r} "
+        f"(~1/40 selected), the first 10 found; sample-where = Table.sample_rows(256) among "
+        f"{SELECTIVE!r} (~1/100), standing filter; rows = episodes scanned per query, 256 per "
+        "draw; python-list = [d for d in dicts if ...] over the same values",
+    )
+    rows: list[Row] = []
+
+    def add(impl: str, op: str, size: int, us: float, calls: int, per_call: int) -> None:
+        rows.append(
+            make_row(
+                NAME,
+                impl,
+                f"{op}@{_label(size)}",
+                rows=per_call * calls,
+                nbytes=0,
+                seconds=us * calls / 1e6,
+                pass_="steady",
+                calls=calls,
+                us_per_call=us,
+            )
+        )
+
+    for size in sizes:
+        _time_size(size, seconds, add)
+    return rows
+
+
+def _time_size(size: int, seconds: float, add: Callable[..., None]) -> None:
+    meta, table, dicts = _filled(size)
+    where = meta.parsed(QUERY)
+    us, calls = _per_call_us(lambda: meta.select(where, limit=10), seconds)
+    add("shmbuffer", "query", size, us, calls, size)
+
+    def listed() -> list[int]:
+        found = [
+            d["id"]
+            for d in dicts
+            if d["ret"] > 0.9 and d["version"] >= 2 and d["env"] in ("e1", "e3")
+        ]
+        return found[:10]
+
+    us, calls = _per_call_us(listed, seconds)
+    add("python-list", "query", size, us, calls, size)
+    us, calls = _per_call_us(
+        lambda: table.sample_rows(256, among=meta.subset(SELECTIVE, table)), seconds
+    )
+    add("shmbuffer", "sample-where", size, us, calls, 256)
+
+
+def _label(size: int) -> str:
+    return f"{size // 1_000_000}M" if size >= 1_000_000 else f"{size // 1000}k"

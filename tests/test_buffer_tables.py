@@ -55,7 +55,7 @@ def test_a_consume_once_table_holds_writes_until_it_read_them_and_the_other_does
         buf.add_episode(episode(i))  # the ring is full
     for _ in range(10):  # the replay table reads as often as it likes
         buf.sample_episodes(2, table="replay")
-    with pytest.raises(WaitTimeoutError, match="fifo"):
+    with pytest.raises(WaitTimeoutError, match=r"fifo sampler .* \(table 'online'\)"):
         buf.add_episode(episode(4))  # episode 0 not consumed by "online" yet
     assert [int(ep["ep"][0]) for ep in buf.sample_episodes(2, table="online")] == [0, 1]
     buf.add_episode(episode(4))

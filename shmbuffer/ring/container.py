@@ -110,6 +110,8 @@ class Container:
             raise ValueError(f"a table named {name!r} exists already")
         table = Table(self.ring, sampler=sampler, rate_limiter=rate_limiter, seed=seed)
         self.tables[name] = table
+        for named, each in self.tables.items():  # with two or more, messages name them
+            each.name = named
         return table
 
     def table_named(self, name: str | None) -> Table:

@@ -38,18 +38,12 @@ from shmbuffer.api.reads import (
     normalize_index,
 )
 from shmbuffer.api.recent import RecentSamples
+from shmbuffer.api.tables import built_table_parts, table_options
 from shmbuffer.api.writeplan import plan_write, vector_episode, write_priority
 from shmbuffer.errors import ClosedError
 from shmbuffer.ring.container import Container
 from shmbuffer.ring.meta import EpisodeMeta, EpisodeRecords
-from shmbuffer.samplers import (
-    OPTIONS,
-    RateLimiter,
-    Sampler,
-    build_rate_limiter,
-    build_sampler,
-    instance_or_built,
-)
+from shmbuffer.samplers import LIMITER_OPTIONS, OPTIONS, RateLimiter, Sampler
 from shmbuffer.samplers.base import Priority
 from shmbuffer.storage import rows, streamcopy
 from shmbuffer.storage.schema import Schema, to_host
@@ -88,6 +82,9 @@ class Buffer:
             and ``error_buffer`` are its settings (counted in rows).
         meta: the metadata names episodes may carry, and their kinds (``{"return": "float",
             "env_id": "str"}``), or None to take them as given (``docs/metadata.md``).
+        tables: several tables over the same rows, by name, each with the options above
+            (``{"replay": {"sampler": "prioritized"}, "online": {"sampler": "fifo"}}``; the
+            first is the default, ``table=`` names another: ``docs/tables.md``).
 
     Options left None take the sampler's or limiter's default; one given that the chosen
     sampler or limiter does not take raises InvalidArgumentError naming it.
@@ -117,19 +114,14 @@ class Buffer:
         samples_per_insert: float | None = None,
         error_buffer: float | None = None,
         meta: Mapping[str, str] | None = None,
+        tables: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         given = locals()  # the keywords of the options the samplers declare, by name
-        options = {option.name: given[option.name] for option in OPTIONS}
-        sampler_part = instance_or_built("sampler", sampler, Sampler, build_sampler, **options)
-        limiter_part = instance_or_built(
-            "rate_limiter",
-            rate_limiter,
-            RateLimiter,
-            build_rate_limiter,
-            min_size=min_size,
-            samples_per_insert=samples_per_insert,
-            error_buffer=error_buffer,
-        )
+        options = {name: given[name] for name in (*(o.name for o in OPTIONS), *LIMITER_OPTIONS)}
+        options = {"sampler": sampler, "rate_limiter": rate_limiter, **options}
+        named = table_options(tables, options)
+        first = next(iter(named))
+        sampler_part, limiter_part = built_table_parts(first, named[first])
         self.container = Container(
             capacity,
             mode=mode,
@@ -137,7 +129,16 @@ class Buffer:
             sampler=sampler_part,
             rate_limiter=limiter_part,
             seed=seed,
+            table_name=first,
         )
+        for i, table in enumerate(list(named)[1:], 1):
+            sampler_part, limiter_part = built_table_parts(table, named[table])
+            table_seed = None  # each table its own generator, seeded from the buffer's
+            if seed is not None:
+                table_seed = int(np.random.SeedSequence([seed, i]).generate_state(1)[0])
+            self.container.add_table(
+                table, sampler=sampler_part, rate_limiter=limiter_part, seed=table_seed
+            )
         # The hot paths address the ring and its default table directly: a write or a sample
         # is a few microseconds of Python, where each delegation through the container shows.
         self._ring = self.container.ring
@@ -378,6 +379,7 @@ class Buffer:
         return_info: bool = False,
         beta: float | None = None,
         where: str | None = None,
+        table: str | None = None,
     ) -> TensorDict | tuple[TensorDict, dict[str, torch.Tensor]]:
         """``batch_size`` rows drawn by the sampler (uniform: from all committed rows, with
         replacement).
@@ -387,12 +389,14 @@ class Buffer:
         ``info["probability"]`` (float64) and ``info["weight"]`` (float32; the PER importance
         weight ``(N * P) ** -beta`` over its largest value, 1 unless prioritized), each
         ``[batch_size]``. ``beta`` overrides the importance exponent for this call. ``where``:
-        only from the episodes this metadata filter selects (:meth:`episodes`), uniformly."""
+        only from the episodes this metadata filter selects (:meth:`episodes`), uniformly.
+        ``table``: drawn by that table (``tables=``), not the default one."""
         self._check_open()
         if type(batch_size) is int and batch_size > MAX_SAMPLE:  # named as the caller knows it
             check_sample_size(batch_size, what="batch_size")
-        among = None if where is None else self._metadata().subset(where, self._table)
-        drawn = self._table.sample_rows(batch_size, beta=beta, among=among)
+        drawer = self._table if table is None else self.container.table_named(table)
+        among = None if where is None else self._metadata().subset(where, drawer)
+        drawn = drawer.sample_rows(batch_size, beta=beta, among=among)
         data = self._copy(drawn.rows)
         if not return_info:
             return data
@@ -403,8 +407,10 @@ class Buffer:
         index: np.ndarray | torch.Tensor | Sequence[int],
         priority: float | np.ndarray | torch.Tensor | Sequence[float],
         generation: np.ndarray | torch.Tensor | Sequence[int] | None = None,
+        table: str | None = None,
     ) -> int:
-        """Set new priorities for sampled rows (``info["index"]``); returns how many were
+        """Set new priorities for sampled rows (``info["index"]``), in ``table`` (None: the
+        default one); returns how many were
         applied. Rows overwritten since they were sampled are skipped and counted in
         ``stats()["priority_updates_stale"]``: their stamps are ``generation``
         (``info["generation"]``) or, left out, those of the one of the last 8 samples whose
@@ -418,13 +424,14 @@ class Buffer:
         index = to_host(index)
         seen = self._recent.generations_of(index) if generation is None else generation
         # checked once, by the container (reads.check_update_args, as a Reader checks them)
-        return self.container.update_priorities(index, priority, seen, stamps)
+        return self.container.table_named(table).update_priorities(index, priority, seen, stamps)
 
     def sample_episodes(
         self,
         n: int,
         out: TensorDict | Mapping[str, Any] | None = None,
         where: str | None = None,
+        table: str | None = None,
     ) -> TensorDict | list[TensorDict]:
         """``n`` whole episodes drawn by the sampler: ``[n, L]`` if their lengths agree, else a
         list.
@@ -439,13 +446,14 @@ class Buffer:
         then views of ``out`` (its first rows), valid until the next call that reuses it. A
         key, dtype or shape that does not fit raises InvalidArgumentError naming it before
         anything is drawn; too few rows raises it after the draw (the episodes drawn count as
-        sampled). ``where`` as for :meth:`sample`."""
+        sampled). ``where`` and ``table`` as for :meth:`sample`."""
         self._check_open()
         target = None
         if out is not None and self.segment is not None:
             target = rows.out_arrays(self.segment.schema, out)
-        among = None if where is None else self._metadata().subset(where, self._table)
-        drawn = self._table.sample_episodes(n, among=among)
+        drawer = self.container.table_named(table)
+        among = None if where is None else self._metadata().subset(where, drawer)
+        drawn = drawer.sample_episodes(n, among=among)
         if target is None:
             return self._episodes(drawn.starts, drawn.ends, scalar=False, physical=drawn.rows)
         assert self.segment is not None
@@ -464,6 +472,7 @@ class Buffer:
         return_info: bool = False,
         beta: float | None = None,
         where: str | None = None,
+        table: str | None = None,
     ) -> TensorDict | tuple[TensorDict, dict[str, torch.Tensor]]:
         """``[n, length]`` runs of consecutive rows, each inside one episode.
 
@@ -471,11 +480,12 @@ class Buffer:
         their first row and is zero-padded, and a bool ``"mask"`` entry ``[n, length]`` is
         True on real rows (a prefix). ``return_info`` as for :meth:`sample`, per slice, with
         ``index`` its first row (a prioritized slice carries its first row's priority).
-        ``where`` as for :meth:`sample`."""
+        ``where`` and ``table`` as for :meth:`sample`."""
         self._check_open()
         check_mask_free(self.schema, strict)
-        among = None if where is None else self._metadata().subset(where, self._table)
-        drawn = self._table.sample_slices(n, length, strict=strict, beta=beta, among=among)
+        drawer = self.container.table_named(table)
+        among = None if where is None else self._metadata().subset(where, drawer)
+        drawn = drawer.sample_slices(n, length, strict=strict, beta=beta, among=among)
         data = self._copy(drawn.rows).reshape(n, length)
         if drawn.mask is not None:
             mask_slices(data, drawn.mask)
@@ -535,7 +545,9 @@ class Buffer:
         return None if meta is None else self._metadata().check(meta)
 
     def stats(self) -> dict[str, Any]:
-        """Sizes, the sampler's and limiter's state, and priority update counts."""
+        """Sizes, the sampler's and limiter's state, and priority update counts (the default
+        table's; with several, each table's under ``"tables"``)."""
+        tables = self.container.tables
         return {
             "capacity": self.capacity,
             "unit": self.unit,
@@ -543,6 +555,7 @@ class Buffer:
             "rows": self.num_rows,
             "episodes": self.num_episodes,
             **self.container.stats(),
+            **({} if len(tables) == 1 else {"tables": {k: t.stats() for k, t in tables.items()}}),
         }
 
     def _info(

@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shmbuffer.api.reads import as_invalid_argument
+from shmbuffer.errors import InvalidArgumentError
 from shmbuffer.registry.intervals import Episode, EpisodeRegistry
 from shmbuffer.ring import persistence
 from shmbuffer.ring.listeners import F64, Range, SampleLog, SampleRecord
@@ -82,12 +83,13 @@ class Container:
         sampler: Sampler | None = None,
         rate_limiter: RateLimiter | None = None,
         seed: int | None = None,
+        table_name: str = "default",
     ) -> None:
         self.ring = Ring(capacity, mode=mode, unit=unit)
         #: The table the container's own sampling methods and attributes address.
         self.table = Table(self.ring, sampler=sampler, rate_limiter=rate_limiter, seed=seed)
         #: Every table over the ring, by name; each hears the ring in this order.
-        self.tables: dict[str, Table] = {"default": self.table}
+        self.tables: dict[str, Table] = {table_name: self.table}
         #: The ring's open reservations (its dict, which it never replaces).
         self.reservations: dict[int, Reservation] = self.ring.reservations
 
@@ -108,6 +110,20 @@ class Container:
             raise ValueError(f"a table named {name!r} exists already")
         table = Table(self.ring, sampler=sampler, rate_limiter=rate_limiter, seed=seed)
         self.tables[name] = table
+        for named, each in self.tables.items():  # with two or more, messages name them
+            each.name = named
+        return table
+
+    def table_named(self, name: str | None) -> Table:
+        """The table ``name`` (None: the default one); InvalidArgumentError naming the
+        tables there are for any other name."""
+        if name is None:
+            return self.table
+        table = self.tables.get(name) if isinstance(name, str) else None
+        if table is None:
+            raise InvalidArgumentError(
+                f"no table named {name!r}; the tables are {', '.join(self.tables)}"
+            )
         return table
 
     # -- the ring's -------------------------------------------------------------------------

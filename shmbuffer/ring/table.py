@@ -147,6 +147,8 @@ class Table(RingListener):
                 f"this {sampler.name} sampler already belongs to a buffer; make one per buffer"
             )
         self.ring = ring
+        #: Its name among several tables over the ring (None: the only one), for messages.
+        self.name: str | None = None
         self.sampler: Sampler = UniformSampler() if sampler is None else sampler
         self.rate_limiter: RateLimiter = NoLimit() if rate_limiter is None else rate_limiter
         try:
@@ -214,6 +216,7 @@ class Table(RingListener):
                     f"rows [{start}, {stop}) hold data the {sampler.name} sampler has not "
                     f"handed out max_times_sampled={sampler.max_times_sampled} times yet; "
                     "writers wait for readers to consume it instead of overwriting it"
+                    + ("" if self.name is None else f" (table {self.name!r})")
                 )
         return None
 

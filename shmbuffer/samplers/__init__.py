@@ -30,6 +30,7 @@ from shmbuffer.samplers.uniform import UniformSampler
 from shmbuffer.samplers.without_replacement import WithoutReplacementSampler
 
 __all__ = [
+    "LIMITER_OPTIONS",
     "OPTIONS",
     "RATE_LIMITERS",
     "SAMPLERS",
@@ -59,6 +60,7 @@ __all__ = [
     "instance_or_built",
     "make_rate_limiter",
     "make_sampler",
+    "table_parts",
     "takers",
 ]
 
@@ -180,3 +182,29 @@ def instance_or_built(
         if isinstance(exc, ShmBufferError):
             raise
         raise InvalidArgumentError(str(exc)) from exc
+
+
+#: A rate limiter's settings, as a table's options name them.
+LIMITER_OPTIONS = ("min_size", "samples_per_insert", "error_buffer")
+
+
+def table_parts(
+    sampler: str | Sampler = "uniform", rate_limiter: str | RateLimiter = "none", **options: Any
+) -> tuple[Sampler, RateLimiter]:
+    """A table's sampler and rate limiter, each an instance as given or built by name from
+    ``options`` (the samplers' declared options and :data:`LIMITER_OPTIONS`; None: not
+    given). InvalidArgumentError names an option no sampler or limiter takes, or one the
+    chosen part does not take."""
+    known = {option.name for option in OPTIONS} | set(LIMITER_OPTIONS)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise InvalidArgumentError(
+            f"unknown table option {unknown[0]!r}; the options are {', '.join(sorted(known))}"
+        )
+    limiter_options = {k: options.get(k) for k in LIMITER_OPTIONS}
+    sampler_options = {k: v for k, v in options.items() if k not in LIMITER_OPTIONS}
+    built_sampler = instance_or_built("sampler", sampler, Sampler, build_sampler, **sampler_options)
+    built_limiter = instance_or_built(
+        "rate_limiter", rate_limiter, RateLimiter, build_rate_limiter, **limiter_options
+    )
+    return built_sampler, built_limiter

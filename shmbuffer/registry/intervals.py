@@ -469,6 +469,12 @@ class EpisodeRegistry(SlotTable):
             found.sort(key=_episode_id)
         return found
 
+    def starting_at(self, row: int) -> Episode | None:
+        """The live episode whose first row is ``row``, if any, in O(1) (the overlap index
+        holds each one's bounds and id by its first row)."""
+        found = self._by_start.get(row)
+        return None if found is None else Episode(found[1], row, found[0])
+
     def get(self, episode_id: int) -> Episode:
         slot = self._slot_of(episode_id) if self._is_id(episode_id) else None
         if slot is None:

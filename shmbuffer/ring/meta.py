@@ -319,10 +319,10 @@ class EpisodeMeta(RingListener):
             if ep.id >= base:
                 self._alive[ep.id - base] = False
         if self.ring.unit == "transition":  # a chunk the range trimmed at its front
-            for ep in self.ring.registry.overlapping(stop, stop + 1):
-                if ep.start == stop and ep.id >= base:
-                    self._live(ep)
-                    self._forget_standing("length")  # its length changed
+            ep = self.ring.registry.starting_at(stop)
+            if ep is not None and ep.id >= base and self._starts[ep.id - base] != stop:
+                self._live(ep)
+                self._forget_standing("length")  # its length changed
 
     def on_restore(self, episodes: Sequence[Episode], rows: int) -> None:
         self._forget_standing()  # they may have forgotten these ids once they were dead

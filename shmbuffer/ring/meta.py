@@ -319,9 +319,13 @@ class EpisodeMeta(RingListener):
             if ep.id >= base:
                 self._alive[ep.id - base] = False
         if self.ring.unit == "transition":  # a chunk the range trimmed at its front
-            ep = self.ring.registry.starting_at(stop)
-            if ep is not None and ep.id >= base and self._starts[ep.id - base] != stop:
-                self._live(ep)
+            trimmed = self.ring.registry.starting_at(stop)
+            if (
+                trimmed is not None
+                and trimmed.id >= base
+                and self._starts[trimmed.id - base] != stop
+            ):
+                self._live(trimmed)
                 self._forget_standing("length")  # its length changed
 
     def on_restore(self, episodes: Sequence[Episode], rows: int) -> None:

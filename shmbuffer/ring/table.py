@@ -324,7 +324,8 @@ class Table(RingListener):
     ) -> RowSample:
         """``n`` rows by the sampler, counted as read and told to the limiter. ``beta``: the
         importance exponent of the weights (None: the sampler's default). ``among``: drawn
-        from these episodes only (:meth:`filtered`), in place of the sampler.
+        from these episodes only (:meth:`filtered`), in place of the sampler; in process only
+        for now (a sample log's replay would draw it again without them).
 
         EmptyBufferError when the sampler has nothing to hand out, WaitTimeoutError when the
         limiter refuses, InvalidArgumentError for bad arguments; nothing is counted then."""

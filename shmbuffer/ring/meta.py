@@ -346,8 +346,8 @@ class EpisodeMeta(RingListener):
         self._standing.clear()
 
     def on_load(self) -> None:
-        """A saved ring: its episodes live again, with their lengths (their values are the
-        state's to bring, which :meth:`load_state` does)."""
+        """A saved ring: its episodes live again, with their lengths (a saved ring holds no
+        metadata: the values attached before are not brought back)."""
         registry = self.ring.registry
         episodes = list(registry)
         self._reset(episodes[0].id if episodes else registry.next_id)

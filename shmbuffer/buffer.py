@@ -38,7 +38,7 @@ from shmbuffer.api.reads import (
     normalize_index,
 )
 from shmbuffer.api.recent import RecentSamples
-from shmbuffer.api.tables import built_table_parts, table_options
+from shmbuffer.api.tables import built_tables, table_options
 from shmbuffer.api.writeplan import plan_write, vector_episode, write_priority
 from shmbuffer.errors import ClosedError
 from shmbuffer.ring.container import Container
@@ -119,9 +119,9 @@ class Buffer:
         given = locals()  # the keywords of the options the samplers declare, by name
         options = {name: given[name] for name in (*(o.name for o in OPTIONS), *LIMITER_OPTIONS)}
         options = {"sampler": sampler, "rate_limiter": rate_limiter, **options}
-        named = table_options(tables, options)
-        first = next(iter(named))
-        sampler_part, limiter_part = built_table_parts(first, named[first])
+        built = built_tables(table_options(tables, options))
+        first = next(iter(built))
+        sampler_part, limiter_part = built[first]
         self.container = Container(
             capacity,
             mode=mode,
@@ -131,8 +131,8 @@ class Buffer:
             seed=seed,
             table_name=first,
         )
-        for i, table in enumerate(list(named)[1:], 1):
-            sampler_part, limiter_part = built_table_parts(table, named[table])
+        for i, table in enumerate(list(built)[1:], 1):
+            sampler_part, limiter_part = built[table]
             table_seed = None  # each table its own generator, seeded from the buffer's
             if seed is not None:
                 table_seed = int(np.random.SeedSequence([seed, i]).generate_state(1)[0])

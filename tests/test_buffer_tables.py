@@ -106,3 +106,11 @@ def test_a_table_not_there_is_named_with_those_there() -> None:
     one.extend({"x": torch.arange(4)})
     assert len(one.sample(2, table="default")) == 2
     assert "tables" not in one.stats()
+
+
+def test_one_sampler_instance_cannot_serve_two_tables() -> None:
+    from shmbuffer.samplers import UniformSampler
+
+    shared = UniformSampler()
+    with pytest.raises(InvalidArgumentError, match="'a' and 'b' were given the same"):
+        Buffer(10, tables={"a": {"sampler": shared}, "b": {"sampler": shared}})

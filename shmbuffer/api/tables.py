@@ -15,7 +15,7 @@ from typing import Any
 from shmbuffer.errors import InvalidArgumentError
 from shmbuffer.samplers import RateLimiter, Sampler, table_parts
 
-__all__ = ["built_table_parts", "table_options"]
+__all__ = ["built_table_parts", "built_tables", "table_options"]
 
 
 def table_options(
@@ -56,3 +56,19 @@ def built_table_parts(name: str, options: Mapping[str, Any]) -> tuple[Sampler, R
         raise InvalidArgumentError(f"table {name!r}: {exc}") from None
     except TypeError as exc:  # a sampler or limiter of the wrong type, say
         raise InvalidArgumentError(f"table {name!r}: {exc}") from None
+
+
+def built_tables(named: Mapping[str, Mapping[str, Any]]) -> dict[str, tuple[Sampler, RateLimiter]]:
+    """Every table's sampler and limiter, by name (:func:`built_table_parts`); a sampler or
+    limiter instance given to two tables is refused: each belongs to one table's state."""
+    built = {name: built_table_parts(name, options) for name, options in named.items()}
+    owners: dict[int, str] = {}
+    for name, parts in built.items():
+        for part in parts:
+            other = owners.setdefault(id(part), name)
+            if other != name:
+                raise InvalidArgumentError(
+                    f"tables {other!r} and {name!r} were given the same {type(part).__name__} "
+                    "instance; give each table its own"
+                )
+    return built

@@ -30,6 +30,7 @@ import torch
 from tensordict import TensorDict
 
 from shmbuffer.api.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
+from shmbuffer.api.passes import Passes, batches
 from shmbuffer.api.reads import (
     Index,
     check_iterate_args,
@@ -120,25 +121,7 @@ class Buffer:
         options = {name: given[name] for name in (*(o.name for o in OPTIONS), *LIMITER_OPTIONS)}
         options = {"sampler": sampler, "rate_limiter": rate_limiter, **options}
         built = built_tables(table_options(tables, options))
-        first = next(iter(built))
-        sampler_part, limiter_part = built[first]
-        self.container = Container(
-            capacity,
-            mode=mode,
-            unit=unit,
-            sampler=sampler_part,
-            rate_limiter=limiter_part,
-            seed=seed,
-            table_name=first,
-        )
-        for i, table in enumerate(list(built)[1:], 1):
-            sampler_part, limiter_part = built[table]
-            table_seed = None  # each table its own generator, seeded from the buffer's
-            if seed is not None:
-                table_seed = int(np.random.SeedSequence([seed, i]).generate_state(1)[0])
-            self.container.add_table(
-                table, sampler=sampler_part, rate_limiter=limiter_part, seed=table_seed
-            )
+        self.container = Container.of_tables(capacity, built, mode=mode, unit=unit, seed=seed)
         # The hot paths address the ring and its default table directly: a write or a sample
         # is a few microseconds of Python, where each delegation through the container shows.
         self._ring = self.container.ring
@@ -151,13 +134,10 @@ class Buffer:
         )
         self.name = name
         self._storage_dir = storage_dir
-        # iterate() shuffles with (this, pass number): every rank's k-th pass agrees.
-        self._iterate_seed = int(np.random.SeedSequence(seed).entropy)  # type: ignore[arg-type]
-        self._passes: dict[tuple[int, int], int] = {}
+        self._passes = Passes(seed)  # iterate()'s shuffles: every rank's k-th pass agrees
         self.segment: Segment | LocalSegment | None = None
         self._closed = False
         self._recent = RecentSamples()  # stamps for updates sent back without generation=
-        # Episode metadata, kept from its first use on (a listener costs every write a little)
         self._meta = None if meta is None else EpisodeMeta(self._ring, meta)
         if schema is not None:
             self._allocate(schema if isinstance(schema, Schema) else Schema.from_spec(schema))
@@ -409,13 +389,12 @@ class Buffer:
         generation: np.ndarray | torch.Tensor | Sequence[int] | None = None,
         table: str | None = None,
     ) -> int:
-        """Set new priorities for sampled rows (``info["index"]``), in ``table`` (None: the
-        default one); returns how many were
-        applied. Rows overwritten since they were sampled are skipped and counted in
-        ``stats()["priority_updates_stale"]``: their stamps are ``generation``
-        (``info["generation"]``) or, left out, those of the one of the last 8 samples whose
-        ``info["index"]`` is ``index`` (as :meth:`Reader.update_priorities`). A bad index,
-        priority or length raises InvalidArgumentError and applies nothing."""
+        """Set new priorities for sampled rows (``info["index"]``) in ``table`` (None: the
+        default one); returns how many were applied. Rows overwritten since they were sampled
+        are skipped and counted in ``stats()["priority_updates_stale"]``: their stamps are
+        ``generation`` (``info["generation"]``) or, left out, those of the one of the last 8
+        samples whose ``info["index"]`` is ``index`` (as :meth:`Reader.update_priorities`). A
+        bad index, priority or length raises InvalidArgumentError and applies nothing."""
         self._check_open()
         if self.segment is None:
             stamps = np.zeros(self.capacity, dtype=np.int64)
@@ -512,20 +491,11 @@ class Buffer:
         write while iterating. The sampler and the rate limiter are not involved."""
         self._check_open()
         batch_size, rank, world_size = check_iterate_args(batch_size, rank, world_size)
-        key = (rank, world_size)
-        k = self._passes.get(key, 0)
+        seed = self._passes.next_seed(rank, world_size)
         physical = self.container.rank_rows(
-            rank, world_size, shuffle=shuffle, drop_last=drop_last, seed=[self._iterate_seed, k]
+            rank, world_size, shuffle=shuffle, drop_last=drop_last, seed=seed
         )
-        self._passes[key] = k + 1
-        return self._batches(physical, batch_size, drop_last)
-
-    def _batches(
-        self, physical: np.ndarray, batch_size: int, drop_last: bool
-    ) -> Iterator[TensorDict]:
-        stop = len(physical) - len(physical) % batch_size if drop_last else len(physical)
-        for first in range(0, stop, batch_size):
-            yield self._read(physical[first : first + batch_size])
+        return batches(physical, batch_size, drop_last, self._read)
 
     def episodes(
         self, where: str | None = None, order_by: str | None = None, limit: int | None = None
@@ -538,7 +508,8 @@ class Buffer:
         return meta.select(None if where is None else meta.parsed(where), order_by, limit)
 
     def _metadata(self) -> EpisodeMeta:
-        self._meta = self._meta or EpisodeMeta(self._ring)  # from now on (module docstring)
+        # Kept from its first use on (not from the start: its listener costs every write)
+        self._meta = self._meta or EpisodeMeta(self._ring)
         return self._meta
 
     def _checked_meta(self, meta: Meta) -> dict[str, Any] | None:
@@ -547,7 +518,6 @@ class Buffer:
     def stats(self) -> dict[str, Any]:
         """Sizes, the sampler's and limiter's state, and priority update counts (the default
         table's; with several, each table's under ``"tables"``)."""
-        tables = self.container.tables
         return {
             "capacity": self.capacity,
             "unit": self.unit,
@@ -555,7 +525,6 @@ class Buffer:
             "rows": self.num_rows,
             "episodes": self.num_episodes,
             **self.container.stats(),
-            **({} if len(tables) == 1 else {"tables": {k: t.stats() for k, t in tables.items()}}),
         }
 
     def _info(
@@ -578,10 +547,8 @@ class Buffer:
         return rows.read(self.segment.columns, physical, self.segment.arrays)
 
     def _read(self, physical: np.ndarray) -> TensorDict:
-        if self.segment is None:  # nothing written yet, so nothing can be selected
-            return TensorDict({}, batch_size=[0])
-        self.container.count_use(physical)
-        return rows.read(self.segment.columns, physical, self.segment.arrays)
+        self.container.count_use(physical)  # then the rows copied out, as _copy does
+        return self._copy(physical)
 
     def _episodes(
         self,

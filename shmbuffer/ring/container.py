@@ -93,6 +93,37 @@ class Container:
         #: The ring's open reservations (its dict, which it never replaces).
         self.reservations: dict[int, Reservation] = self.ring.reservations
 
+    @classmethod
+    def of_tables(
+        cls,
+        capacity: int,
+        tables: Mapping[str, tuple[Sampler, RateLimiter]],
+        *,
+        mode: str = "circular",
+        unit: str = "transition",
+        seed: int | None = None,
+    ) -> Container:
+        """A ring with ``tables`` over it, by name (a sampler and a limiter each), the first
+        the default one. Each table draws with a generator of its own: the first seeded with
+        ``seed``, the others with ``seed`` and their place, so two containers built alike draw
+        alike and no two tables share a stream."""
+        (first, (sampler, limiter)), *others = tables.items()
+        container = cls(
+            capacity,
+            mode=mode,
+            unit=unit,
+            sampler=sampler,
+            rate_limiter=limiter,
+            seed=seed,
+            table_name=first,
+        )
+        for i, (name, (sampler, limiter)) in enumerate(others, 1):
+            table_seed = None
+            if seed is not None:
+                table_seed = int(np.random.SeedSequence([seed, i]).generate_state(1)[0])
+            container.add_table(name, sampler=sampler, rate_limiter=limiter, seed=table_seed)
+        return container
+
     def add_table(
         self,
         name: str,
@@ -320,7 +351,10 @@ class Container:
         return self.table.update_priorities(rows, priority, generation, stamps)
 
     def stats(self) -> dict[str, Any]:
-        return self.table.stats()
+        """The default table's stats; with several tables, each one's under ``"tables"``."""
+        if len(self.tables) == 1:
+            return self.table.stats()
+        return {**self.table.stats(), "tables": {k: t.stats() for k, t in self.tables.items()}}
 
     # -- saved states and the journal's replay (shmbuffer.ring.persistence) ------------------------
 

@@ -47,7 +47,9 @@ class InvalidArgumentError(ShmBufferError, ValueError):
 class QueryError(InvalidArgumentError):
     """A metadata filter or order key that cannot be used: a syntax error, an unknown name,
     or a comparison of mismatched kinds. The message names the character position (travels
-    as ``invalid_argument``)."""
+    as ``invalid_query``, since protocol 1.9)."""
+
+    code = "invalid_query"
 
 
 class CapacityError(ShmBufferError):

@@ -132,7 +132,7 @@ def test_real_replies_match_the_reply_table(h: Harness, tmp_path: Path) -> None:
     fourth = call(W, "reserve", rows=1, commits=[r for r, _ in granted])
     assert len(fourth["committed"]) == 3
     call(W, "abort", reservation=fourth["reservation"], written=0)
-    call(W, "write", frames=payload(3, 3.0), rows=3, episodes=3, priority=0.5)
+    call(W, "write", frames=payload(3, 3.0), rows=3, episodes=3, priority=0.5, meta={"ret": 1})
 
     call(R, "sample", kind="rows", n=4)
     drawn = call(R, "sample", kind="rows", n=4, info=True, beta=0.5, timeout_ms=0)
@@ -145,6 +145,8 @@ def test_real_replies_match_the_reply_table(h: Harness, tmp_path: Path) -> None:
     reported = [drawn["index"], drawn["generation"]]  # a reader's own draws, as frames
     assert call(R, "drawn", frames=reported, rows=4, samples=1) == {"counted": 4}
     call(R, "sample", kind="slices", n=2, length=2)
+    found = call(R, "episodes", where="ret > 0", order_by="-ret", limit=5)
+    assert found["columns"]["ret"] == [1, 1, 1] and found["kinds"]["ret"] == "int"
     call(R, "sample", kind="slices", n=2, length=3, strict=False, info=True)
     listed = call(R, "iterate", rank=0, world_size=2, shuffle=False, drop_last=True, epoch=1)
     call(R, "read", rows=listed["rows"], gens=listed["gens"])

@@ -587,10 +587,10 @@ def test_the_module_never_evaluates_code() -> None:
     assert not words & {"eval", "exec"}
 
 
-def test_query_error_is_an_invalid_argument_that_travels_as_one() -> None:
+def test_query_error_is_an_invalid_argument_that_travels_as_itself() -> None:
     assert issubclass(QueryError, InvalidArgumentError) and issubclass(QueryError, ValueError)
-    assert QueryError.code == "invalid_argument"
-    assert type(error_from_code(QueryError.code, "x")) is InvalidArgumentError
+    assert QueryError.code == "invalid_query"
+    assert type(error_from_code(QueryError.code, "x")) is QueryError
     assert shmbuffer.QueryError is QueryError and "QueryError" in shmbuffer.__all__
 
 

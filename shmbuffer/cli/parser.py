@@ -24,6 +24,7 @@ import sys
 from typing import Any
 
 from shmbuffer.cli.admin import cmd_checkpoint, cmd_configure, cmd_status, cmd_stop
+from shmbuffer.cli.episodes import cmd_episodes
 from shmbuffer.cli.start import cmd_start, run_daemon
 from shmbuffer.errors import ShmBufferError
 from shmbuffer.samplers import OPTIONS, RATE_LIMITERS, SAMPLERS, Option, takers
@@ -99,6 +100,13 @@ def _finite(text: str) -> float:
     return value
 
 
+def _meta_kind(text: str) -> tuple[str, str]:
+    name, sep, kind = text.partition(":")
+    if not sep or not name or not kind:
+        raise argparse.ArgumentTypeError(f"expected NAME:KIND (ret:float), got {text!r}")
+    return name, kind
+
+
 def _add_limiter_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--min-size", type=int, default=None, help="rows stored before any sample (default 1)"
@@ -166,6 +174,15 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--unit", choices=("transition", "episode"), default=None)
     start.add_argument("--mode", choices=("circular", "fixed"), default=None)
     start.add_argument("--schema", help="TOML or JSON file: keys -> dtype, shape")
+    start.add_argument(
+        "--meta",
+        action="append",
+        type=_meta_kind,
+        default=None,
+        metavar="NAME:KIND",
+        help="declare an episode metadata name (repeat; kinds int, float, bool, str): then "
+        "no other name is taken (default: taken as writers give them)",
+    )
     start.add_argument("--endpoint", help="ipc://PATH or tcp://HOST:PORT")
     start.add_argument(
         "--storage-dir", help="folder for the segment (default /dev/shm/shmbuffer-<uid>)"
@@ -275,6 +292,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("--timeout", type=_seconds, default=5.0)
     status.set_defaults(func=cmd_status)
+
+    episodes = sub.add_parser(
+        "episodes", help="list the live episodes a metadata filter selects (docs/metadata.md)"
+    )
+    episodes.add_argument("--name", default="default", help="buffer name, or an endpoint")
+    episodes.add_argument(
+        "--where", default=None, help="a filter: \"ret > 100 and env_id == 'e3'\" (default: all)"
+    )
+    episodes.add_argument(
+        "--order-by", default=None, metavar="NAME", help="a name, -NAME descending (default: id)"
+    )
+    episodes.add_argument("--limit", type=int, default=20, help="at most this many (20)")
+    episodes.add_argument("--json", action="store_true", help="one JSON object per episode")
+    episodes.add_argument("--timeout", type=_seconds, default=5.0)
+    episodes.set_defaults(func=cmd_episodes)
 
     demo = sub.add_parser("demo", help="a daemon, writers and learners on synthetic data")
     demo.add_argument("--name", default=None)

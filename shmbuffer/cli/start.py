@@ -48,6 +48,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         unit=args.unit,
         mode=args.mode,
         schema=load_schema_file(args.schema) if args.schema else None,
+        meta=None if args.meta is None else dict(args.meta),
         endpoint=args.endpoint,
         storage_dir=args.storage_dir,
         lease_ttl=args.lease_ttl,

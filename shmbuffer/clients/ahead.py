@@ -80,8 +80,11 @@ class ReserveAhead:
         mode: str,
         commit_delay: float,
         in_flight: list[tuple[int, Written | None]],
+        metas: dict[int, dict[str, Any]] | None = None,
     ) -> None:
         self.conn = conn
+        #: The writer's metadata of copied writes by reservation, taken by their commits.
+        self._metas: dict[int, dict[str, Any]] = {} if metas is None else metas
         self.capacity = capacity
         self.mode = mode
         self.commit_delay = commit_delay
@@ -158,7 +161,7 @@ class ReserveAhead:
         count = self.batch(num_rows)
         if count > 1:
             fields["count"] = count
-        fields.update(commit_fields([r for r, _ in commits]))
+        fields.update(commit_fields([r for r, _ in commits], self._metas))
         seq = self.conn.send("reserve", **fields)
         written = (sum(w[0] for _, w in commits), sum(w[1] for _, w in commits))
         self.pending = (seq, shape, written)
@@ -210,11 +213,19 @@ class ReserveAhead:
         return idle and (self.pending is None or self.conn.ready(self.pending[0]))
 
 
-def commit_fields(reservations: list[int]) -> dict[str, Any]:
+def commit_fields(
+    reservations: list[int], metas: dict[int, dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """A reserve's fields committing ``reservations`` first: ``commit`` for one (any daemon),
-    ``commits`` for several (1.5: only a batch reserved ahead leaves several pending)."""
+    ``commits`` for several (1.5: only a batch reserved ahead leaves several pending), and
+    the ``metas`` of those with metadata (1.9), taken out of ``metas``."""
     if not reservations:
         return {}
-    if len(reservations) == 1:
-        return {"commit": reservations[0]}
-    return {"commits": reservations}
+    fields: dict[str, Any] = (
+        {"commit": reservations[0]} if len(reservations) == 1 else {"commits": reservations}
+    )
+    if metas:
+        pairs = [[r, metas.pop(r)] for r in reservations if r in metas]
+        if pairs:
+            fields["metas"] = pairs
+    return fields

@@ -22,7 +22,12 @@ from shmbuffer.api.reads import check_episode_args
 from shmbuffer.clients.leased import ClientLease, EpisodeViews
 from shmbuffer.clients.readerstate import ReaderState
 from shmbuffer.clients.ticker import Ticker
-from shmbuffer.errors import NotFoundError, ShmBufferError, UnknownClientError
+from shmbuffer.errors import (
+    InvalidArgumentError,
+    NotFoundError,
+    ShmBufferError,
+    UnknownClientError,
+)
 from shmbuffer.wire.protocol import decode_i64
 
 if TYPE_CHECKING:  # imported by the first call that touches rows (readerstate.py says why)
@@ -36,7 +41,10 @@ class EpisodeReads(ReaderState):
 
     @contextmanager
     def sample_episodes(
-        self, n: int, out: TensorDict | Mapping[str, Any] | None = None
+        self,
+        n: int,
+        out: TensorDict | Mapping[str, Any] | None = None,
+        where: str | None = None,
     ) -> Iterator[EpisodeViews]:
         """``n`` whole episodes drawn by the daemon's sampler, as a sequence of ``[length]``
         TensorDicts (:class:`~shmbuffer.clients.leased.EpisodeViews`: indexable, iterable,
@@ -56,14 +64,21 @@ class EpisodeReads(ReaderState):
         views are then of ``out`` and always valid. A key, dtype or shape that does not fit
         raises InvalidArgumentError naming it, before the request when the schema is known.
 
+        ``where``: only episodes this metadata filter selects (``Reader.episodes``).
+
         At most ``2**20`` episodes a call (the protocol's bound on ``n``), holding at most
         ``max_payload_bytes / 16`` rows (2**27 by default); more is refused by the daemon.
         """
         n = check_episode_args(n)  # the rows are the daemon's to count: it knows the lengths
+        filtered: dict[str, Any] = {}
+        if where is not None:
+            if not isinstance(where, str):
+                raise InvalidArgumentError(f"where must be a str, got {where!r}")
+            filtered["where"] = where
         self._ready()
         target = self._out_target(out)  # checked before anything is drawn, if possible
         if self.remote:
-            reply, frames = self._sample(kind="episodes", n=n)
+            reply, frames = self._sample(kind="episodes", n=n, **filtered)
             lengths = decode_i64(reply["lengths"])
             total = int(lengths.sum())
             copy_to = None
@@ -80,7 +95,7 @@ class EpisodeReads(ReaderState):
             yield EpisodeViews(columns, decode_i64(reply["ids"]), offsets, lengths)
             return
         sent = time.monotonic()
-        reply, _ = self._sample(kind="episodes", n=n, lease=True)
+        reply, _ = self._sample(kind="episodes", n=n, lease=True, **filtered)
         assert self.segment is not None
         ttl = float(self.conn.buffer.get("lease_ttl", 30.0))
         lease = ClientLease(int(reply["lease"]), n, ttl, sent)

@@ -85,8 +85,12 @@ class WritePipeline:
         self._staged_since = 0.0
         #: Per staged piece: its priority (Items) and how many items it holds.
         self._staged_priority: list[tuple[Items, int]] = []
+        #: The metadata each copied write's commit attaches, by reservation, until it is sent.
+        self.metas: dict[int, dict[str, Any]] = {}
         #: The next write's reserve, sent ahead while this one copies.
-        self.ahead = ReserveAhead(conn, self.capacity, self.mode, commit_delay, self.in_flight)
+        self.ahead = ReserveAhead(
+            conn, self.capacity, self.mode, commit_delay, self.in_flight, self.metas
+        )
         self._last_write = 0.0  # when the last local write finished; 0 after a flush
         self.lock = threading.RLock()  # the ticker thread shares the socket
         #: The copy into reserved rows: rows.write, or a DeviceWriter's for a CUDA segment
@@ -170,10 +174,11 @@ class WritePipeline:
         pieces: list[Piece],
         lengths: list[int],
         priority: float | bytes | None = None,
+        meta: dict[str, Any] | None = None,
     ) -> None:
         """Reserve rows for ``pieces`` (laid out one after another), copy each into them, and
         leave the commit to ride on the next reserve (which publishes them with
-        ``priority``, as the daemon checked it at this reserve)."""
+        ``priority``, as the daemon checked it at this reserve, and ``meta``)."""
         assert self.segment is not None
         num_rows = sum(lengths)
         fields: dict[str, Any] = {"rows": num_rows, "timeout_ms": int(self.reserve_timeout * 1000)}
@@ -189,7 +194,7 @@ class WritePipeline:
         reply = self._take_ahead(shape if priority is None else None)
         if reply is None:
             previous, self._uncommitted = self._uncommitted, []
-            fields.update(commit_fields([r for r, _, _ in previous]))
+            fields.update(commit_fields([r for r, _, _ in previous], self.metas))
             reply = self.conn.call(
                 "reserve", timeout=self.reserve_timeout + self.conn.timeout, **fields
             )
@@ -220,6 +225,8 @@ class WritePipeline:
                 offset += n
                 progress.rows = 0
         self._last_write = time.monotonic()
+        if meta:
+            self.metas[reservation] = meta
         self._uncommitted.append((reservation, (num_rows, len(lengths)), self._last_write))
         if self.commit_delay <= 0:
             self._commit_if_due(now=True)
@@ -233,9 +240,12 @@ class WritePipeline:
         num_rows: int,
         num_sub: int,
         priority: float | bytes | None = None,
+        meta: dict[str, Any] | None = None,
     ) -> None:
         assert self.schema is not None
-        extra = {} if priority is None else {"priority": priority}
+        extra: dict[str, Any] = {} if priority is None else {"priority": priority}
+        if meta:
+            extra["meta"] = meta
         frames = [
             rows.to_bytes(leaves[f.key][first_row : first_row + num_rows], f.dtype)
             for f in self.schema.fields
@@ -284,7 +294,10 @@ class WritePipeline:
         due = time.monotonic() - self.commit_delay
         while self._uncommitted and (now or self._uncommitted[0][2] <= due):
             reservation, written, _ = self._uncommitted.pop(0)
-            self.in_flight.append((self.conn.send("commit", reservation=reservation), written))
+            meta = self.metas.pop(reservation, None)
+            extra: dict[str, Any] = {} if meta is None else {"meta": meta}
+            seq = self.conn.send("commit", reservation=reservation, **extra)
+            self.in_flight.append((seq, written))
 
     def _commit_from_ticker(self) -> None:
         # An idle writer's last episode must not wait for a next write that may never come

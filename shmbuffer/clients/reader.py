@@ -45,8 +45,9 @@ from shmbuffer.api.reads import (
 from shmbuffer.clients.episode_reads import EpisodeReads
 from shmbuffer.clients.leased import ClientLease, EpisodeViews
 from shmbuffer.clients.readerstate import CONSUMING_SAMPLERS
-from shmbuffer.errors import ShmBufferError, TornReadError
+from shmbuffer.errors import InvalidArgumentError, ShmBufferError, TornReadError
 from shmbuffer.wire.protocol import (
+    MAX_EPISODE_ROWS,
     MAX_UPDATES,
     decode_f64,
     decode_i64,
@@ -57,6 +58,8 @@ from shmbuffer.wire.protocol import (
 if TYPE_CHECKING:  # both imported by the first call that touches rows (readerstate.py says why)
     import torch
     from tensordict import TensorDict
+
+    from shmbuffer.api.metadata import EpisodeRecords
 
 __all__ = ["CONSUMING_SAMPLERS", "MAX_RESAMPLES", "ClientLease", "EpisodeViews", "Reader"]
 
@@ -69,6 +72,18 @@ LOCAL_REDRAWS = 4
 Redraw = Callable[[int], "tuple[np.ndarray, np.ndarray, int] | None"]
 #: The per-item arrays of a sample with ``info``, in the reply and in ``info``.
 _INFO = ("index", "generation", "probability", "weight")
+
+
+#: How a query's columns arrive as numpy arrays, by kind (a missing value filled, masked).
+_DTYPE = {"int": np.int64, "float": np.float64, "bool": np.bool_}
+_FILL: dict[str | None, Any] = {"int": 0, "float": 0.0, "bool": False, "str": ""}
+
+
+def check_where(text: Any, name: str = "where") -> str:
+    """A filter (or order key) as the daemon takes it: a str (the daemon parses it)."""
+    if not isinstance(text, str):
+        raise InvalidArgumentError(f"{name} must be a str, got {text!r}")
+    return text
 
 
 def _decode_item(name: str, data: bytes) -> np.ndarray:
@@ -117,7 +132,11 @@ class Reader(EpisodeReads):
     # -- transitions --------------------------------------------------------------------------
 
     def sample(
-        self, batch_size: int, return_info: bool = False, beta: float | None = None
+        self,
+        batch_size: int,
+        return_info: bool = False,
+        beta: float | None = None,
+        where: str | None = None,
     ) -> TensorDict | tuple[TensorDict, dict[str, torch.Tensor]]:
         """``batch_size`` transitions drawn by the daemon's sampler (a copy).
 
@@ -127,10 +146,11 @@ class Reader(EpisodeReads):
         weight ``(N * P) ** -beta`` over its largest value; 1 unless prioritized), each
         ``[batch_size]``. ``beta`` overrides the importance exponent for this call. A FIFO or
         consume-once sampler (and the rate limiter) may hold the call in the daemon for up to
-        ``sample_timeout`` seconds, then WaitTimeoutError."""
+        ``sample_timeout`` seconds, then WaitTimeoutError. ``where``: rows only of the
+        episodes this metadata filter selects (:meth:`episodes`), drawn by the daemon."""
         n = check_sample_args(batch_size, beta)
-        fields = self._fields("rows", n, return_info, beta)
-        drawn = self._draw_locally(n)
+        fields = self._fields("rows", n, return_info, beta, where)
+        drawn = None if where is not None else self._draw_locally(n)
         if drawn is not None:
             return self._sample_drawn(drawn, fields, return_info)
         reply, frames = self._sample_ahead(**fields)
@@ -181,17 +201,19 @@ class Reader(EpisodeReads):
         strict: bool = True,
         return_info: bool = False,
         beta: float | None = None,
+        where: str | None = None,
     ) -> TensorDict | tuple[TensorDict, dict[str, torch.Tensor]]:
         """``[n, length]`` runs of consecutive rows, each inside one episode (a copy).
 
         ``strict=False`` admits episodes shorter than ``length`` too: their slice starts at
         their first row and is zero-padded, and a bool ``"mask"`` entry ``[n, length]`` is
         True on real rows (a prefix). ``return_info`` and ``beta`` as for :meth:`sample`, per
-        slice (``index`` is its first row, whose priority it carries)."""
+        slice (``index`` is its first row, whose priority it carries). ``where`` as for
+        :meth:`sample`."""
         n, length = check_slice_args(n, length, strict, beta)
         self._ready()
         check_mask_free(self.schema, strict)
-        fields = self._fields("slices", n, return_info, beta)
+        fields = self._fields("slices", n, return_info, beta, where)
         fields["length"] = length
         if not strict:
             fields["strict"] = False
@@ -213,8 +235,12 @@ class Reader(EpisodeReads):
             mask_slices(data, slice_mask(items["lengths"], length), device)
         return (data, self._info(items)) if return_info else data
 
-    def _fields(self, kind: str, n: int, info: bool, beta: float | None) -> dict[str, Any]:
+    def _fields(
+        self, kind: str, n: int, info: bool, beta: float | None, where: str | None = None
+    ) -> dict[str, Any]:
         fields: dict[str, Any] = {"kind": kind, "n": n}
+        if where is not None:
+            fields["where"] = check_where(where)
         if info:
             fields["info"] = True
         if beta is not None:
@@ -431,6 +457,35 @@ class Reader(EpisodeReads):
             yield data
 
     # -- info ---------------------------------------------------------------------------------
+
+    def episodes(
+        self, where: str | None = None, order_by: str | None = None, limit: int | None = None
+    ) -> EpisodeRecords:
+        """The live episodes ``where`` selects (None: all), ordered by ``order_by`` (a name,
+        ``"-name"`` descending; None: oldest first), at most ``limit``, with their metadata:
+        ``ids`` and per name a masked array (``docs/metadata.md``). QueryError with the
+        position for a filter that does not parse."""
+        from shmbuffer.api.metadata import EpisodeRecords
+
+        fields: dict[str, Any] = {}
+        if where is not None:
+            fields["where"] = check_where(where)
+        if order_by is not None:
+            fields["order_by"] = check_where(order_by, "order_by")
+        if limit is not None:
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+                raise InvalidArgumentError(f"limit must be an int >= 0, got {limit!r}")
+            fields["limit"] = min(limit, MAX_EPISODE_ROWS)
+        reply = self.conn.call("episodes", **fields)
+        ids = decode_i64(reply["ids"])
+        columns = {"id": np.ma.MaskedArray(ids, mask=np.zeros(len(ids), dtype=bool))}
+        for name, values in reply["columns"].items():
+            missing = np.array([v is None for v in values], dtype=bool)
+            kind = reply["kinds"].get(name)
+            filled = [_FILL.get(kind, 0) if v is None else v for v in values]
+            data = np.array(filled, dtype=object if kind == "str" else _DTYPE.get(kind))
+            columns[name] = np.ma.MaskedArray(data, mask=missing)
+        return EpisodeRecords(ids, columns)
 
     def stats(self) -> dict[str, Any]:
         self._report_draws()  # what this reader drew itself, counted before the figures

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from shmbuffer.api.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
+from shmbuffer.api.metadata import check_values
 from shmbuffer.api.writeplan import plan_write, vector_episode, write_priority
 from shmbuffer.clients.connection import Connection
 from shmbuffer.clients.pipeline import WritePipeline, compact
@@ -36,6 +37,9 @@ from shmbuffer.storage.segment import Segment
 #: larger (``batch_bytes``, 8 MiB): with one or two small-row writers, each doubling of the
 #: batch from 1 MiB gave more rows/s, the daemon's work per reservation amortised.
 STAGE_MAX_BYTES = 512 << 10
+
+#: Scalars attached to an episode (``docs/metadata.md``).
+Meta = Mapping[str, Any] | None
 
 
 class Writer:
@@ -109,6 +113,10 @@ class Writer:
         kind = SAMPLERS.get(self.sampler)
         self._keeps_priorities = kind is not None and kind.has_priorities
         self.batch_bytes = batch_bytes
+        #: The metadata kinds known here (the daemon's at hello, then this writer's own).
+        info = conn.buffer.get("meta") or {}
+        self._meta_kinds: dict[str, str] = dict(info.get("kinds") or {})
+        self._meta_declared = bool(info.get("declared", False))
 
     @property
     def schema(self) -> Schema | None:
@@ -132,38 +140,49 @@ class Writer:
 
     # -- the Buffer API -----------------------------------------------------------------------
 
-    def extend(self, batch: Mapping[str, Any], priority: Any = None) -> None:
+    def extend(self, batch: Mapping[str, Any], priority: Any = None, meta: Meta = None) -> None:
         """Write a chunk of transitions (or, in episode unit, one whole episode).
 
         ``priority`` (a daemon with ``--sampler prioritized`` only): one number, one value
         per row (transition unit) or one for the episode (episode unit); None gives the
         largest priority seen so far. Checked before anything is written (InvalidArgumentError
-        naming the value); at most 4096 distinct values a write."""
+        naming the value); at most 4096 distinct values a write. ``meta``: scalars to attach
+        to what is written (``docs/metadata.md``), checked here against the kinds this writer
+        knows and by the daemon at the commit."""
         self.conn.check()
         with self._pipe.lock:
-            self._write(batch, priority=priority)
+            self._write(batch, priority=priority, meta=self._checked_meta(meta))
 
     def add_episode(
-        self, episode: Mapping[str, Any], num_envs: int = 1, priority: Any = None
+        self,
+        episode: Mapping[str, Any],
+        num_envs: int = 1,
+        priority: Any = None,
+        meta: Meta = None,
     ) -> None:
         """Write a finished episode; with ``num_envs > 1`` its leaves are ``[L, num_envs,
         ...]`` and each sub-env becomes its own episode. ``priority`` as for :meth:`extend`;
         with ``num_envs > 1`` one value per sub-episode (episode unit) or per row, shaped
-        ``[L, num_envs]`` like the data (transition unit)."""
+        ``[L, num_envs]`` like the data (transition unit). ``meta``: scalars to attach to the
+        episode (to each sub-episode), as :meth:`extend` takes them."""
         # Checked before the lock (a forked child may inherit it held) and before anything is
         # staged: a closed or forked writer must refuse the write, not drop it.
         self.conn.check()
         with self._pipe.lock:
+            checked = self._checked_meta(meta)
             if num_envs == 1:
-                self._write(episode, priority=priority)
+                self._write(episode, priority=priority, meta=checked)
                 return
             batch, priority = vector_episode(episode, num_envs, self.unit, priority)
-            self._write(batch, num_sub_episodes=num_envs, priority=priority)
+            self._write(batch, num_sub_episodes=num_envs, priority=priority, meta=checked)
 
-    def add_transition(self, env_id: str, transition: Mapping[str, Any]) -> None:
+    def add_transition(self, env_id: str, transition: Mapping[str, Any], meta: Meta = None) -> None:
+        """Append one step of ``env_id``; ``meta`` is merged into the metadata of the episode
+        in progress and attached when it ends (a later value of a name replaces one before)."""
         self.conn.check()
         with self._pipe.lock:
-            self._write_finished(self.assembler.add_transition(env_id, transition))
+            checked = self._checked_meta(meta)
+            self._write_finished(self.assembler.add_transition(env_id, transition, checked))
 
     def end_episode(self, env_id: str) -> None:
         self.conn.check()
@@ -176,12 +195,26 @@ class Writer:
 
     def _write_finished(self, episodes: list[FinishedEpisode]) -> None:
         for ep in episodes:
-            self._write(ep.data, num_sub_episodes=ep.num_sub_episodes)
+            self._write(ep.data, num_sub_episodes=ep.num_sub_episodes, meta=dict(ep.meta) or None)
+
+    def _checked_meta(self, meta: Meta) -> dict[str, Any] | None:
+        """``meta`` as plain scalars, checked against the kinds the daemon declared or this
+        writer gave first (the daemon checks again at the commit: another writer may have
+        fixed a name's kind since)."""
+        if meta is None:
+            return None
+        values, new = check_values(meta, self._meta_kinds, self._meta_declared)
+        self._meta_kinds.update(new)
+        return values
 
     # -- the write path -----------------------------------------------------------------------
 
     def _write(
-        self, batch: Mapping[str, Any], num_sub_episodes: int = 1, priority: Any = None
+        self,
+        batch: Mapping[str, Any],
+        num_sub_episodes: int = 1,
+        priority: Any = None,
+        meta: dict[str, Any] | None = None,
     ) -> None:
         self._pipe.check_ticker()
         # Refused here, before any copy, if it does not fit the schema; and a lazy schema is
@@ -203,12 +236,12 @@ class Writer:
             pipe.adopt(self.conn.call("define_schema", schema=schema.to_spec())["buffer"])
         assert self.schema is not None
         if self.remote:
-            pipe.write_remote(leaves, first_row, num_rows, kept, one)
-        elif self._gathers(num_rows):
+            pipe.write_remote(leaves, first_row, num_rows, kept, one, meta)
+        elif meta is None and self._gathers(num_rows):  # one commit carries one meta
             pipe.stage(leaves, first_row, num_rows, plan.lengths, items)
         else:
             pipe.write_staged()  # what came first is stored first
-            pipe.write_local([(leaves, first_row, num_rows)], plan.lengths, one)
+            pipe.write_local([(leaves, first_row, num_rows)], plan.lengths, one, meta)
 
     def _gathers(self, num_rows: int) -> bool:
         """Whether a local write of ``num_rows`` is staged, to share a reservation with the

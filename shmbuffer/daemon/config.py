@@ -11,7 +11,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from shmbuffer.errors import ConfigError
+from shmbuffer.api.metadata import check_kinds
+from shmbuffer.errors import ConfigError, InvalidArgumentError
 from shmbuffer.names import MODES, UNITS, check_choice, validate_name
 from shmbuffer.runtime import ENV_RUNTIME_DIR, group_user_dir, runtime_dir
 from shmbuffer.samplers import (
@@ -115,6 +116,9 @@ class DaemonConfig:
     min_size: int | None = None
     samples_per_insert: float | None = None
     error_buffer: float | None = None
+    #: Episode metadata names and their kinds (``{"ret": "float", "env_id": "str"}``: then no
+    #: other name is taken), or None to take them as writers give them (docs/metadata.md).
+    meta: dict[str, str] | None = None
     #: Access control (see ``shmbuffer/daemon/security.py``): a group name or gid that may
     #: use the segment (0750/0660) and the ipc socket (0660); None keeps them owner-only.
     group: str | int | None = None
@@ -173,6 +177,11 @@ class DaemonConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.seed is not None and (type(self.seed) is not int or self.seed < 0):
             raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.meta is not None:
+            try:
+                self.meta = check_kinds(self.meta)
+            except InvalidArgumentError as exc:
+                raise ConfigError(f"--meta: {exc}") from None
         self._check_metrics()
         self._check_device()
         self.make_sampler()  # refuses a bad sampler or limiter setting before anything starts

@@ -8,10 +8,10 @@ plus the journal records written after it.
 
 Records (:mod:`shmbuffer.daemon.records`, their format, types and replay) are int64 fields
 behind a length and a CRC: EPOCH, RESERVE, COMMIT, CLEAR, RESTORE, PRIORITY (the ring, the
-registry and priorities), SAMPLE (a draw), LEASE, RENEW, RELEASE (leases) and RESERVE_PINNED,
-ABORT (rows pinned to a local writer, ``pins.py``). A crash in the
-middle of a write leaves a short or CRC-failing last record, which :meth:`Journal.load`
-ignores (its request was never acknowledged).
+registry and priorities), META (what a commit attached), SAMPLE (a draw), LEASE, RENEW,
+RELEASE (leases) and RESERVE_PINNED, ABORT (rows pinned to a local writer, ``pins.py``). A
+crash in the middle of a write leaves a short or CRC-failing last record, which
+:meth:`Journal.load` ignores (its request was never acknowledged).
 
 Space is reserved ahead, never discovered at append: the file is preallocated with
 ``posix_fallocate`` in chunks of :data:`JOURNAL_CHUNK` bytes and records are written in place
@@ -96,6 +96,7 @@ from shmbuffer.daemon.records import (
     HEAD,
     LEASE,
     LEASE_FIELDS,
+    META,
     PRIORITY,
     RELEASE,
     RELEASE_BODY,
@@ -110,6 +111,7 @@ from shmbuffer.daemon.records import (
     apply_record,
     encode_record,
     iter_records,
+    meta_body,
     pin_fields,
     priority_fields,
     record_bytes,
@@ -126,6 +128,7 @@ __all__ = [  # the record names are re-exported: importers know them from here
     "EPOCH",
     "JOURNAL_FILE",
     "LEASE",
+    "META",
     "PRIORITY",
     "RELEASE",
     "RENEW",
@@ -489,6 +492,11 @@ class Journal:
     ) -> None:
         flat = [v for ep in episodes for v in ep]
         self._append(COMMIT, [rows_committed, episodes_committed, len(episodes), *flat])
+
+    def append_meta(self, ids: list[int], payload: bytes) -> None:
+        """What a commit attached to the episodes ``ids`` (``records.meta_payload``)."""
+        if self._fd is not None:
+            self._append_body(meta_body(ids, payload))
 
     def append_clear(self, pointer: int) -> None:
         self._append(CLEAR, [pointer])

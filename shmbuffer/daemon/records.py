@@ -25,7 +25,10 @@ microseconds). ``RESERVE_PINNED`` is a RESERVE whose rows are pinned to the loca
 copying into them (``pins.py``): the RESERVE fields, then ``[id, pid, start time, m, (start,
 stop) * m, k, length * k]`` (the reservation, its writer's process, its ranges, and its
 episodes' lengths, or ``-k`` for k equal episodes); ``ABORT [id]`` ends such a pin without a
-commit (a COMMIT whose first episode starts its rows ends it too). Any other abort needs no
+commit (a COMMIT whose first episode starts its rows ends it too). ``META [n, id * n,
+nbytes]`` and msgpack bytes follow every COMMIT: what the commit attached to the episodes it
+published (``{"m": values, "w": writer, "t": commit time}``, padded to a whole int64). Any
+other abort needs no
 record: it changed nothing but what its RESERVE record already holds; nor does a lease's
 expiry (a resume drops it by its wall-clock expiry). A crash in the middle of a write leaves a
 short or CRC-failing last record, which :meth:`Journal.load` ignores (its request was never
@@ -39,6 +42,7 @@ import zlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from shmbuffer.errors import JournalError
@@ -50,6 +54,7 @@ Range = tuple[int, int]
 EPOCH, RESERVE, COMMIT, CLEAR, RESTORE, PRIORITY = 0, 1, 2, 3, 4, 5
 SAMPLE, LEASE, RENEW, RELEASE = 6, 7, 8, 9
 RESERVE_PINNED, ABORT = 10, 11
+META = 12
 HEAD = struct.Struct("<II")
 #: A SAMPLE's body: its type and six fields, and with the generator's six words.
 SAMPLE_BODY = struct.Struct("<7q")
@@ -72,6 +77,23 @@ def priority_fields(rows: np.ndarray, priority: np.ndarray) -> np.ndarray:
     head = np.array([rows.size], dtype="<i8")
     bits = np.ascontiguousarray(priority, dtype="<f8").view("<i8")
     return np.concatenate([head, np.asarray(rows, dtype="<i8"), bits])
+
+
+def meta_payload(values: dict[str, Any], writer: str, commit_time: float) -> bytes:
+    """A META record's bytes after its int64 fields: what the commit attached."""
+    payload: bytes = msgpack.packb({"m": values, "w": writer, "t": commit_time})
+    return payload
+
+
+def meta_body(ids: list[int], payload: bytes) -> bytes:
+    """A META record's body: ``[META, n, ids..., nbytes]``, then ``payload`` padded to 8."""
+    head = struct.pack(f"<{len(ids) + 3}q", META, len(ids), *ids, len(payload))
+    return head + payload + bytes(-len(payload) % 8)
+
+
+def meta_bytes(num_ids: int, payload: bytes) -> int:
+    """The encoded size of a META record of ``num_ids`` episodes."""
+    return HEAD.size + 8 * (num_ids + 3) + len(payload) + (-len(payload) % 8)
 
 
 def record_bytes(num_fields: int) -> int:
@@ -138,6 +160,14 @@ def apply_record(
                 first = episodes[0][1]  # (open reservations never overlap: one at most)
                 for rid in [rid for rid, pin in pins.items() if pin[3][0][0] == first]:
                     del pins[rid]
+        elif kind == META:
+            n = int(f[0])
+            ids, nbytes = f[1 : 1 + n].tolist(), int(f[1 + n])
+            payload = f[2 + n :].tobytes()
+            if len(ids) != n or len(payload) < nbytes:
+                raise ValueError(f"META record cut short ({f.size} fields for {n} episodes)")
+            saved = msgpack.unpackb(payload[:nbytes])
+            container.replay_meta(ids, saved["m"], saved["w"], saved["t"])
         elif kind == ABORT:
             pins.pop(int(f[0]), None)
         elif kind == CLEAR:
@@ -153,7 +183,7 @@ def apply_record(
             container.replay_priorities(f[1 : 1 + n], f[1 + n :].view("<f8"))
         elif kind != EPOCH:
             raise JournalError(f"unknown journal record type {kind}")
-    except (IndexError, ValueError) as exc:
+    except (IndexError, KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:
         raise JournalError(f"journal record {kind} does not apply: {exc}") from exc
     return True
 

@@ -63,6 +63,8 @@ class SampleOps(DaemonState):
         kind, n, beta = fields["kind"], fields["n"], fields.get("beta")
         c = self.container
         table = c.table  # the table a request draws from (the container's one, today)
+        where = fields.get("where")
+        among = None if where is None else self.meta.subset(where, table)
         reply: dict[str, Any] = {}
         drawn: RowSample | SliceSample | EpisodeSample
         leased = fields.get("lease", False) and not fields.get("payload", False)
@@ -74,14 +76,14 @@ class SampleOps(DaemonState):
             )
         if kind == "rows":
             self._check_sample_size(n, fields)
-            drawn = table.sample_rows(n, beta=beta)
+            drawn = table.sample_rows(n, beta=beta, among=among)
             physical = index = drawn.rows
             reply["rows"] = encode_i64(physical)
         elif kind == "slices":
             length = fields["length"]  # validation made sure of it
             self._check_sample_size(n * length, fields)
             strict = fields.get("strict", True)
-            sliced = table.sample_slices(n, length, strict=strict, beta=beta)
+            sliced = table.sample_slices(n, length, strict=strict, beta=beta, among=among)
             drawn, physical, index = sliced, sliced.rows, sliced.starts
             reply["starts"] = encode_i64(sliced.starts)
             if not strict:  # a padded slice's real rows: a prefix of its length
@@ -89,7 +91,7 @@ class SampleOps(DaemonState):
         else:
             if c.num_episodes:  # the lengths are known after the draw: judge by the mean
                 self._check_sample_size(n * max(1, c.num_rows // c.num_episodes), fields)
-            episodes = table.sample_episodes(n, beta=beta)
+            episodes = table.sample_episodes(n, beta=beta, among=among)
             ids, index = episodes.ids, episodes.starts
             drawn, physical = episodes, episodes.rows
             if not c.sampler.waits_when_empty:  # drawn for good otherwise: never refuse them now
@@ -123,6 +125,28 @@ class SampleOps(DaemonState):
         if kind != "episodes":  # leased episodes need no stamps: no writer can reach them
             reply["gens"] = encode_i64(self.generations[physical])
         return reply, []
+
+    def op_episodes(
+        self, client: Client, fields: dict[str, Any], frames: Frames, now: float
+    ) -> Reply:
+        """The live episodes a filter selects, ordered and cut, with every metadata name:
+        ids as int64 bytes, per name its kind and its values (nil where an episode has none)."""
+        meta = self.meta
+        where = fields.get("where")
+        found = meta.select(
+            None if where is None else meta.parsed(where),
+            fields.get("order_by"),
+            fields.get("limit"),
+        )
+        columns = {}
+        for name, column in found.columns.items():
+            if name == "id":
+                continue
+            values = column.data.tolist()
+            for i in np.flatnonzero(np.ma.getmaskarray(column)).tolist():
+                values[i] = None
+            columns[name] = values
+        return {"ids": encode_i64(found.ids), "kinds": meta.kinds, "columns": columns}, []
 
     def op_drawn(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Reply:
         """Rows a reader drew itself over the published runs (``ring/publisher.py``), sent

@@ -70,6 +70,7 @@ class BufferService(WriteOps, SampleOps):
             "write": self.op_write,
             "sample": self.op_sample,
             "drawn": self.op_drawn,
+            "episodes": self.op_episodes,
             "update_priorities": self.op_update_priorities,
             "iterate": self.op_iterate,
             "read": self.op_read,

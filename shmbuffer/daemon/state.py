@@ -37,6 +37,7 @@ from shmbuffer.daemon.stats import Counters, RateMeter
 from shmbuffer.errors import CheckpointError, OutOfSpaceError
 from shmbuffer.registry.shared_spans import SPANS_FILE, SpansFile
 from shmbuffer.ring.container import Container
+from shmbuffer.ring.meta import EpisodeMeta
 from shmbuffer.ring.publisher import SpansPublisher
 from shmbuffer.storage.cuda_segment import check_room, create_segment
 from shmbuffer.storage.schema import Schema
@@ -103,6 +104,9 @@ class DaemonState:
                 f"capacity {config.capacity:,} rows: the daemon cannot allocate its per-row "
                 f"bookkeeping (about {12 * config.capacity:,} bytes of memory)"
             ) from None
+        #: Every episode's metadata: what writers attach to their commits, and the length,
+        #: commit time and writer the daemon records (``ring/meta.py``, docs/metadata.md).
+        self.container.keep_meta(config.meta)
         self.leases = LeaseTable(config.lease_ttl)
         self.clients = ClientTable(config.max_clients, config.client_idle_ttl)
         #: Reservations pinned to the local writer process copying into them (pins.py).
@@ -242,7 +246,20 @@ class DaemonState:
             "max_times_sampled": self.container.sampler.max_times_sampled,
             "consumes": self.container.sampler.consuming,
             "local_draws": self.local_draws_info(),
+            "meta": self.meta_info(),
         }
+
+    @property
+    def meta(self) -> EpisodeMeta:
+        meta = self.container.meta
+        assert meta is not None  # kept from the start (a load keeps it too)
+        return meta
+
+    def meta_info(self) -> dict[str, Any]:
+        """The metadata names a writer may attach and their kinds, and whether those are all
+        (declared): what a Writer checks its values against before it writes."""
+        meta = self.meta
+        return {"kinds": dict(meta.kinds), "declared": meta.declared}
 
     def _start_journal(self) -> None:
         assert self.segment is not None
@@ -263,13 +280,17 @@ class DaemonState:
             c = self.container
             self.journal.append_reserve(evicted, c.pointer, c.rows_written, c.next_reservation, pin)
 
-    def _journal_commit(self, ids: list[int], bounds: list[tuple[int, int]]) -> None:
+    def _journal_commit(
+        self, ids: list[int], bounds: list[tuple[int, int]], meta_payload: bytes
+    ) -> None:
+        """A COMMIT record, and the META record of what it attached."""
         if self.journal is not None:
             self.journal.append_commit(
                 [(i, s, e) for i, (s, e) in zip(ids, bounds, strict=True)],
                 self.counters.rows_committed,
                 self.counters.episodes_committed,
             )
+            self.journal.append_meta(ids, meta_payload)
 
     def resume_settings(self) -> dict[str, Any]:
         """What ``start --resume`` needs of a daemon that died before its first write (it has

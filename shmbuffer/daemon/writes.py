@@ -26,6 +26,7 @@ magnitude more at 1M: ``docs/architecture.md``).
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 import numpy as np
@@ -33,8 +34,10 @@ import numpy as np
 from shmbuffer.daemon.clients import Client
 from shmbuffer.daemon.journal import record_bytes, reserve_bytes
 from shmbuffer.daemon.pins import Pin
+from shmbuffer.daemon.records import meta_bytes, meta_payload
 from shmbuffer.daemon.state import DaemonState, Deferred, Frames, Reply
 from shmbuffer.errors import (
+    InvalidArgumentError,
     LimitExceededError,
     NotFoundError,
     OutOfSpaceError,
@@ -62,6 +65,11 @@ def _commit_bytes(reservation: Reservation) -> int:
     return record_bytes(3 + 3 * len(reservation.episodes))
 
 
+def _writer(client: Client) -> str:
+    """The ``writer`` an episode's metadata records: its process, ``pid@host``."""
+    return f"{client.pid}@{client.host}"
+
+
 def wire_priority(value: bytes | float | int | None) -> float | np.ndarray | None:
     """A request's ``priority`` field: f64 bytes (one value per item) or one number."""
     if isinstance(value, bytes):
@@ -83,9 +91,10 @@ class WriteOps(DaemonState):
         if commits:
             self._checked_priority(fields, split)  # a bad one refuses the request whole
             owned = [self._owned(client, r) for r in commits]
+            metas = self._commit_metas(fields, commits)  # the same
             # Room for every record first, so a full disk refuses them all, not some.
             self._journal_room(sum(_commit_bytes(r) for r in owned) + _RESERVE_BYTES)
-            committed = [ep for r in commits for ep in self._commit(client, r)]
+            committed = [ep for r in commits for ep in self._commit(client, r, meta=metas.get(r))]
         # Reservation 0 says "not now": the writer reserves again, waiting, when its write comes.
         reply: dict[str, Any] = {"reservation": 0, "ranges": []}
         ahead = bool(fields.get("ahead"))
@@ -189,6 +198,19 @@ class WriteOps(DaemonState):
         client.reservations.add(reservation.id)
         return reservation
 
+    def _commit_metas(self, fields: dict[str, Any], commits: list[int]) -> dict[int, Any]:
+        """A reserve's ``metas`` (``[reservation, meta]`` pairs of the commits it carries),
+        each checked (InvalidArgumentError naming the name: nothing is committed)."""
+        metas: dict[int, Any] = {}
+        for reservation, meta in fields.get("metas", ()):
+            if reservation not in commits:
+                raise InvalidArgumentError(
+                    f"field 'metas': reservation {reservation} is not among the commits this "
+                    f"reserve carries ({commits})"
+                )
+            metas[reservation] = self.meta.check(meta)
+        return metas
+
     def _checked_priority(self, fields: dict[str, Any], split: int | list[int]) -> Any:
         """A reserve's or write's ``priority`` as the commit will store it (None: none given);
         InvalidArgumentError if negative, NaN, of the wrong length or for a sampler without
@@ -237,7 +259,15 @@ class WriteOps(DaemonState):
             client.reservations.add(reservation_id)
         return reservation
 
-    def _commit(self, client: Client, reservation_id: int, priority: Any = None) -> list[int]:
+    def _commit(
+        self,
+        client: Client,
+        reservation_id: int,
+        priority: Any = None,
+        meta: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Publish a reservation's episodes with ``priority`` and ``meta`` (checked already:
+        ``EpisodeMeta.check``), the writer and the commit time."""
         reservation = self._owned(client, reservation_id)
         if priority is None:  # what its reserve (or write) gave, if anything
             priority = self._priorities.get(reservation_id)
@@ -247,15 +277,19 @@ class WriteOps(DaemonState):
         extra = 0 if given is None else record_bytes(1 + 2 * given.rows.size)
         # A commit the journal cannot hold is refused (out_of_space), never acknowledged: the
         # reservation stays open, so the writer may retry once there is room.
+        writer, commit_time = _writer(client), time.time()
+        payload = meta_payload(meta or {}, writer, commit_time)
+        extra += meta_bytes(len(reservation.episodes), payload)
         self._journal_room(_commit_bytes(reservation) + extra)
         ids = self.container.commit(reservation.id, priority)
+        self.meta.attach(ids, meta or {}, writer, commit_time)  # cannot fail: checked
         self._priorities.pop(reservation_id, None)
         self.pins.pop(reservation_id)  # the COMMIT record of its episodes ends it on replay
         client.reservations.discard(reservation.id)
         self.counters.rows_committed += reservation.num_rows
         client.rows_committed += reservation.num_rows
         self.counters.episodes_committed += reservation.num_episodes  # not the entries
-        self._journal_commit(ids, reservation.episodes)  # before the reply acknowledges it
+        self._journal_commit(ids, reservation.episodes, payload)  # before the reply
         if given is not None and self.journal is not None:
             self.journal.append_priorities(given.rows, given.priority)
         return ids
@@ -264,7 +298,8 @@ class WriteOps(DaemonState):
         self, client: Client, fields: dict[str, Any], frames: Frames, now: float
     ) -> Reply:
         priority = wire_priority(fields.get("priority"))  # replaces what the reserve gave
-        return {"episodes": self._commit(client, fields["reservation"], priority)}, []
+        meta = self.meta.check(fields["meta"]) if "meta" in fields else None
+        return {"episodes": self._commit(client, fields["reservation"], priority, meta)}, []
 
     def op_abort(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Reply:
         self._abort(client, self._owned(client, fields["reservation"]), fields.get("written"))
@@ -307,11 +342,13 @@ class WriteOps(DaemonState):
                 "write fewer rows per call"
             )
         leaves = self._leaves_from_frames(fields["rows"], frames)
+        meta = self.meta.check(fields["meta"]) if "meta" in fields else None
         plan = self.container.plan(fields["rows"], episode_split(fields))
         # Room for both records first (a sub-episode across the wrap is two), and for its
         # priorities (at most one per row): a full disk refuses the write whole, never after
         # its rows were copied.
         extra = record_bytes(1 + 2 * fields["rows"]) if "priority" in fields else 0
+        extra += meta_bytes(plan.episodes + 1, meta_payload(meta or {}, _writer(client), 0.0))
         self._journal_room(_RESERVE_BYTES + record_bytes(3 + 3 * (plan.episodes + 1)) + extra)
         reservation = self._reserve(client, fields, plan, now, pin=False)
         assert self.segment is not None
@@ -319,7 +356,7 @@ class WriteOps(DaemonState):
             rows.write(
                 self.segment.columns, self.segment.arrays, reservation.ranges, leaves, 0, progress
             )
-        return {"episodes": self._commit(client, reservation.id)}, []
+        return {"episodes": self._commit(client, reservation.id, meta=meta)}, []
 
     def _leaves_from_frames(self, num_rows: int, frames: Frames) -> dict[Any, Any]:
         if self.schema is None:

@@ -38,6 +38,7 @@ from shmbuffer.errors import InvalidArgumentError
 from shmbuffer.registry.intervals import Episode, EpisodeRegistry
 from shmbuffer.ring import persistence
 from shmbuffer.ring.listeners import F64, Range, SampleLog, SampleRecord
+from shmbuffer.ring.meta import EpisodeMeta
 from shmbuffer.ring.persistence import decode_state
 from shmbuffer.ring.ring import Plan, Reservation, Ring
 from shmbuffer.ring.table import (
@@ -92,6 +93,16 @@ class Container:
         self.tables: dict[str, Table] = {table_name: self.table}
         #: The ring's open reservations (its dict, which it never replaces).
         self.reservations: dict[int, Reservation] = self.ring.reservations
+        #: The episodes' metadata, where the owner keeps it (:meth:`keep_meta`): saved and
+        #: loaded with the rest, and the journal's META records replayed into it.
+        self.meta: EpisodeMeta | None = None
+
+    def keep_meta(self, declared: Mapping[str, str] | None = None) -> EpisodeMeta:
+        """Keep every episode's metadata from now on (``ring/meta.py``), with the names and
+        kinds ``declared`` (None: taken as given); the one already kept, if any."""
+        if self.meta is None:
+            self.meta = EpisodeMeta(self.ring, declared)
+        return self.meta
 
     @classmethod
     def of_tables(
@@ -361,7 +372,10 @@ class Container:
     def state(self) -> dict[str, Any]:
         """:func:`persistence.state_of <shmbuffer.ring.persistence.state_of>` the ring and the
         default table."""
-        return persistence.state_of(self.ring, self.table)
+        state = persistence.state_of(self.ring, self.table)
+        if self.meta is not None:
+            state["meta"] = persistence.encode_state(self.meta.state_dict())
+        return state
 
     @classmethod
     def from_state(
@@ -392,8 +406,11 @@ class Container:
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """:func:`persistence.load_state <shmbuffer.ring.persistence.load_state>` into the ring and
-        the default table; every other table starts over from the loaded registry."""
+        the default table; every other table starts over from the loaded registry. Saved
+        metadata is kept from then on (:meth:`keep_meta`)."""
         persistence.load_state(self.ring, self.table, state)
+        if state.get("meta") is not None:
+            self.keep_meta().load_state_dict(decode_state(state["meta"]))
 
     def replay_reserve(
         self, evicted: Sequence[Range], pointer: int, rows_written: int, next_reservation: int
@@ -414,6 +431,19 @@ class Container:
     def replay_priorities(self, rows: npt.ArrayLike, priority: npt.ArrayLike) -> int:
         """Redo a priority update (stale rows were already left out when it was journaled)."""
         return self.table.update_priorities(rows, priority)
+
+    def replay_meta(
+        self,
+        ids: Sequence[int],
+        values: Mapping[str, Any],
+        writer: str | None,
+        commit_time: float | None,
+    ) -> None:
+        """Redo a journaled attach: ``values`` and the ``writer`` of the episodes ``ids`` the
+        commit before it published, and the live commit's ``commit_time`` (not the replay's).
+        InvalidArgumentError where ``values`` no longer fit the kinds kept."""
+        meta = self.keep_meta()
+        meta.attach(ids, meta.check(values), writer, commit_time)
 
     def replay_sample(self, draw: SampleRecord) -> bool:
         """:func:`persistence.replay_sample <shmbuffer.ring.persistence.replay_sample>` on the

@@ -23,7 +23,6 @@ Not thread-safe: the ring's owner serialises calls, as the listener contract say
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -31,6 +30,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from shmbuffer.api.metadata import (
+    BUILTIN,
+    KINDS,
+    EpisodeRecords,
+    check_kinds,
+    check_name,
+    check_values,
+)
 from shmbuffer.errors import InvalidArgumentError
 from shmbuffer.registry.intervals import Episode
 from shmbuffer.registry.query import Column, Where, parse_order, parse_where
@@ -42,66 +49,10 @@ from shmbuffer.ring.table import Table
 __all__ = ["BUILTIN", "KINDS", "EpisodeMeta", "EpisodeRecords"]
 
 I64 = npt.NDArray[np.int64]
-KINDS = ("int", "float", "bool", "str")
-#: The names the buffer records itself, and their kinds (``id`` is computed, never stored).
-BUILTIN = {"id": "int", "length": "int", "commit_time": "float", "writer": "str"}
 #: A str is kept as a code: an index into its name's strings, each kept once (a filter then
 #: compares the few strings, not one per episode: ``registry/query.py``'s coded columns).
 _DTYPES = {"int": np.int64, "float": np.float64, "bool": np.bool_, "str": np.int32}
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _MIN_SLOTS = 64
-
-
-def _kind_of(value: Any) -> str | None:
-    """A scalar's kind, or None for anything else (numpy scalars and 0-d arrays count)."""
-    if isinstance(value, bool | np.bool_):
-        return "bool"
-    if isinstance(value, int | np.integer):
-        return "int"
-    if isinstance(value, float | np.floating):
-        return "float"
-    if isinstance(value, str):
-        return "str"
-    return None
-
-
-def _scalar(value: Any) -> Any:
-    """A 0-d tensor or array as the Python scalar it holds; anything else unchanged."""
-    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
-        return value.item()
-    return value
-
-
-class EpisodeRecords:
-    """What :meth:`EpisodeMeta.select` found: ``ids`` (int64, in the order asked for) and,
-    per name, a ``numpy.ma.MaskedArray`` of the values, masked where an episode has none."""
-
-    def __init__(self, ids: I64, columns: dict[str, np.ma.MaskedArray]) -> None:
-        self.ids = ids
-        self.columns = columns
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, name: str) -> np.ma.MaskedArray:
-        return self.columns[name]
-
-    def rows(self) -> list[dict[str, Any]]:
-        """One dict per episode: ``id`` and every value it has (missing names left out)."""
-        out: list[dict[str, Any]] = []
-        for i, episode_id in enumerate(self.ids.tolist()):
-            row: dict[str, Any] = {"id": episode_id}
-            for name, column in self.columns.items():
-                if name != "id" and not np.ma.getmaskarray(column)[i]:
-                    row[name] = column.data[i].item() if column.dtype != object else column.data[i]
-            out.append(row)
-        return out
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        return iter(self.rows())
-
-    def __repr__(self) -> str:
-        return f"EpisodeRecords({len(self)} episodes, names={sorted(self.columns)})"
 
 
 class _Columns(Mapping[str, Column]):
@@ -132,14 +83,7 @@ class EpisodeMeta(RingListener):
     def __init__(self, ring: Ring, declared: Mapping[str, str] | None = None) -> None:
         self.ring = ring
         self.declared = declared is not None
-        self._kinds: dict[str, str] = {}
-        for name, kind in (declared or {}).items():
-            self._check_name(name)
-            if kind not in KINDS:
-                raise InvalidArgumentError(
-                    f"metadata {name!r}: kind {kind!r} is not one of {', '.join(KINDS)}"
-                )
-            self._kinds[name] = kind
+        self._kinds: dict[str, str] = check_kinds(declared or {})
         self._where: Where | None = None  # the last filter parsed, reused while it is asked
         self._standing: dict[str, _Standing] = {}  # the filters draws were made with, by text
         self.on_load()  # the episodes live already: their lengths (nothing else was kept)
@@ -213,63 +157,37 @@ class EpisodeMeta(RingListener):
 
     # -- values ------------------------------------------------------------------------------
 
-    @staticmethod
-    def _check_name(name: Any) -> None:
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise InvalidArgumentError(
-                f"metadata name {name!r} must be an identifier (letters, digits, _), as a "
-                "filter names it"
-            )
-        if name in BUILTIN:
-            raise InvalidArgumentError(
-                f"metadata {name!r} is recorded by the buffer itself "
-                f"({', '.join(BUILTIN)}); give your value another name"
-            )
-
     def check(self, meta: Mapping[str, Any] | None) -> dict[str, Any]:
         """``meta`` as :meth:`attach` stores it: plain scalars, each of its name's kind.
         InvalidArgumentError naming the name for a value that is not a scalar, or not of
-        the kind declared or first given, or a name not declared; nothing stored changes
-        (a new name's kind is fixed here, by its first value, so that :meth:`attach`, after
-        a commit, cannot fail)."""
-        if meta is None:
-            return {}
-        if not isinstance(meta, Mapping):
-            raise InvalidArgumentError(f"meta must be a mapping of name -> scalar, got {meta!r}")
-        out: dict[str, Any] = {}
-        for name, given in meta.items():
-            self._check_name(name)
-            value = _scalar(given)
-            kind = _kind_of(value)
-            if kind is None:
-                raise InvalidArgumentError(
-                    f"metadata {name!r}: a scalar (int, float, bool or str) is needed, got "
-                    f"{type(given).__name__}"
-                )
-            known = self._kinds.get(name)
-            if known is None and self.declared:
-                raise InvalidArgumentError(
-                    f"metadata {name!r} is not declared (declared: {', '.join(self._kinds)})"
-                )
-            if known is None:  # taken lazily: the first value given decides its kind
-                self._kinds[name] = known = kind
-                self._add_column(name, kind)
-            if known is not None and known != kind and not (known == "float" and kind == "int"):
-                raise InvalidArgumentError(
-                    f"metadata {name!r} holds {known} values, got a {kind} ({value!r})"
-                )
-            out[name] = value
+        the kind declared or first given, or a name not declared
+        (:func:`~shmbuffer.api.metadata.check_values`); nothing stored changes (a new name's
+        kind is fixed here, by its first value, so that :meth:`attach`, after a commit,
+        cannot fail)."""
+        out, new = check_values(meta, self._kinds, self.declared)
+        for name, kind in new.items():
+            self._kinds[name] = kind
+            self._add_column(name, kind)
         return out
 
     def attach(
-        self, ids: Sequence[int], meta: Mapping[str, Any], writer: str | None = None
+        self,
+        ids: Sequence[int],
+        meta: Mapping[str, Any],
+        writer: str | None = None,
+        commit_time: float | None = None,
     ) -> None:
         """Store ``meta`` (as :meth:`check` returned it) for the episodes ``ids`` the last
-        commit published, and the ``writer`` that wrote them."""
-        if not ids or not (meta or writer is not None):
+        commit published, the ``writer`` that wrote them and, replaying a journal, the
+        ``commit_time`` of their live commit."""
+        if not ids or not (meta or writer is not None or commit_time is not None):
             return
         positions = np.asarray(ids, dtype=np.int64) - self._base
-        values = {**meta} if writer is None else {**meta, "writer": writer}
+        values = {**meta}
+        if writer is not None:
+            values["writer"] = writer
+        if commit_time is not None:
+            values["commit_time"] = commit_time
         for name, value in values.items():  # every name has its column: check() made it
             self._values[name][positions] = (
                 self._code(name, value) if name in self._codes else value
@@ -356,6 +274,68 @@ class EpisodeMeta(RingListener):
             self._cover(episodes[-1].id)
             for ep in episodes:
                 self._live(ep)
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The live episodes' values, for a snapshot or a checkpoint: the names' kinds, the
+        live ids and, per name, its values (a string's as codes, with the strings) and where
+        they are present, as bytes. ``length`` is the registry's and is left out."""
+        positions = np.flatnonzero(self._alive[: self._size])
+        columns: dict[str, Any] = {}
+        for name, values in self._values.items():
+            if name == "length":
+                continue
+            present = self._present[name][positions]
+            column: dict[str, Any] = {
+                "values": np.ascontiguousarray(values[positions]).tobytes(),
+                "present": np.packbits(present).tobytes(),
+            }
+            if name in self._strings:
+                column["strings"] = self._strings[name].tolist()
+            columns[name] = column
+        ids = (positions + self._base).astype("<i8")
+        return {
+            "kinds": dict(self._kinds),
+            "declared": self.declared,
+            "ids": ids.tobytes(),
+            "columns": columns,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take the values :meth:`state_dict` saved, for the episodes live now (the ring is
+        loaded first: the registry decides which episodes live, and their lengths).
+        ValueError for a name saved with another kind than this one keeps."""
+        self.declared = self.declared or bool(state.get("declared", False))
+        for name, kind in state["kinds"].items():
+            known = self._kinds.get(name)
+            if known is None:
+                check_name(name)
+                if kind not in KINDS:
+                    raise ValueError(f"metadata {name!r}: saved kind {kind!r}")
+                self._kinds[name] = kind
+                self._add_column(name, kind)
+            elif known != kind:
+                raise ValueError(f"metadata {name!r} was saved as {kind}, is declared {known}")
+        ids = np.frombuffer(state["ids"], dtype="<i8").astype(np.int64)
+        positions = ids - self._base
+        keep = (positions >= 0) & (positions < self._size)
+        keep[keep] = self._alive[positions[keep]]
+        at = positions[keep]
+        for name, column in state["columns"].items():
+            if name not in self._values or name == "length":
+                raise ValueError(f"saved metadata {name!r} has no kind")
+            values = np.frombuffer(column["values"], dtype=self._values[name].dtype)
+            present = np.unpackbits(np.frombuffer(column["present"], np.uint8), count=len(ids))
+            if len(values) != len(ids):
+                raise ValueError(f"saved metadata {name!r}: {len(values)} values, {len(ids)} ids")
+            if name in self._strings:
+                strings = list(column.get("strings", []))
+                self._strings[name] = np.array(strings, dtype=object)
+                self._codes[name] = {text: code for code, text in enumerate(strings)}
+            self._values[name][at] = values[keep]
+            self._present[name][at] = present[keep].astype(bool)
+        self._standing.clear()
 
     # -- queries -------------------------------------------------------------------------------
 

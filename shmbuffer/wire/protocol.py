@@ -45,7 +45,7 @@ from shmbuffer.wire.codec import encode_f64 as encode_f64  # noqa: PLC0414
 from shmbuffer.wire.codec import encode_i64 as encode_i64  # noqa: PLC0414
 
 #: Versioned separately from the package. Minor bumps add optional fields or ops only.
-PROTOCOL_VERSION = "1.8"
+PROTOCOL_VERSION = "1.9"
 PROTOCOL_MAJOR = int(PROTOCOL_VERSION.split(".", maxsplit=1)[0])
 
 MAX_INT = 2**62
@@ -72,6 +72,12 @@ _TIMEOUT = _int(0, 3_600_000, required=False)
 #: A priority for what a write publishes: one number for every item, or f64 bytes holding one
 #: value per item (row in transition unit, episode in episode unit; see ``encode_f64``).
 _PRIORITY = Spec((bytes, float, int), required=False)
+#: Episode metadata: a map of name -> scalar (checked by the daemon, which names the name).
+_META = Spec((dict,), required=False)
+#: A metadata filter (``docs/metadata.md``), parsed by the daemon, never evaluated.
+_WHERE = Spec((str,), required=False)
+#: Most episodes an ``episodes`` reply lists (what one reply's header carries well).
+MAX_EPISODE_ROWS = 1 << 20
 #: Most values a request's f64/i64 array field may hold: its header stays within
 #: ``MAX_HEADER_BYTES`` (``update_priorities`` sends three arrays: 3 x 8 x 2048 = 48 KiB).
 MAX_PRIORITIES = 4096
@@ -118,8 +124,12 @@ REQUESTS: dict[str, dict[str, Spec]] = {
         # Open reservations of this client to commit first, in order (since 1.5; with
         # ``commit``, that one first).
         "commits": Spec((list,), required=False),
+        # ``[reservation, meta]`` pairs: what each commit carried attaches to the episodes it
+        # publishes (since 1.9).
+        "metas": Spec((list,), required=False),
     },
-    "commit": {"reservation": _ID, "priority": _PRIORITY},
+    # meta: scalars attached to every episode the commit publishes (since 1.9).
+    "commit": {"reservation": _ID, "priority": _PRIORITY, "meta": _META},
     # written: rows the writer's copy may have touched; what the reservation evicted from the
     # others is published again (since 1.1).
     "abort": {"reservation": _ID, "written": _int(0, required=False)},
@@ -129,6 +139,7 @@ REQUESTS: dict[str, dict[str, Spec]] = {
         "episodes": _int(1, required=False),
         "timeout_ms": _TIMEOUT,
         "priority": _PRIORITY,
+        "meta": _META,  # since 1.9
     },
     "sample": {
         "kind": Spec((str,), choices=("rows", "episodes", "slices")),
@@ -144,6 +155,15 @@ REQUESTS: dict[str, dict[str, Spec]] = {
         "beta": Spec((float, int), required=False),
         "info": Spec((bool,), required=False),
         "timeout_ms": _TIMEOUT,
+        # Since 1.9: draw only from the episodes this metadata filter selects (uniformly).
+        "where": _WHERE,
+    },
+    # The live episodes a filter selects, ordered, at most ``limit``, with their metadata
+    # (since 1.9).
+    "episodes": {
+        "where": _WHERE,
+        "order_by": Spec((str,), required=False),
+        "limit": _int(0, MAX_EPISODE_ROWS, required=False),
     },
     # Rows a reader drew itself over the runs the daemon publishes and the sample calls they
     # came from, counted as the daemon counts its own draws; the rows and their stamps then
@@ -241,6 +261,7 @@ def _check_priority(op: str, fields: Mapping[str, Any]) -> None:
 
 def _check_reserve(op: str, fields: Mapping[str, Any]) -> None:
     _check_priority(op, fields)
+    _check_metas(op, fields)
     if "count" in fields and not fields.get("ahead"):
         raise ProtocolError(f"op {op!r}: field 'count' is only for a reserve 'ahead'")
     commits = fields.get("commits")
@@ -255,6 +276,21 @@ def _check_reserve(op: str, fields: Mapping[str, Any]) -> None:
         raise ProtocolError(
             f"op {op!r}: field 'commits' must list at most {MAX_AHEAD} distinct reservation "
             f"ids (ints 1..{MAX_INT}, 'commit' not among them), got {commits!r:.200}"
+        )
+
+
+def _check_metas(op: str, fields: Mapping[str, Any]) -> None:
+    metas = fields.get("metas")
+    if metas is None:
+        return
+    commits = [*fields.get("commits", ()), *([fields["commit"]] if "commit" in fields else [])]
+    if not commits or not all(
+        isinstance(pair, list) and len(pair) == 2 and type(pair[0]) is int and type(pair[1]) is dict
+        for pair in metas
+    ):
+        raise ProtocolError(
+            f"op {op!r}: field 'metas' must list [reservation, map] pairs of the commits the "
+            f"reserve carries, got {metas!r:.200}"
         )
 
 
@@ -363,6 +399,11 @@ _BUFFER: dict[str, Spec] = {
     "local_draws": Spec((dict, _NIL), required=False),
     "local_draws.file": Spec((str,)),
     "local_draws.seed": Spec((int, _NIL)),
+    # since 1.9: the metadata names episodes may carry, their kinds, and whether those are
+    # all (declared up front)
+    "meta": Spec((dict,), required=False),
+    "meta.kinds": Spec((dict,)),
+    "meta.declared": Spec((bool,)),
 }
 #: The ``stats.sampler`` map (since 1.2).
 _SAMPLER: dict[str, Spec] = {
@@ -468,6 +509,8 @@ REPLIES: dict[str, dict[str, Spec]] = {
         "weight": _BIN,
     },
     "drawn": {"counted": Spec((int,))},
+    # since 1.9: episode ids (i64), and per name its kind and values (nil where missing)
+    "episodes": {"ids": Spec((bytes,)), "kinds": Spec((dict,)), "columns": Spec((dict,))},
     "update_priorities": {"updated": Spec((int,)), "stale": Spec((int,))},
     "iterate": {"rows": Spec((bytes,)), "gens": Spec((bytes,)), "total": Spec((int,))},
     "read": {},

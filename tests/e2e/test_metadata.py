@@ -71,7 +71,7 @@ def test_a_bad_value_is_refused_naming_it_and_nothing_changes(daemon):
             w.add_episode(episode(9), meta={"ret": "high"})
         with pytest.raises(InvalidArgumentError, match="'length' is recorded by the buffer"):
             w.add_episode(episode(9), meta={"length": 3})
-        with pytest.raises(InvalidArgumentError, match="'obs'.*scalar"):
+        with pytest.raises(InvalidArgumentError, match=r"'obs'.*scalar"):
             w.add_episode(episode(9), meta={"obs": [1, 2]})
         w.flush()
     # a value another writer's kind refuses at the commit (this writer had not seen it)
@@ -144,9 +144,7 @@ def test_meta_comes_back_after_checkpoint_and_restore(daemon, e2e_env, tmp_path)
 def test_episodes_command(daemon, e2e_env):
     d = daemon(capacity=100, unit="episode")
     write(d.name, range(9))
-    out = e2e_env.cli(
-        "episodes", "--name", d.name, "--where", "env_id == 'e2'", "--order-by=-ret"
-    )
+    out = e2e_env.cli("episodes", "--name", d.name, "--where", "env_id == 'e2'", "--order-by=-ret")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].split() == ["id", "length", "commit_time", "writer", "env_id", "pv", "ret"]

@@ -43,7 +43,7 @@ from shmbuffer.api.tables import built_tables, table_options
 from shmbuffer.api.writeplan import plan_write, vector_episode, write_priority
 from shmbuffer.errors import ClosedError
 from shmbuffer.ring.container import Container
-from shmbuffer.ring.meta import EpisodeMeta, EpisodeRecords
+from shmbuffer.ring.meta import EpisodeMeta, EpisodeRecords, kept_for
 from shmbuffer.samplers import LIMITER_OPTIONS, OPTIONS, RateLimiter, Sampler
 from shmbuffer.samplers.base import Priority
 from shmbuffer.storage import rows, streamcopy
@@ -138,7 +138,7 @@ class Buffer:
         self.segment: Segment | LocalSegment | None = None
         self._closed = False
         self._recent = RecentSamples()  # stamps for updates sent back without generation=
-        self._meta = None if meta is None else EpisodeMeta(self._ring, meta)
+        self._meta = kept_for(self.container, tables, meta)  # from the start if bounds read it
         if schema is not None:
             self._allocate(schema if isinstance(schema, Schema) else Schema.from_spec(schema))
 

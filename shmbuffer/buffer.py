@@ -369,7 +369,7 @@ class Buffer:
         ``info["probability"]`` (float64) and ``info["weight"]`` (float32; the PER importance
         weight ``(N * P) ** -beta`` over its largest value, 1 unless prioritized), each
         ``[batch_size]``. ``beta`` overrides the importance exponent for this call. ``where``:
-        only from the episodes this metadata filter selects (:meth:`episodes`), uniformly.
+        only from the episodes this filter selects (:meth:`episodes`), as the table draws.
         ``table``: drawn by that table (``tables=``), not the default one."""
         self._check_open()
         if type(batch_size) is int and batch_size > MAX_SAMPLE:  # named as the caller knows it

@@ -193,7 +193,7 @@ def test_the_episodes_a_bounded_table_draws_from_are_those_a_direct_computation_
         reservation = container.reserve(container.plan(length))
         check()  # drawn while the reservation's evictions are out: an abort brings them back
         if abort:
-            container.abort(reservation.id)
+            container.abort(reservation.id, written=0)  # nothing copied: every eviction comes back
             check()
             continue
         ids = container.commit(reservation.id)
@@ -207,3 +207,16 @@ def test_the_episodes_a_bounded_table_draws_from_are_those_a_direct_computation_
         if version is not None:
             newest = version if newest is None else max(newest, version)
         check()
+
+
+def test_episodes_an_aborted_write_gives_back_are_drawn_again() -> None:
+    """A draw while a write's evictions are out forgets them (most of the kept ids are dead
+    then); the abort brings them back, and the next draw has them again."""
+    buf = Buffer(18, unit="episode", seed=4, tables={"fresh": {"max_staleness": 5}})
+    container = buf.container
+    for i in range(6):  # the ring is full
+        buf.add_episode(episode(i), meta={"policy_version": 1})
+    reservation = container.reserve(container.plan(15))  # evicts all but the newest
+    assert set(drawn_ids(buf, 300).tolist()) == {5}
+    container.abort(reservation.id, written=0)  # nothing copied: every eviction comes back
+    assert set(drawn_ids(buf, 600).tolist()) == set(range(6))

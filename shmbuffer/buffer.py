@@ -138,7 +138,7 @@ class Buffer:
         self.segment: Segment | LocalSegment | None = None
         self._closed = False
         self._recent = RecentSamples()  # stamps for updates sent back without generation=
-        self._meta = None if meta is None else EpisodeMeta(self._ring, meta)
+        self._meta = self.container.bound_tables(tables, meta)  # from the start if bounds read it
         if schema is not None:
             self._allocate(schema if isinstance(schema, Schema) else Schema.from_spec(schema))
 
@@ -369,7 +369,7 @@ class Buffer:
         ``info["probability"]`` (float64) and ``info["weight"]`` (float32; the PER importance
         weight ``(N * P) ** -beta`` over its largest value, 1 unless prioritized), each
         ``[batch_size]``. ``beta`` overrides the importance exponent for this call. ``where``:
-        only from the episodes this metadata filter selects (:meth:`episodes`), uniformly.
+        only from the episodes this filter selects (:meth:`episodes`), as the table draws.
         ``table``: drawn by that table (``tables=``), not the default one."""
         self._check_open()
         if type(batch_size) is int and batch_size > MAX_SAMPLE:  # named as the caller knows it
@@ -509,7 +509,7 @@ class Buffer:
 
     def _metadata(self) -> EpisodeMeta:
         # Kept from its first use on (not from the start: its listener costs every write)
-        self._meta = self._meta or EpisodeMeta(self._ring)
+        self._meta = self._meta or self.container.keep_meta()
         return self._meta
 
     def _checked_meta(self, meta: Meta) -> dict[str, Any] | None:

@@ -145,6 +145,7 @@ def test_real_replies_match_the_reply_table(h: Harness, tmp_path: Path) -> None:
     reported = [drawn["index"], drawn["generation"]]  # a reader's own draws, as frames
     assert call(R, "drawn", frames=reported, rows=4, samples=1) == {"counted": 4}
     call(R, "sample", kind="slices", n=2, length=2)
+    call(R, "sample", kind="rows", n=2, where="ret >= 1")  # by priority among them
     found = call(R, "episodes", where="ret > 0", order_by="-ret", limit=5)
     assert found["columns"]["ret"] == [1, 1, 1] and found["kinds"]["ret"] == "int"
     call(R, "sample", kind="slices", n=2, length=3, strict=False, info=True)

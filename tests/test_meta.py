@@ -204,12 +204,15 @@ def test_a_filter_that_matches_nothing_says_which() -> None:
 
 
 def test_where_is_refused_on_tables_whose_draws_it_would_bypass() -> None:
-    buf = filled(4, sampler="prioritized")
-    with pytest.raises(InvalidArgumentError, match="needs a uniform table"):
-        buf.sample(4, where="ret > 1")
+    consuming = filled(4, sampler="prioritized", max_times_sampled=2)
+    with pytest.raises(InvalidArgumentError, match="consumes what it hands out"):
+        consuming.sample(4, where="ret > 1")
     fifo = filled(4, sampler="fifo", max_times_sampled=1)
     with pytest.raises(InvalidArgumentError, match="'fifo'"):
         fifo.sample_episodes(1, where="ret > 1")
+    lifo = filled(4, sampler="lifo")
+    with pytest.raises(InvalidArgumentError, match="uniform or prioritized table"):
+        lifo.sample_slices(1, 2, where="ret > 1")
 
 
 def _chi_square_ok(counts: np.ndarray, p: np.ndarray) -> bool:

@@ -34,9 +34,11 @@ import numpy as np
 import numpy.typing as npt
 
 from shmbuffer.api.reads import as_invalid_argument
+from shmbuffer.api.tables import table_bounds
 from shmbuffer.errors import InvalidArgumentError
 from shmbuffer.registry.intervals import Episode, EpisodeRegistry
 from shmbuffer.ring import persistence
+from shmbuffer.ring.bounds import TableBounds
 from shmbuffer.ring.listeners import F64, Range, SampleLog, SampleRecord
 from shmbuffer.ring.meta import EpisodeMeta
 from shmbuffer.ring.persistence import decode_state
@@ -103,6 +105,31 @@ class Container:
         if self.meta is None:
             self.meta = EpisodeMeta(self.ring, declared)
         return self.meta
+
+    def bound_tables(
+        self, tables: Mapping[str, Mapping[str, Any]] | None, declared: Mapping[str, str] | None
+    ) -> EpisodeMeta | None:
+        """Bound the draws of the tables whose options (``tables``, by name, as
+        ``Buffer(tables=...)`` takes them) say so (``max_episodes``, ``max_staleness``,
+        ``staleness_weights``: ``ring/bounds.py``), and keep the metadata they read; kept too
+        if ``declared``. None when neither: an owner that keeps it only once used (a Buffer:
+        its listener costs every write) makes it then. InvalidArgumentError naming the table
+        for bounds on a table a selection cannot stand in for (``Table.check_filtered``), or
+        a ``policy_version`` declared of another kind."""
+        found: list[TableBounds] = []
+        for name, options in (tables or {}).items():
+            spec = table_bounds(name, options)
+            if spec is not None:
+                table = self.table_named(name)
+                table.bounds = TableBounds(spec, name if len(self.tables) > 1 else None)
+                table.check_filtered(table.bounds.what)
+                found.append(table.bounds)
+        if declared is None and not found:
+            return None
+        meta = self.keep_meta(declared)
+        for bounds in found:
+            bounds.bind(meta)
+        return meta
 
     @classmethod
     def of_tables(

@@ -85,6 +85,9 @@ class EpisodeMeta(RingListener):
         self.declared = declared is not None
         self._kinds: dict[str, str] = check_kinds(declared or {})
         self._where: Where | None = None  # the last filter parsed, reused while it is asked
+        #: Counts the changes that make a kept selection stale (a restore, a clear, a load):
+        #: one kept across draws (``ring/bounds.py``) starts over when it moved.
+        self.epoch = 0
         self._standing: dict[str, _Standing] = {}  # the filters draws were made with, by text
         self.on_load()  # the episodes live already: their lengths (nothing else was kept)
         ring.listen(self)
@@ -247,6 +250,7 @@ class EpisodeMeta(RingListener):
                 self._forget_standing("length")  # its length changed
 
     def on_restore(self, episodes: Sequence[Episode], rows: int) -> None:
+        self.epoch += 1
         self._forget_standing()  # they may have forgotten these ids once they were dead
         for ep in episodes:
             if ep.id >= self._base:  # the entries in front of base were dropped: none held
@@ -260,6 +264,7 @@ class EpisodeMeta(RingListener):
                 del self._standing[text]
 
     def on_clear(self, rows: int) -> None:
+        self.epoch += 1
         self._reset(self.ring.registry.next_id)
         self._standing.clear()
 
@@ -270,6 +275,7 @@ class EpisodeMeta(RingListener):
         episodes = list(registry)
         self._reset(episodes[0].id if episodes else registry.next_id)
         self._standing = {}
+        self.epoch += 1
         if episodes:
             self._cover(episodes[-1].id)
             for ep in episodes:
@@ -355,10 +361,48 @@ class EpisodeMeta(RingListener):
         self._standing[where] = standing  # the most recent last; the oldest beyond 8 goes
         if len(self._standing) > _STANDING:
             del self._standing[next(iter(self._standing))]
-        positions = standing.update(self) - self._base
+        return self.among(standing.update(self) - self._base, table, f"where={where!r}")
+
+    def among(self, positions: I64 | None, table: Table, what: str) -> Subset:
+        """The live episodes at ``positions`` (None: every live one) that ``table``'s bounds
+        keep, for it to draw from (``what`` selected them, for its messages)."""
+        factor = None
+        if table.bounds is not None:
+            positions, factor = table.bounds.restrict(self, positions)
+        elif positions is None:
+            positions = np.flatnonzero(self.live())
         starts = self._starts[positions]
         ends = starts + self._values["length"][positions]
-        return table.filtered(positions + self._base, starts, ends, where)
+        return table.filtered(positions + self._base, starts, ends, what, factor)
+
+    def live(self) -> npt.NDArray[np.bool_]:
+        """Whether the entry at each position ``[0, span)`` is live (a view: do not write)."""
+        return self._alive[: self._size]
+
+    def column(self, name: str) -> tuple[np.ndarray, npt.NDArray[np.bool_]]:
+        """The values of ``name`` at each position ``[0, span)`` and whether each has one
+        (views: do not write); KeyError for a name not kept."""
+        return self._values[name][: self._size], self._present[name][: self._size]
+
+    def require(self, name: str, kind: str, why: str) -> None:
+        """Keep ``name`` as ``kind`` from now on, for ``why`` (a table's bounds read it):
+        declared already as that kind, or taken now if names are taken lazily (a value of
+        another kind is then refused with the name). InvalidArgumentError, saying ``why``,
+        for a name declared or given with another kind, or not declared."""
+        known = self._kinds.get(name)
+        if known == kind:
+            return
+        if known is not None:
+            raise InvalidArgumentError(
+                f"{why} reads metadata {name!r} as {kind}, but it holds {known} values"
+            )
+        if self.declared:
+            raise InvalidArgumentError(
+                f"{why} reads metadata {name!r} ({kind}): declare it (meta={{{name!r}: "
+                f"{kind!r}, ...}})"
+            )
+        self._kinds[name] = kind
+        self._add_column(name, kind)
 
     def matching(self, where: Where | None) -> I64:
         """Positions of the live episodes ``where`` selects (all live ones for None), in id

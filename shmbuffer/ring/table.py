@@ -33,8 +33,7 @@ Not thread-safe: the ring's owner serialises calls, as the listener contract say
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -64,64 +63,23 @@ from shmbuffer.ring.listeners import (
     rng_words,
 )
 from shmbuffer.ring.ring import Ring, episode_lengths
-from shmbuffer.ring.subset import Subset
+from shmbuffer.ring.samples import EpisodeSample, PriorityUpdate, RowSample, SliceSample
+from shmbuffer.ring.subset import PrioritySubset, Subset
 from shmbuffer.samplers import NoLimit, RateLimiter, Sampler, UniformSampler
 from shmbuffer.samplers.base import (
     Priority,
 )
 from shmbuffer.samplers.index import rows_of
+from shmbuffer.samplers.prioritized import PrioritizedSampler
 from shmbuffer.storage.rows import episode_rows
 
+if TYPE_CHECKING:
+    from shmbuffer.ring.bounds import TableBounds
+
+__all__ = ["EpisodeSample", "PriorityUpdate", "RowSample", "SliceSample", "Table"]
+
 I64 = npt.NDArray[np.int64]
-Mask = npt.NDArray[np.bool_]
 _ONE_USE = np.int32(1)  # count_use's increment, of use_counts' dtype (numpy's fast add.at)
-
-
-@dataclass(frozen=True, slots=True)
-class PriorityUpdate:
-    """A validated priority update: the rows to set (stale ones left out), their priorities,
-    and how many stale rows were left out (a commit's priorities travel as one too)."""
-
-    rows: I64
-    priority: F64
-    stale: int
-
-
-class RowSample(NamedTuple):
-    """Rows a read gets: physical ``rows``, each one's draw ``probability`` and importance
-    ``weight`` (ones unless the sampler keeps priorities). The arrays may be read-only and
-    shared between calls: copy before changing them. A NamedTuple, as the samplers' draws:
-    half the cost of a frozen dataclass to build, on the hot path of every sample."""
-
-    rows: I64
-    probability: F64
-    weight: F64
-
-
-class EpisodeSample(NamedTuple):
-    """Whole episodes: ids, physical bounds ``[starts, ends)``, probability and weight per
-    episode, and ``rows``, their physical rows concatenated."""
-
-    ids: I64
-    starts: I64
-    ends: I64
-    probability: F64
-    weight: F64
-    rows: I64
-
-
-class SliceSample(NamedTuple):
-    """``n`` slices of ``length`` rows: first rows, real lengths (``< length`` only when not
-    strict), probability and weight per slice; ``rows`` holds ``n * length`` physical rows
-    (a padding position repeats its slice's first row) and ``mask`` ``[n, length]`` is True on
-    real rows (a prefix; None for strict slices, which are all real)."""
-
-    starts: I64
-    lengths: I64
-    probability: F64
-    weight: F64
-    rows: I64
-    mask: Mask | None
 
 
 class Table(RingListener):
@@ -168,6 +126,8 @@ class Table(RingListener):
         self.sample_log: SampleLog | None = None
         #: A refused draw may have moved the generator since the last sample logged.
         self.rng_unlogged = False
+        #: Which live episodes it draws from at all (None: every one): ``ring/bounds.py``.
+        self.bounds: TableBounds | None = None
         self.sampler.attach(ring.registry, ring.unit, ring.capacity)
         if ring.num_rows:
             self._count_committed()
@@ -308,7 +268,9 @@ class Table(RingListener):
     def _refused(self, what: str) -> WaitTimeoutError:
         return WaitTimeoutError(f"cannot sample {what} now: {self.rate_limiter.blocked_reason()}")
 
-    def _weights(self, probability: F64, beta: float | None) -> F64:
+    def _weights(self, probability: F64, beta: float | None, among: Subset | None = None) -> F64:
+        if among is not None:
+            return among.weights(probability, beta)
         if self.sampler.has_priorities:
             return self.sampler.weights(probability, beta)
         # What every other sampler returns: ones, kept read-only and reused (a fresh array
@@ -337,13 +299,18 @@ class Table(RingListener):
             n = check_sample_args(n, beta, "n")
             if not limiter.can_sample(n):
                 raise self._refused(f"{n} rows")
+            if among is None and self.bounds is not None:
+                among = self.bounds.subset(self)
             rng = None if log is None else self._before_draw(log, n)
             try:
                 draw = (self.sampler if among is None else among).sample_rows(n, self.rng)
             except BaseException:
                 self._draw_refused(ROWS, n, 0, True, rng)
                 raise
-            weight = self._weights(draw.probability, beta)
+            if among is None:
+                weight = self._weights(draw.probability, beta)
+            else:
+                weight = among.weights(draw.probability, beta)
         except (ValueError, IndexError) as exc:
             raise_invalid(exc)
         limiter.on_sample(n)
@@ -352,16 +319,36 @@ class Table(RingListener):
             log.sampled(SampleRecord(ROWS, n, 0, True, n, False, rng))
         return RowSample(draw.rows, draw.probability, weight)
 
-    def filtered(self, ids: I64, starts: I64, ends: I64, where: str) -> Subset:
-        """The episodes a filter selected, to draw from (``among``): uniformly, so only on a
-        table whose sampler draws uniformly and keeps no state a draw changes (InvalidArgument
-        otherwise: a filtered draw would bypass its priorities or its consumption)."""
-        if not self.sampler.rows_uniform_over_spans:
+    def filtered(
+        self, ids: I64, starts: I64, ends: I64, where: str, factor: F64 | None = None
+    ) -> Subset:
+        """The episodes a filter (or the table's bounds) selected, to draw from (``among``),
+        as this table's sampler draws: uniformly, or by priority (``ring/subset.py``);
+        ``where`` says what selected them; ``factor``: each one's weight (None: 1).
+        InvalidArgumentError for a sampler it cannot stand in for (:meth:`check_filtered`)."""
+        self.check_filtered("where=")
+        if self.sampler.rows_uniform_over_spans:
+            return Subset(ids, starts, ends, where, factor)
+        sampler = self.sampler
+        assert isinstance(sampler, PrioritizedSampler)  # check_filtered admits no other
+        return PrioritySubset(ids, starts, ends, where, sampler, self.ring.unit, factor)
+
+    def check_filtered(self, what: str) -> None:
+        """InvalidArgumentError, saying ``what`` asked, unless this table's draws can be made
+        over a selection of episodes: a uniform or prioritized sampler that consumes nothing
+        (a filtered draw would bypass a FIFO's or ``max_times_sampled``'s consumption, and a
+        sampler with an order of its own, LIFO, heaps or epochs, has no meaning over one)."""
+        sampler = self.sampler
+        prioritized = isinstance(sampler, PrioritizedSampler)
+        if sampler.consuming or not (sampler.rows_uniform_over_spans or prioritized):
+            named = "" if self.name is None else f" (table {self.name!r})"
             raise InvalidArgumentError(
-                f"where= draws uniformly among the episodes it selects, so it needs a uniform "
-                f"table without max_times_sampled; this one's sampler is {self.sampler.name!r}"
+                f"{what} draws uniformly or by priority among the episodes it selects, so it "
+                f"needs a uniform or prioritized table without max_times_sampled; this one's "
+                f"sampler is {sampler.name!r}"
+                + (" and consumes what it hands out" if sampler.consuming else "")
+                + named
             )
-        return Subset(ids, starts, ends, where)
 
     def _before_draw(self, log: SampleLog, n: int) -> list[int] | None:
         """Room in the log first; the generator's state if a refused draw moved it."""
@@ -398,13 +385,15 @@ class Table(RingListener):
         log = self.sample_log
         with as_invalid_argument:
             self._admit(expected, f"{n} episodes")
+            if among is None and self.bounds is not None:
+                among = self.bounds.subset(self)
             rng = None if log is None else self._before_draw(log, n)
             try:
                 draw = (self.sampler if among is None else among).sample_episodes(n, self.rng)
             except BaseException:
                 self._draw_refused(EPISODES, n, 0, True, rng)
                 raise
-            weight = self._weights(draw.probability, beta)
+            weight = self._weights(draw.probability, beta, among)
         lengths = draw.ends - draw.starts
         physical = episode_rows(draw.starts, lengths)
         self.rate_limiter.on_sample(physical.size)
@@ -429,6 +418,8 @@ class Table(RingListener):
         log = self.sample_log
         with as_invalid_argument:
             self._admit(n * length, f"{n} slices of {length} rows")
+            if among is None and self.bounds is not None:
+                among = self.bounds.subset(self)
             rng = None if log is None else self._before_draw(log, n)
             try:
                 sampler = self.sampler if among is None else among
@@ -436,7 +427,7 @@ class Table(RingListener):
             except BaseException:
                 self._draw_refused(SLICES, n, length, strict, rng)
                 raise
-            weight = self._weights(draw.probability, beta)
+            weight = self._weights(draw.probability, beta, among)
         # a padding position repeats its slice's first row: always a live row
         flat, mask = expand_slices(draw.starts, length, None if strict else draw.lengths)
         self.rate_limiter.on_sample(n * length)
@@ -577,12 +568,15 @@ class Table(RingListener):
         return self.apply_priorities(self.check_priorities(rows, priority, generation, stamps))
 
     def stats(self) -> dict[str, Any]:
-        return {
+        out = {
             "sampler": self.sampler.stats(),
             "rate_limiter": self.rate_limiter.stats(),
             "priority_updates": self.priority_updates,
             "priority_updates_stale": self.priority_updates_stale,
         }
+        if self.bounds is not None:
+            out["bounds"] = self.bounds.stats()
+        return out
 
 
 def _attached(sampler: Sampler) -> bool:

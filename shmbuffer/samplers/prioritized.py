@@ -471,6 +471,12 @@ class PrioritizedSampler(Sampler):
         self._max_priority = max(self._max_priority, float(given.max()))
         return int(keys.size)
 
+    def item_weights(self, keys: I64) -> F64:
+        """The weights items ``keys`` are drawn by now, 0 for one retired or not live: a
+        row's in transition unit, an episode's (keyed by its first row) in episode unit. What
+        a draw over a filter's selection weighs its items by (``ring/subset.py``)."""
+        return self._sum.get_unchecked(keys)
+
     def weights(self, probability: npt.ArrayLike, beta: float | None = None) -> F64:
         beta = self.importance_exponent if beta is None else check_beta(beta)
         prob = np.asarray(probability, dtype=np.float64)

@@ -79,10 +79,17 @@ def priority_fields(rows: np.ndarray, priority: np.ndarray) -> np.ndarray:
     return np.concatenate([head, np.asarray(rows, dtype="<i8"), bits])
 
 
-def meta_payload(values: dict[str, Any], writer: str, commit_time: float) -> bytes:
-    """A META record's bytes after its int64 fields: what the commit attached."""
-    payload: bytes = msgpack.packb({"m": values, "w": writer, "t": commit_time})
+def meta_payload(values: dict[str, Any], writer: str, commit_time: float = 0.0) -> bytes:
+    """A META record's bytes after its int64 fields: what the commit attached. The commit
+    time is the last value, a msgpack float64 (its last 8 bytes: :func:`timed`)."""
+    payload: bytes = msgpack.packb({"m": values, "w": writer, "t": float(commit_time)})
     return payload
+
+
+def timed(payload: bytes, commit_time: float) -> bytes:
+    """``payload`` with its commit time set: the room for the record is reserved before the
+    commit, whose time it then carries, without packing it twice."""
+    return payload[:-8] + struct.pack(">d", commit_time)
 
 
 def meta_body(ids: list[int], payload: bytes) -> bytes:

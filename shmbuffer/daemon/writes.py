@@ -26,7 +26,6 @@ magnitude more at 1M: ``docs/architecture.md``).
 from __future__ import annotations
 
 import functools
-import time
 from typing import Any
 
 import numpy as np
@@ -34,7 +33,7 @@ import numpy as np
 from shmbuffer.daemon.clients import Client
 from shmbuffer.daemon.journal import record_bytes, reserve_bytes
 from shmbuffer.daemon.pins import Pin
-from shmbuffer.daemon.records import meta_bytes, meta_payload
+from shmbuffer.daemon.records import meta_bytes, meta_payload, timed
 from shmbuffer.daemon.state import DaemonState, Deferred, Frames, Reply
 from shmbuffer.errors import (
     InvalidArgumentError,
@@ -68,6 +67,12 @@ def _commit_bytes(reservation: Reservation) -> int:
 def _writer(client: Client) -> str:
     """The ``writer`` an episode's metadata records: its process, ``pid@host``."""
     return f"{client.pid}@{client.host}"
+
+
+@functools.lru_cache(maxsize=1024)
+def _plain_payload(writer: str) -> bytes:
+    """The META payload of a commit that attaches nothing (its writer's, packed once)."""
+    return meta_payload({}, writer)
 
 
 def wire_priority(value: bytes | float | int | None) -> float | np.ndarray | None:
@@ -277,12 +282,13 @@ class WriteOps(DaemonState):
         extra = 0 if given is None else record_bytes(1 + 2 * given.rows.size)
         # A commit the journal cannot hold is refused (out_of_space), never acknowledged: the
         # reservation stays open, so the writer may retry once there is room.
-        writer, commit_time = _writer(client), time.time()
-        payload = meta_payload(meta or {}, writer, commit_time)
+        writer = _writer(client)
+        payload = meta_payload(meta, writer) if meta else _plain_payload(writer)
         extra += meta_bytes(len(reservation.episodes), payload)
         self._journal_room(_commit_bytes(reservation) + extra)
         ids = self.container.commit(reservation.id, priority)
-        self.meta.attach(ids, meta or {}, writer, commit_time)  # cannot fail: checked
+        self.meta.attach(ids, meta or {}, writer)  # cannot fail: checked
+        payload = timed(payload, self.meta.last_commit_time)
         self._priorities.pop(reservation_id, None)
         self.pins.pop(reservation_id)  # the COMMIT record of its episodes ends it on replay
         client.reservations.discard(reservation.id)
@@ -348,7 +354,7 @@ class WriteOps(DaemonState):
         # priorities (at most one per row): a full disk refuses the write whole, never after
         # its rows were copied.
         extra = record_bytes(1 + 2 * fields["rows"]) if "priority" in fields else 0
-        extra += meta_bytes(plan.episodes + 1, meta_payload(meta or {}, _writer(client), 0.0))
+        extra += meta_bytes(plan.episodes + 1, meta_payload(meta or {}, _writer(client)))
         self._journal_room(_RESERVE_BYTES + record_bytes(3 + 3 * (plan.episodes + 1)) + extra)
         reservation = self._reserve(client, fields, plan, now, pin=False)
         assert self.segment is not None

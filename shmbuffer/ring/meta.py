@@ -84,6 +84,7 @@ class EpisodeMeta(RingListener):
         self.ring = ring
         self.declared = declared is not None
         self._kinds: dict[str, str] = check_kinds(declared or {})
+        self.last_commit_time = 0.0
         self._where: Where | None = None  # the last filter parsed, reused while it is asked
         #: Counts the changes that make a kept selection stale (a restore, a clear, a load):
         #: one kept across draws (``ring/bounds.py``) starts over when it moved.
@@ -185,7 +186,8 @@ class EpisodeMeta(RingListener):
         ``commit_time`` of their live commit."""
         if not ids or not (meta or writer is not None or commit_time is not None):
             return
-        positions = np.asarray(ids, dtype=np.int64) - self._base
+        # One episode (a commit's usual case): a plain index, no array built per name.
+        positions: Any = ids[0] - self._base if len(ids) == 1 else np.asarray(ids) - self._base
         values = {**meta}
         if writer is not None:
             values["writer"] = writer
@@ -220,7 +222,7 @@ class EpisodeMeta(RingListener):
         self, episodes: Sequence[Episode], ranges: Sequence[Range], priority: F64 | None
     ) -> None:
         self._cover(episodes[-1].id)
-        now = time.time()
+        self.last_commit_time = now = time.time()  # the daemon journals it with the commit
         for ep in episodes:
             self._live(ep, now)
 

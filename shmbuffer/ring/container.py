@@ -14,8 +14,8 @@ in-process :class:`~shmbuffer.Buffer` (which copies right after reserving) and t
   named ``"default"``): a sampler, a rate limiter, a generator, use counts and priority
   counters over the ring, listening to it; ``sample_rows`` / ``sample_episodes`` /
   ``sample_slices``, priority updates, the limiter's ``sample_blocker``, ``rank_rows``, stats;
-- :mod:`shmbuffer.ring.persistence`: ``state()`` / ``from_state()`` of the ring and the default
-  table, and the replayed draws of the journal.
+- :mod:`shmbuffer.ring.persistence`: ``state()`` / ``from_state()`` of the ring and every
+  table, and the replayed draws of the journal (each on the table that drew it).
 
 Its methods and attributes are the ring's and the default table's, handed on (one call each),
 so the daemon, the Buffer and the journal address one object; a second table is
@@ -134,8 +134,7 @@ class Container:
     ) -> Table:
         """Another table over the ring (as :class:`~shmbuffer.ring.table.Table` takes its
         arguments), from now on told everything the ring does, its writes held back by its
-        flow control as by the default table's. In process only: :meth:`state` keeps the
-        default table's parts, and a load starts the others over from the loaded registry.
+        flow control as by the default table's; :meth:`state` keeps its parts under its name.
         ValueError for a name taken."""
         if name in self.tables:
             raise ValueError(f"a table named {name!r} exists already")
@@ -144,6 +143,14 @@ class Container:
         for named, each in self.tables.items():  # with two or more, messages name them
             each.name = named
         return table
+
+    def table_at(self, index: int) -> Table:
+        """The table at ``index`` in the container's order (0: the default one), as the
+        journal names a table; ValueError for an index out of range."""
+        tables = list(self.tables.values())
+        if not 0 <= index < len(tables):
+            raise ValueError(f"no table number {index}: the container has {len(tables)}")
+        return tables[index]
 
     def table_named(self, name: str | None) -> Table:
         """The table ``name`` (None: the default one); InvalidArgumentError naming the
@@ -359,9 +366,9 @@ class Container:
     # -- saved states and the journal's replay (shmbuffer.ring.persistence) ------------------------
 
     def state(self) -> dict[str, Any]:
-        """:func:`persistence.state_of <shmbuffer.ring.persistence.state_of>` the ring and the
-        default table."""
-        return persistence.state_of(self.ring, self.table)
+        """:func:`persistence.state_of <shmbuffer.ring.persistence.state_of>` the ring and
+        every table."""
+        return persistence.state_of(self.ring, self.tables)
 
     @classmethod
     def from_state(
@@ -371,29 +378,31 @@ class Container:
         sampler: Sampler | None = None,
         rate_limiter: RateLimiter | None = None,
     ) -> Self:
-        """A container in ``state``. ``sampler``/``rate_limiter`` None: the saved kinds with
-        their saved settings (uniform / no limit for a state saved before samplers existed).
-        ValueError (KeyError, TypeError) when the state is inconsistent."""
-        saved = state.get("sampler") or {}
-        if sampler is None and "name" in saved:
-            sampler = make_sampler(saved["name"], **dict(saved.get("settings") or {}))
-        limiter = state.get("rate_limiter") or {}
-        if rate_limiter is None and "name" in limiter:
-            rate_limiter = make_rate_limiter(limiter["name"], **dict(limiter.get("settings") or {}))
+        """A container in ``state``, with every table it saved. ``sampler``/``rate_limiter``
+        (the default table's) None: the saved kinds with their saved settings (uniform / no
+        limit for a state saved before samplers existed); the other tables' are always the
+        saved ones. ValueError (KeyError, TypeError) when the state is inconsistent."""
+        tables = persistence.saved_tables(state)
+        (first, saved), *others = tables.items()
+        default = _saved_parts(saved)
         container = cls(
             operator.index(state["capacity"]),
             mode=state["mode"],
             unit=state["unit"],
-            sampler=sampler,
-            rate_limiter=rate_limiter,
+            sampler=default[0] if sampler is None else sampler,
+            rate_limiter=default[1] if rate_limiter is None else rate_limiter,
+            table_name=first,
         )
+        for name, entry in others:
+            parts = _saved_parts(entry)
+            container.add_table(name, sampler=parts[0], rate_limiter=parts[1])
         container.load_state(state)
         return container
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """:func:`persistence.load_state <shmbuffer.ring.persistence.load_state>` into the ring and
-        the default table; every other table starts over from the loaded registry."""
-        persistence.load_state(self.ring, self.table, state)
+        every table (the state's tables must be this container's, by name and kind)."""
+        persistence.load_state(self.ring, self.tables, state)
 
     def replay_reserve(
         self, evicted: Sequence[Range], pointer: int, rows_written: int, next_reservation: int
@@ -411,11 +420,29 @@ class Container:
     def replay_clear(self, pointer: int) -> None:
         self.ring.replay_clear(pointer)
 
-    def replay_priorities(self, rows: npt.ArrayLike, priority: npt.ArrayLike) -> int:
-        """Redo a priority update (stale rows were already left out when it was journaled)."""
-        return self.table.update_priorities(rows, priority)
+    def replay_priorities(
+        self, rows: npt.ArrayLike, priority: npt.ArrayLike, table: int = 0
+    ) -> int:
+        """Redo a priority update on the table at ``table`` (:meth:`table_at`; stale rows were
+        already left out when it was journaled)."""
+        return self.table_at(table).update_priorities(rows, priority)
 
-    def replay_sample(self, draw: SampleRecord) -> bool:
+    def replay_sample(self, draw: SampleRecord, table: int = 0) -> bool:
         """:func:`persistence.replay_sample <shmbuffer.ring.persistence.replay_sample>` on the
-        default table."""
-        return persistence.replay_sample(self.table, draw)
+        table at ``table`` (:meth:`table_at`)."""
+        return persistence.replay_sample(self.table_at(table), draw)
+
+
+def _saved_parts(saved: Mapping[str, Any]) -> tuple[Sampler | None, RateLimiter | None]:
+    """A saved table's sampler and limiter, of the saved kinds and settings (None: none saved,
+    a state from before samplers existed)."""
+    sampler = saved.get("sampler") or {}
+    limiter = saved.get("rate_limiter") or {}
+    return (
+        make_sampler(sampler["name"], **dict(sampler.get("settings") or {}))
+        if "name" in sampler
+        else None,
+        make_rate_limiter(limiter["name"], **dict(limiter.get("settings") or {}))
+        if "name" in limiter
+        else None,
+    )

@@ -210,6 +210,7 @@ def test_a_resume_keeps_the_saved_tables_and_refuses_others(h: Harness) -> None:
     assert _table_conflicts(asked, saved) == [
         "table 'online': requested the uniform sampler, saved fifo"
     ]
+    assert _table_conflicts(asked, None) == [f"tables: requested {asked}, saved one table"]
     assert _table_conflicts({"online": {}}, saved) == [
         "tables: requested online, saved replay, online"
     ]

@@ -153,7 +153,7 @@ def _table_conflicts(mine: dict[str, Any] | None, theirs: dict[str, Any] | None)
     """Where tables asked for differ from the saved ones: their names and order, and each
     one's sampler kind (its saved state belongs to that sampler)."""
     if mine is None or theirs is None:
-        return [] if mine == theirs else [f"tables: requested {mine}, saved {theirs}"]
+        return [] if mine == theirs else [f"tables: requested {mine}, saved one table"]
     if list(mine) != list(theirs):
         return [f"tables: requested {', '.join(mine)}, saved {', '.join(theirs)}"]
     out = []
@@ -180,10 +180,8 @@ def adopt_settings(
         )
 
     conflicts = []
-    if given("tables") or "tables" in saved:
-        conflicts += _table_conflicts(
-            config.tables if given("tables") else None, saved.get("tables")
-        )
+    if given("tables"):  # not given: the saved tables are adopted below
+        conflicts += _table_conflicts(config.tables, saved.get("tables"))
     for key in (*SETTINGS, *SAMPLER_SETTINGS):
         if not given(key) or saved.get(key) is None:
             continue

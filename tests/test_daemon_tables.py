@@ -216,3 +216,31 @@ def test_a_resume_keeps_the_saved_tables_and_refuses_others(h: Harness) -> None:
     ]
     settings = h.service.resume_settings()
     assert settings["table"] == "replay" and list(settings["tables"]) == ["online"]
+
+
+def test_status_and_its_watch_show_a_line_per_table(h: Harness) -> None:
+    from rich.console import Console
+
+    from shmbuffer.cli.statusview import LiveStatus, format_status
+
+    sampled(h, 2, table="online")
+    stats = h(R, "stats")["stats"]
+    text = format_status(stats)
+    assert "tables      replay (default): prioritized" in text
+    assert "online: fifo" in text and "consumed_episodes=2" in text
+    console = Console(record=True, width=200)
+    console.print(LiveStatus().render(stats))
+    assert "online: fifo" in console.export_text()
+
+
+def test_metrics_label_each_tables_series_by_its_name(h: Harness) -> None:
+    from shmbuffer.daemon.metrics import families
+
+    sampled(h, 2, table="online")
+    by_name = {f.name: f for f in families(h(R, "stats")["stats"], {})}
+    sampled_rows = dict(by_name["shmbuffer_table_rows_sampled"].samples)
+    assert sampled_rows == {("replay",): 0, ("online",): 10}
+    kinds = {labels for labels, _ in by_name["shmbuffer_table_info"].samples}
+    assert kinds == {("replay", "prioritized", "none"), ("online", "fifo", "min-size")}
+    figures = dict(by_name["shmbuffer_sampler_figure"].samples)
+    assert figures[("online", "consumed_episodes")] == 2

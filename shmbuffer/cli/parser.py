@@ -256,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     configure = sub.add_parser("configure", help="change a running daemon's rate limiter (admin)")
     configure.add_argument("--name", default="default", help="buffer name, or an endpoint")
     _add_limiter_flags(configure)
+    configure.add_argument(
+        "--table", default=None, metavar="NAME", help="whose limiter (default: the default table's)"
+    )
     configure.add_argument("--timeout", type=_seconds, default=5.0)
     configure.set_defaults(func=cmd_configure)
 

@@ -424,6 +424,9 @@ class BufferService(WriteOps, SampleOps):
                 "rate_limiter": self.limiter_stats(table),
                 "priority_updates": table.priority_updates,
                 "priority_updates_stale": table.priority_updates_stale,
+                # why writes wait for this table now (its limiter, or rows a consume-once
+                # table has not handed out), or None
+                "holds_writes": self._holds_writes(name),
             }
             for name, table in self.container.tables.items()
         }
@@ -446,6 +449,14 @@ class BufferService(WriteOps, SampleOps):
                 }
             )
         return out
+
+    def _holds_writes(self, name: str) -> str | None:
+        """The parked write's reason where it is table ``name``'s (the only table's, or one
+        naming it)."""
+        reason = self.insert_wait
+        if reason is None or (len(self.container.tables) > 1 and f"table {name!r}" not in reason):
+            return None
+        return reason
 
     def limiter_stats(self, table: Table | None = None) -> dict[str, Any]:
         """The rate limiter of ``table`` (None: the default one) for ``stats`` and

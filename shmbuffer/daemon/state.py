@@ -115,6 +115,8 @@ class DaemonState:
         self.rates = RateMeter()
         #: Requests the server holds parked, by queue (it keeps this up to date, for stats).
         self.waiting = {"insert": 0, "sample": 0}
+        #: Why the first parked write waits now (the server keeps it up to date; None: none).
+        self.insert_wait: str | None = None
         #: Validated priorities of open reservations, for their commit (``reserve priority``).
         self._priorities: dict[int, Any] = {}
         #: iterate's shuffles are seeded with (this, epoch): every reader's k-th pass agrees,

@@ -440,7 +440,8 @@ _STATS: dict[str, Spec] = {
         )
     },
     # since 1.9 (one, "default", without --table): name -> {sampler, rate_limiter,
-    # priority_updates, priority_updates_stale}, the maps as above, the default table first
+    # priority_updates, priority_updates_stale, holds_writes}, the maps as above, the default
+    # table first; holds_writes: why writes wait for that table now (nil: they do not)
     "tables": Spec((dict,), required=False),
 }
 

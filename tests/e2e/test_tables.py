@@ -152,3 +152,75 @@ def test_each_table_draws_by_its_own_sampler_over_the_same_rows(daemon: Any) -> 
     tables = d.stats()["tables"]
     assert tables["replay"]["rate_limiter"]["sampled"] == 10_000
     assert tables["flat"]["rate_limiter"]["sampled"] == 10_000
+
+
+def test_torchrl_daemon_samplers_of_two_tables_share_one_storage(daemon: Any) -> None:
+    torchrl = pytest.importorskip("torchrl")
+    import torch
+    from tensordict import TensorDict
+
+    from shmbuffer.torchrl import DaemonSampler, DaemonStorage, DaemonWriter
+
+    args = ["--table", "flat:uniform", "--table", "replay:prioritized", "--seed", "3"]
+    d = daemon(capacity=64, unit="transition", args=args)
+    storage = DaemonStorage(d.name)
+    try:
+        buffers = torchrl.data.ReplayBuffer
+        flat = buffers(
+            storage=storage, writer=DaemonWriter(), sampler=DaemonSampler(), batch_size=512
+        )
+        replay = buffers(
+            storage=storage,
+            writer=DaemonWriter(),
+            sampler=DaemonSampler(table="replay"),
+            batch_size=512,
+        )
+        flat.extend(TensorDict({"id": torch.arange(16)}, [16]))
+        _, info = replay.sample(return_info=True)
+        hot = int(info["index"][0])
+        replay.update_priority(info["index"], torch.where(info["index"] == hot, 1e6, 1e-6))
+        _, info = replay.sample(return_info=True)
+        assert (info["index"] == hot).sum() >= 500  # the replay table's priorities
+        assert (flat.sample(return_info=True)[1]["index"] == hot).sum() < 100  # not the flat one's
+        assert "table='replay'" in repr(replay.sampler)
+    finally:
+        storage.close()
+
+
+def test_status_shows_each_table_and_the_one_holding_writes_back_and_configure_reaches_it(
+    daemon: Any, e2e_env: Any
+) -> None:
+    from shmbuffer.clients.connection import Connection
+
+    online = "online:fifo,max-times-sampled=1,rate-limiter=min-size"
+    d = daemon(
+        capacity=40, unit="episode", args=["--table", "replay:prioritized", "--table", online]
+    )
+    write_episodes(d.name, 0, 4)  # full: the next write evicts what online has not read
+    writer = Connection(d.name, "writer", timeout=5)
+    try:
+        seq = writer.send("reserve", rows=LENGTH, timeout_ms=20_000)
+        held = wait_for(
+            lambda: d.stats()["tables"]["online"]["holds_writes"], 10, what="the write to park"
+        )
+        assert "table 'online'" in held and "fifo" in held
+        assert d.stats()["tables"]["replay"]["holds_writes"] is None
+        out = e2e_env.cli("status", "--name", d.name)
+        assert out.returncode == 0, out.stderr
+        lines = [line.strip() for line in out.stdout.splitlines()]
+        assert any(
+            line.startswith("tables      replay (default): prioritized")
+            for line in out.stdout.splitlines()
+        )
+        assert any(line.startswith("online: fifo") and "HOLDS WRITES" in line for line in lines)
+        assert consume(d.name, 1, calls=1) == [0]  # its rows let go: the write goes on
+        writer.wait(seq)
+    finally:
+        writer.close()
+    out = e2e_env.cli("configure", "--name", d.name, "--table", "online", "--min-size", "5")
+    assert out.returncode == 0, out.stderr
+    assert "table 'online'" in out.stdout
+    tables = d.stats()["tables"]
+    assert tables["online"]["rate_limiter"]["settings"]["min_size"] == 5
+    out = e2e_env.cli("configure", "--name", d.name, "--table", "nope", "--min-size", "5")
+    assert out.returncode != 0 and "no table named 'nope'" in out.stderr

@@ -244,3 +244,15 @@ def test_metrics_label_each_tables_series_by_its_name(h: Harness) -> None:
     assert kinds == {("replay", "prioritized", "none"), ("online", "fifo", "min-size")}
     figures = dict(by_name["shmbuffer_sampler_figure"].samples)
     assert figures[("online", "consumed_episodes")] == 2
+
+
+def test_a_clusters_tables_become_start_flags_the_daemon_reads_back() -> None:
+    from shmbuffer.cluster.options import check_options, start_flags
+
+    options = check_options({"tables": TABLES, "seed": 1})
+    flags = start_flags(options, 0)
+    assert flags[flags.index("--table") + 1] == "replay:prioritized,priority-exponent=0.6"
+    given = [flags[i + 1] for i, flag in enumerate(flags) if flag == "--table"]
+    assert dict(parse_table_flag(flag) for flag in given) == TABLES
+    with pytest.raises(ValueError, match="'tables' must map names to options"):
+        check_options({"tables": ["replay"]})

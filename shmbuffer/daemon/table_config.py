@@ -116,5 +116,5 @@ def built_config_tables(
             except ValueError as exc:
                 raise InvalidArgumentError(f"table {name!r}: {exc}") from None
     except InvalidArgumentError as exc:
-        raise ConfigError(f"--table {exc}") from None
+        raise ConfigError(str(exc)) from None
     return built

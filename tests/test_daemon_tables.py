@@ -256,3 +256,26 @@ def test_a_clusters_tables_become_start_flags_the_daemon_reads_back() -> None:
     assert dict(parse_table_flag(flag) for flag in given) == TABLES
     with pytest.raises(ValueError, match="'tables' must map names to options"):
         check_options({"tables": ["replay"]})
+
+
+def test_a_writers_priorities_reach_a_prioritized_table_behind_a_consume_once_default(
+    storage: str,
+) -> None:
+    from shmbuffer.daemon.journal import Journal, restore_container
+
+    tables = {"online": TABLES["online"], "replay": TABLES["replay"]}  # FIFO the default
+    h = Harness(storage, capacity=40, unit="episode", tables=tables)
+    try:
+        h.hello(W)
+        h(W, "define_schema", schema=SPEC)
+        for i in range(3):
+            h.write(W, 5, float(i), priority=float(i + 1))
+        replay = h.service.container.tables["replay"].sampler.state_dict()
+        assert h.service.journal is not None
+        back = restore_container(Journal(h.service.journal.folder).load())
+        again = back.tables["replay"].sampler.state_dict()
+        assert np.array_equal(again["leaves"], replay["leaves"])  # as the writer gave them
+        total = back.tables["replay"].sampler.stats()["priority_total"]
+        assert total == pytest.approx(sum((i + 1.0) ** 0.6 for i in range(3)))
+    finally:
+        h.close()

@@ -245,8 +245,8 @@ class WriteOps(DaemonState):
         # the journal as a PRIORITY record after the COMMIT, so a resume sets them again.
         given = self.container.commit_priorities(reservation.id, priority)
         # every table keeping priorities stores them (Container.commit): one record each
-        others = [] if given is None else self._prioritized_others()
-        extra = 0 if given is None else (1 + len(others)) * record_bytes(2 + 2 * given.rows.size)
+        keeping = [] if given is None else self._prioritized()
+        extra = 0 if given is None else len(keeping) * record_bytes(2 + 2 * given.rows.size)
         # A commit the journal cannot hold is refused (out_of_space), never acknowledged: the
         # reservation stays open, so the writer may retry once there is room.
         self._journal_room(_commit_bytes(reservation) + extra)
@@ -259,15 +259,14 @@ class WriteOps(DaemonState):
         self.counters.episodes_committed += reservation.num_episodes  # not the entries
         self._journal_commit(ids, reservation.episodes)  # before the reply acknowledges it
         if given is not None and self.journal is not None:
-            self.journal.append_priorities(given.rows, given.priority)
-            for index in others:
+            for index in keeping:
                 self.journal.append_priorities(given.rows, given.priority, index)
         return ids
 
-    def _prioritized_others(self) -> list[int]:
-        """The places of the tables besides the default one that keep priorities."""
-        tables = list(self.container.tables.values())
-        return [i for i, t in enumerate(tables) if i and t.sampler.has_priorities]
+    def _prioritized(self) -> list[int]:
+        """The places of the tables that keep priorities (the journal names each)."""
+        tables = self.container.tables.values()
+        return [i for i, t in enumerate(tables) if t.sampler.has_priorities]
 
     def op_commit(
         self, client: Client, fields: dict[str, Any], frames: Frames, now: float
@@ -320,7 +319,7 @@ class WriteOps(DaemonState):
         # Room for both records first (a sub-episode across the wrap is two), and for its
         # priorities (at most one per row): a full disk refuses the write whole, never after
         # its rows were copied.
-        records = 1 + len(self._prioritized_others())
+        records = len(self._prioritized())
         extra = records * record_bytes(2 + 2 * fields["rows"]) if "priority" in fields else 0
         self._journal_room(_RESERVE_BYTES + record_bytes(3 + 3 * (plan.episodes + 1)) + extra)
         reservation = self._reserve(client, fields, plan, now, pin=False)

@@ -233,16 +233,28 @@ class Container:
         """Publish a reservation's episodes; return their ids in order.
 
         ``priority``: None (the sampler's default: the largest seen so far), a scalar, or one
-        value per row (transition unit) or per episode (episode unit), checked by the default
-        table and every other table keeping priorities before anything is published
-        (InvalidArgumentError leaves the reservation open); tables that keep none ignore it."""
+        value per row (transition unit) or per episode (episode unit), checked by every table
+        keeping priorities before anything is published (InvalidArgumentError leaves the
+        reservation open; refused as the default table refuses it where no table keeps
+        any); tables that keep none ignore it."""
         if priority is None:
             return self.ring.commit(reservation_id)
-        given = self.table.commit_priority(reservation_id, priority)
+        first = self.priority_table
+        given = first.commit_priority(reservation_id, priority)
         for table in self.tables.values():
-            if table is not self.table and table.sampler.has_priorities:
+            if table is not first and table.sampler.has_priorities:
                 table.commit_priority(reservation_id, given)
         return self.ring.commit(reservation_id, given)
+
+    @property
+    def priority_table(self) -> Table:
+        """The table that checks a writer's priorities: the default one where it keeps
+        priorities or no table does, else the first that does (a consume-once default table
+        beside a prioritized one must not refuse what the other stores)."""
+        if self.table.sampler.has_priorities:
+            return self.table
+        keeping = [t for t in self.tables.values() if t.sampler.has_priorities]
+        return keeping[0] if keeping else self.table
 
     def abort(self, reservation_id: int, written: int | None = None) -> list[Episode]:
         """:meth:`Ring.abort <shmbuffer.ring.ring.Ring.abort>`."""
@@ -327,12 +339,12 @@ class Container:
         self, num_rows: int, episodes: int | Sequence[int], priority: Priority
     ) -> F64 | None:
         """:meth:`Table.check_priority <shmbuffer.ring.table.Table.check_priority>`."""
-        return self.table.check_priority(num_rows, episodes, priority)
+        return self.priority_table.check_priority(num_rows, episodes, priority)
 
     def commit_priorities(self, reservation_id: int, priority: Priority) -> PriorityUpdate | None:
         """:meth:`Table.commit_priorities <shmbuffer.ring.table.Table.commit_priorities>` of the
         default table."""
-        return self.table.commit_priorities(reservation_id, priority)
+        return self.priority_table.commit_priorities(reservation_id, priority)
 
     def check_priorities(
         self,

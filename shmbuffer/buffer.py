@@ -274,7 +274,7 @@ class Buffer:
         schema, leaves, first_row, num_rows, kept, _ = plan
         container = self.container
         if priority is not None:  # checked before anything is evicted, as the sampler would
-            sampler = container.sampler
+            sampler = container.priority_table.sampler  # the table that stores them
             priority = write_priority(
                 priority,
                 plan,

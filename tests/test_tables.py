@@ -243,7 +243,10 @@ def test_a_loaded_state_reaches_every_table() -> None:
     c = Container(8, unit="episode", seed=0)
     second = c.add_table("second", sampler=FifoSampler())
     c.load_state(state)
-    assert c.state() == state  # the default table's parts, as saved
+    now = c.state()
+    assert list(now.pop("tables")) == ["second"]  # a table the state had not: started over
+    assert now.pop("table") == "default"
+    assert now == state  # the default table's parts, as saved
     assert second.use_counts.tolist() == [0] * 8
     assert second.rate_limiter.inserted == 8
     assert live(second) == {0, 1, 2, 3}

@@ -138,7 +138,8 @@ def _watch_live(conn: Any, every: float) -> int:
 
 
 def cmd_configure(args: argparse.Namespace) -> int:
-    """Change the rate limiter's settings live; prints the limiter as it is now."""
+    """Change a table's rate limiter's settings live (``--table``; the default table's
+    without it); prints the limiter as it is now."""
     settings = {
         name: value
         for name, value in (
@@ -155,18 +156,22 @@ def cmd_configure(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.table is not None:
+        settings["table"] = args.table
     conn = _admin(args.name, timeout=args.timeout)
     try:
         limiter = conn.call("configure", **settings)["rate_limiter"]
     except ShmBufferError as exc:  # the wire names each setting by its field: say the flag
         message = str(exc)
         for name in settings:
-            message = message.replace(name, "--" + name.replace("_", "-"))
+            if name != "table":  # the word of the message, not the flag's
+                message = message.replace(name, "--" + name.replace("_", "-"))
         raise type(exc)(message) from None
     finally:
         conn.close()
     changed = ", ".join(f"{k}={v:g}" for k, v in limiter["settings"].items())
-    print(f"rate limiter of {args.name!r}: {limiter['kind']}({changed})")
+    table = "" if args.table is None else f", table {args.table!r}"
+    print(f"rate limiter of {args.name!r}{table}: {limiter['kind']}({changed})")
     return 0
 
 

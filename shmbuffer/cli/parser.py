@@ -237,6 +237,18 @@ def build_parser() -> argparse.ArgumentParser:
         "copies of its rows",
     )
     _add_sampler_flags(start)
+    start.add_argument(
+        "--table",
+        action="append",
+        default=None,
+        metavar="NAME:SAMPLER[,OPTION=VALUE...]",
+        help="a table over the rows, with its own sampler and rate limiter (repeatable; the "
+        "first is the default one), e.g. replay:prioritized,priority-exponent=0.6 or "
+        "online:fifo,max-times-sampled=1; options as the flags above spell them, without "
+        "--, the limiter's too (rate-limiter=sample-to-insert,samples-per-insert=4). Without "
+        "it one table, default, of --sampler and its kin, which go inside --table with it "
+        "(docs/tables.md)",
+    )
     recover = start.add_mutually_exclusive_group()
     recover.add_argument(
         "--resume",
@@ -261,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     configure = sub.add_parser("configure", help="change a running daemon's rate limiter (admin)")
     configure.add_argument("--name", default="default", help="buffer name, or an endpoint")
     _add_limiter_flags(configure)
+    configure.add_argument(
+        "--table", default=None, metavar="NAME", help="whose limiter (default: the default table's)"
+    )
     configure.add_argument("--timeout", type=_seconds, default=5.0)
     configure.set_defaults(func=cmd_configure)
 

@@ -40,6 +40,15 @@ def cmd_start(args: argparse.Namespace) -> int:
         DaemonConfig,
         load_schema_file,
     )
+    from shmbuffer.daemon.table_config import parse_table_flag
+
+    tables = None
+    for flag in args.table or ():
+        name, options = parse_table_flag(flag)
+        tables = tables or {}
+        if name in tables:
+            raise ConfigError(f"--table {flag!r}: a table named {name!r} was given already")
+        tables[name] = options
 
     config = DaemonConfig.load(
         args.config,
@@ -65,6 +74,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         min_size=args.min_size,
         samples_per_insert=args.samples_per_insert,
         error_buffer=args.error_buffer,
+        tables=tables,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         device=args.device,

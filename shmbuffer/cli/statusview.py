@@ -43,6 +43,7 @@ def format_status(s: dict[str, Any]) -> str:
             f"totals      {s['rows_committed']:,} rows / {s['episodes_committed']:,} episodes "
             f"committed, {s['samples']:,} samples, {s['errors']:,} refused requests",
             *_sampler_lines(s),
+            *table_lines(s),
             f"schema      {schema}",
         ]
     )
@@ -114,6 +115,30 @@ def _sampler_lines(s: dict[str, Any]) -> list[str]:
     return lines
 
 
+def table_lines(s: dict[str, Any]) -> list[str]:
+    """With several tables (``start --table``; the lines above are the default table's), one
+    line per table: its sampler and what it holds (size and consumption, or its priorities),
+    the rows it handed out, its limiter, and why writes wait for it now."""
+    tables = s.get("tables") or {}  # a daemon before protocol 1.9 has none
+    if len(tables) < 2:
+        return []
+    lines = []
+    for i, (name, table) in enumerate(tables.items()):
+        sampler, limiter = table.get("sampler") or {}, table.get("rate_limiter") or {}
+        shown = {"sampler", "unit", *sampler.get("settings", {})}
+        figures = {k: v for k, v in sampler.get("figures", {}).items() if k not in shown}
+        lead = "tables      " if i == 0 else "            "
+        line = (
+            f"{lead}{name}{' (default)' if i == 0 else ''}: {sampler.get('kind')}  "
+            f"{_pairs(figures)}  sampled {limiter.get('sampled', 0):,} rows  "
+            f"limiter {limiter.get('kind')}"
+        )
+        if table.get("holds_writes"):
+            line += f"  HOLDS WRITES: {table['holds_writes']}"
+        lines.append(line)
+    return lines
+
+
 class LiveStatus:
     """The frames of ``status --watch`` on a terminal: :meth:`render` turns each stats reply
     into a rich renderable; it keeps the previous reply to give each client its own rates."""
@@ -136,7 +161,7 @@ class LiveStatus:
         title = f"shmbuffer [bold]{s['name']}[/]"
         subtitle = f"pid {s['pid']} · protocol {s['protocol']} · up {s['uptime_s']:.0f}s"
         return Panel(
-            Group(top, _clients_panel(s, clients, rates)),
+            Group(top, *_tables_panel(s), _clients_panel(s, clients, rates)),
             title=title,
             subtitle=subtitle,
             border_style="blue",
@@ -241,6 +266,18 @@ def _limiter_panel(s: dict[str, Any]) -> RenderableType:
             text = f"{limiter[f'{what}_blocked_s']:.1f}s, {waiting} waiting now"
             grid.add_row(f"{what}s blocked", f"[yellow]{text}[/]" if waiting else text)
     return Panel(grid, title="rate limiter", title_align="left")
+
+
+def _tables_panel(s: dict[str, Any]) -> list[RenderableType]:
+    """Each table's line (:func:`table_lines`), with several tables; none otherwise."""
+    from rich.panel import Panel
+    from rich.text import Text
+
+    lines = [line.strip() for line in table_lines(s)]
+    if not lines:
+        return []
+    lines[0] = lines[0].removeprefix("tables").strip()
+    return [Panel(Text("\n".join(lines)), title="tables", title_align="left")]
 
 
 def _clients_panel(

@@ -123,6 +123,12 @@ class Reader(EpisodeReads):
             met): the same draw, the same stamp checks; the daemon hears what was drawn in
             bulk (:mod:`shmbuffer.clients.local_draws`). ``prefetch`` then does not matter
             for ``sample``. False: every sample asks the daemon.
+        table: the daemon's table to read (``start --table``; None: the default one): every
+            sample draws from it, :meth:`update_priorities` sets its priorities, and whether
+            samples consume (so are never fetched ahead) is its sampler's word. A reader of a
+            table other than the default one draws through the daemon (the runs published
+            for local draws are the default table's). A name the daemon has not is refused
+            (InvalidArgumentError) naming the tables it has.
 
     Beside sampling, :meth:`read` copies rows named by physical index, checked against their
     stamps, and :meth:`committed_rows` lists every committed row with its stamp (what the
@@ -374,6 +380,8 @@ class Reader(EpisodeReads):
             }
             if stamps is not None:
                 fields["generation"] = encode_i64(stamps[part])
+            if self.table is not None:
+                fields["table"] = self.table
             seqs.append(self.conn.send("update_priorities", **fields))
         updated, error = 0, None
         for seq in seqs:  # every reply taken, so none is left behind for a later call
@@ -427,14 +435,10 @@ class Reader(EpisodeReads):
     ) -> tuple[np.ndarray, np.ndarray]:
         """The daemon's list of one pass's rows for ``rank`` and their stamps."""
         self._ready()
-        reply = self.conn.call(
-            "iterate",
-            rank=rank,
-            world_size=world_size,
-            shuffle=shuffle,
-            drop_last=drop_last,
-            epoch=epoch,
-        )
+        fields: dict[str, Any] = {"rank": rank, "world_size": world_size, "epoch": epoch}
+        if self.table is not None:  # whose use counts the pass raises
+            fields["table"] = self.table
+        reply = self.conn.call("iterate", shuffle=shuffle, drop_last=drop_last, **fields)
         physical, gens = decode_i64(reply["rows"]), decode_i64(reply["gens"])
         if self.schema is None and physical.size:
             self._ready()

@@ -54,6 +54,26 @@ if TYPE_CHECKING:
 CONSUMING_SAMPLERS = tuple(name for name, cls in SAMPLERS.items() if cls.consumes)
 
 
+def table_info(buffer: dict[str, Any], table: str | None) -> dict[str, Any]:
+    """What the ``hello`` reply's ``buffer`` says of ``table``: the buffer map itself for the
+    default table (None, or the first listed), else its entry in ``buffer.tables`` (name,
+    sampler, consumes, max_times_sampled). InvalidArgumentError naming the tables for a name
+    the daemon has not, or a daemon before tables (protocol 1.9)."""
+    if table is None:
+        return buffer
+    listed = buffer.get("tables")
+    if listed is None:
+        raise InvalidArgumentError(
+            f"table={table!r}: this daemon has no tables (it predates protocol 1.9); leave "
+            "table= out to read its one sampler"
+        )
+    for index, entry in enumerate(listed):
+        if entry.get("name") == table:
+            return buffer if index == 0 else dict(entry)
+    names = ", ".join(str(entry.get("name")) for entry in listed)
+    raise InvalidArgumentError(f"no table named {table!r}; the tables are {names}")
+
+
 def consumes(buffer: dict[str, Any]) -> bool:
     """Whether the daemon of this ``hello`` reply's ``buffer`` hands out samples that consume:
     its own word, or for a daemon before protocol 1.7 its sampler's declaration by name."""
@@ -138,8 +158,11 @@ class ReaderState:
         auto_renew: bool = True,
         max_lease_hold: float | None = 600.0,
         local_draws: bool = True,
+        table: str | None = None,
     ) -> None:
         depth = prefetch_depth(prefetch)  # before connecting: a bad value opens nothing
+        if table is not None and not isinstance(table, str):
+            raise InvalidArgumentError(f"table must be a table's name (a str), got {table!r}")
         self.auto_renew = auto_renew
         self.max_lease_hold = max_lease_hold
         self._leases: dict[int, ClientLease] = {}  # of the sample_episodes blocks now open
@@ -161,9 +184,17 @@ class ReaderState:
         self.remote = self.conn.remote
         self.capacity: int = self.conn.buffer["capacity"]
         self.unit: str = self.conn.buffer["unit"]
-        #: The daemon's sampler (a daemon before protocol 1.2 samples uniformly).
-        self.sampler: str = self.conn.buffer.get("sampler", "uniform")
-        self.consumes = consumes(self.conn.buffer)
+        try:
+            own = table_info(self.conn.buffer, table)
+        except BaseException:
+            self.conn.close()
+            raise
+        #: The table this reader reads (None: the default one), named in every request that
+        #: draws, counts or sets priorities.
+        self.table = table
+        #: Its sampler (a daemon before protocol 1.2 samples uniformly).
+        self.sampler: str = own.get("sampler", "uniform")
+        self.consumes = consumes(own)
         #: Batches one sample request fetches ahead (0: none); a remote reader's come as
         #: frames, one batch at a time.
         self.prefetch = 0 if self.consumes else min(depth, 1) if self.remote else depth
@@ -182,7 +213,9 @@ class ReaderState:
         self.local_redraws = 0  # of those, rows this reader drew again itself
         #: Where the daemon publishes its live runs (None: it does not, or not for us).
         self._local_info: dict[str, Any] | None = None
-        if local_draws and not self.remote:
+        # The runs a daemon publishes are the default table's draws (its limiter and use
+        # counts): a reader of another table draws through the daemon.
+        if local_draws and not self.remote and own is self.conn.buffer:
             self._local_info = self.conn.buffer.get("local_draws")
         self._draws: LocalDraws | None = None  # this reader's own draws, once attached
 
@@ -247,6 +280,8 @@ class ReaderState:
         self._report_draws()
         if self._daemon_waits:
             fields = {**fields, "timeout_ms": min(int(self.sample_timeout * 1000), 3_600_000)}
+        if self.table is not None:
+            fields = {**fields, "table": self.table}
         return self.conn.send("sample", payload=self.remote, **fields)
 
     def _wait_sample(self, seq: int) -> tuple[dict[str, Any], Any]:

@@ -61,8 +61,11 @@ class ShardFanout:
         seed: int | None = None,
         auto_renew: bool = True,
         max_lease_hold: float | None = 600.0,
+        table: str | None = None,
     ) -> None:
         self.buffer = buffer
+        #: The table each shard's Reader reads (None: the default one).
+        self.table = table
         self.name = buffer.name
         self.capacity = buffer.capacity  # per shard
         self.unit = buffer.unit
@@ -136,6 +139,7 @@ class ShardFanout:
             # until a report went unanswered for the timeout).
             local_draws=False,
             sample_timeout=self.sample_timeout,
+            table=self.table,
             curve_server_key=shard.curve_server_key,
             auto_renew=self.auto_renew,
             max_lease_hold=self.max_lease_hold,
@@ -230,7 +234,11 @@ class ShardFanout:
             if seen is not None:
                 return seen
         assert link.stats is not None
-        return shard_mass(link.stats, kind, length, strict)
+        stats = link.stats
+        if self.table is not None:  # the table's sampler draws: its priorities weigh
+            own = (stats.get("tables") or {}).get(self.table) or {}
+            stats = {**stats, "sampler": own.get("sampler", stats.get("sampler"))}
+        return shard_mass(stats, kind, length, strict)
 
     # -- one shard's part (on a pool thread) --------------------------------------------------
 

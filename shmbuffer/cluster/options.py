@@ -37,6 +37,8 @@ DAEMON_OPTIONS = frozenset(
         "samples_per_insert",
         "error_buffer",
         "log_level",
+        # name -> the options one Buffer(tables=...) table takes: a --table flag each
+        "tables",
     }
 )
 #: Options the cluster decides itself, with the reason given to whoever passes one.
@@ -91,6 +93,13 @@ def check_options(options: Mapping[str, Any]) -> dict[str, Any]:
             raise ValueError(
                 f"unknown daemon option {key!r}; known: {', '.join(sorted(DAEMON_OPTIONS))}"
             )
+    tables = options.get("tables")
+    if tables is not None:
+        if not isinstance(tables, Mapping) or not tables:
+            raise ValueError(f"daemon option 'tables' must map names to options, got {tables!r}")
+        for name, given in tables.items():
+            if not isinstance(name, str) or not isinstance(given, Mapping):
+                raise ValueError(f"daemon option 'tables': table {name!r} needs a mapping")
     seed = options.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"daemon option 'seed' must be an int, got {seed!r}")
@@ -109,6 +118,11 @@ def start_flags(options: Mapping[str, Any], shard_index: int) -> list[str]:
     for key, value in sorted(options.items()):
         if value is None or value is False or key == "log_level":
             continue
+        if key == "tables":  # in their order: the first is the default table
+            flags += [
+                arg for name, given in value.items() for arg in ("--table", table_flag(name, given))
+            ]
+            continue
         flag = "--" + key.replace("_", "-")
         if value is True:
             flags.append(flag)
@@ -117,3 +131,11 @@ def start_flags(options: Mapping[str, Any], shard_index: int) -> list[str]:
             raise ValueError(f"daemon option {key!r} must be finite, got {value!r}")
         flags += [flag, str(int(value) + shard_index if key == "seed" else value)]
     return flags
+
+
+def table_flag(name: str, options: Mapping[str, Any]) -> str:
+    """One table's ``--table`` value, ``NAME:SAMPLER,option=value...`` (the daemon checks
+    the options when it starts, naming the table)."""
+    rest = {k: v for k, v in options.items() if k != "sampler" and v is not None}
+    pairs = [f"{k.replace('_', '-')}={v}" for k, v in rest.items()]
+    return ",".join([f"{name}:{options.get('sampler', 'uniform')}", *pairs])

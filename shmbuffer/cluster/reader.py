@@ -82,6 +82,9 @@ class ClusterReader(ShardFanout):
         rejoin_interval: seconds between attempts to reconnect a shard that dropped out.
         seed: seeds the split of batches across shards.
         auto_renew, max_lease_hold: as for :class:`~shmbuffer.Reader` (episode leases).
+        table: the shards' table to read (every shard started with the same ``--table``s;
+            None: the default one), passed to each shard's Reader; a shard's share of a
+            batch goes by that table's sampler (its priorities, for a prioritized one).
     """
 
     # -- the split ------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ Layout of ``<dest>/checkpoint/`` (format 3)::
     chunks/         one file per chunk, named <index>-<identity>.bin (see checkpoint_layout)
     chunks.json     the chunk table: layout, file names, identity lineages, this checkpoint's
                     lineage, and each chunk file's CRC-32 (``checksums``)
-    use_counts.npy  per-row read counters at the cut
+    use_counts.npy  per-row read counters at the cut (with several tables, one row per table)
     state.json      journal.container_state at the cut: ring, registry, counters, and the
                     sampler (kind, settings, state), rate limiter (kind, settings, counts) and
                     generator state of Container.state

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from shmbuffer.api.metadata import check_kinds
+from shmbuffer.daemon.table_config import built_config_tables, normalized_tables
 from shmbuffer.errors import ConfigError, InvalidArgumentError
 from shmbuffer.names import MODES, UNITS, check_choice, validate_name
 from shmbuffer.runtime import ENV_RUNTIME_DIR, group_user_dir, runtime_dir
@@ -119,6 +120,11 @@ class DaemonConfig:
     #: Episode metadata names and their kinds (``{"ret": "float", "env_id": "str"}``: then no
     #: other name is taken), or None to take them as writers give them (docs/metadata.md).
     meta: dict[str, str] | None = None
+    #: Several tables over the rows (``--table``, ``[tables.NAME]``): name -> the options one
+    #: ``Buffer(tables=...)`` table takes, the first the default table; None: one table,
+    #: ``"default"``, of the sampler and limiter settings above (which go inside a table
+    #: once there are tables, never beside them). See ``daemon/table_config.py``.
+    tables: dict[str, dict[str, Any]] | None = None
     #: Access control (see ``shmbuffer/daemon/security.py``): a group name or gid that may
     #: use the segment (0750/0660) and the ipc socket (0660); None keeps them owner-only.
     group: str | int | None = None
@@ -184,8 +190,23 @@ class DaemonConfig:
                 raise ConfigError(f"--meta: {exc}") from None
         self._check_metrics()
         self._check_device()
-        self.make_sampler()  # refuses a bad sampler or limiter setting before anything starts
-        self.make_rate_limiter()
+        if self.tables is not None:
+            self.tables = normalized_tables(self.tables)
+            beside = [_flag(k) for k in _TABLE_WORDS if getattr(self, k) != _PLAIN.get(k)]
+            if beside:
+                raise ConfigError(
+                    f"with --table give {', '.join(beside)} per table "
+                    "(NAME:SAMPLER,option=value...), inside --table, not beside it"
+                )
+        self.make_tables()  # refuses a bad sampler or limiter setting before anything starts
+
+    def make_tables(self) -> dict[str, tuple[Sampler, RateLimiter]]:
+        """Each table's new sampler and limiter, by name, the default table first: the
+        configured ``tables``, or one named ``"default"`` of :meth:`make_sampler` and
+        :meth:`make_rate_limiter`. ConfigError naming the table or the flag."""
+        if self.tables is None:
+            return {"default": (self.make_sampler(), self.make_rate_limiter())}
+        return built_config_tables(self.tables, self.capacity)
 
     def _check_metrics(self) -> None:
         """``--metrics-port``/``--metrics-host``: a port of 0-65535 and a host name, and
@@ -298,7 +319,10 @@ class DaemonConfig:
                     data = tomllib.load(f)
             except (OSError, ValueError) as exc:  # ValueError: tomllib.TOMLDecodeError
                 raise ConfigError(f"config file {path}: {exc}") from exc
-            data = data.get("daemon", data)
+            tables = data.get("tables") if "daemon" in data else None
+            data = dict(data.get("daemon", data))
+            if tables is not None:  # [tables.NAME] beside [daemon]
+                data.setdefault("tables", tables)
             known = {f.name for f in fields(cls)}
             unknown = sorted(set(data) - known)
             if unknown:
@@ -306,6 +330,11 @@ class DaemonConfig:
             values.update(data)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+#: The one-table settings that ``tables`` replaces, and their values when not given.
+_TABLE_WORDS = ("sampler", *SAMPLER_OPTIONS, "rate_limiter", *LIMITER_OPTIONS)
+_PLAIN: dict[str, Any] = {"sampler": "uniform", "rate_limiter": "none"}
 
 
 def _flag(name: str) -> str:

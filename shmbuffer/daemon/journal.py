@@ -26,8 +26,9 @@ torn in the middle of the journal: what was acknowledged is always replayed.
 Replay runs the records through the container's ``replay_*`` methods, the same code as the live
 requests (eviction, registry add, and what both tell the sampler and the rate limiter), so a
 replayed registry equals the live one (ids included) and sampler state follows it: priorities
-come back exactly. A SAMPLE record is redone by drawing again
-(:meth:`Container.replay_sample`) with the generator where it was, so what only samples change
+come back exactly. A SAMPLE record is redone by drawing again on the table
+that drew it (:meth:`Container.replay_sample`; a record of a table other than the default one
+names it by its place) with the generator where it was, so what only samples change
 comes back too: FIFO consumed marks (nothing consumed before a SIGKILL is handed out again),
 the without-replacement epoch's walk, ``max_times_sampled`` counts and the limiter's sampled
 count (journaled, exact). That holds because a sampler whose draws change its state draws as a
@@ -37,15 +38,17 @@ the resume). A SAMPLE is appended after the draw and before the reply that hands
 its room, and a lease's, is reserved before the draw (:meth:`Journal.room_for_sample`).
 
 Draws that change nothing but the generator and the sampled figure (a uniform or prioritized
-sampler without ``max_times_sampled``, no sample-to-insert limiter: :func:`journals_samples`)
-are not journaled, so they cost nothing (a record's CPU in the loop is measured by ``python -m
-bench.sample_journal``, figures in ``docs/architecture.md``): a resume takes the sampled figure from
-the last snapshot and moves the generator 2**127 steps on from the snapshot's, so it does not repeat
-the draws it handed out since. (Replaying them would not give the generator back anyway: a uniform
-draw goes through the registry's internal layout, which a resume rebuilds compact.)
+sampler without ``max_times_sampled``, no sample-to-insert limiter: :func:`journals_samples`,
+decided per table) are not journaled, so they cost nothing (a record's CPU in the loop is
+measured by ``python -m bench.sample_journal``, figures in ``docs/architecture.md``): a resume
+takes the sampled figure from the last snapshot and moves the generator 2**127 steps on from the
+snapshot's, so it does not repeat the draws it handed out since. (Replaying them would not give
+the generator back anyway: a uniform draw goes through the registry's internal layout, which a
+resume rebuilds compact.)
 
-Use counters are not journaled: :meth:`Journal.track` moves the container's per-row counter array
-into ``<segment dir>/use_counts.bin``, a file on the same tmpfs that every read updates in place (so
+Use counters are not journaled: :meth:`Journal.track` moves each table's per-row counter array
+into ``<segment dir>/use_counts.bin`` (the default table's; ``use_counts.<table>.bin`` for each
+other one), a file on the same tmpfs that every read updates in place (so
 a SIGKILL loses nothing and a sample pays nothing more); a resume keeps the counts of every row the
 replayed registry holds. Leases live in the snapshot and in LEASE, RENEW and RELEASE records (see
 ``leases.py``): a resumed daemon pins what they pinned until their TTL passes. Pins live in the
@@ -108,6 +111,8 @@ from shmbuffer.daemon.records import (
     SAMPLE,
     SAMPLE_BODY,
     SAMPLE_RNG_BODY,
+    SAMPLE_RNG_TABLE_BODY,
+    SAMPLE_TABLE_BODY,
     apply_record,
     encode_record,
     iter_records,
@@ -164,6 +169,14 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 # -- container state --------------------------------------------------------------------------
+
+
+def use_counts_file(container: Container, name: str) -> str:
+    """The file of table ``name``'s use counters: ``use_counts.bin`` for the default table
+    (where it always was), ``use_counts.<name>.bin`` for another."""
+    return (
+        USE_COUNTS_FILE if container.tables[name] is container.table else f"use_counts.{name}.bin"
+    )
 
 
 def container_state(container: Container, counters: dict[str, int] | None = None) -> dict[str, Any]:
@@ -253,15 +266,17 @@ class Journal:
         pins: PinTable | None = None,
     ) -> None:
         """Keep what samples and leases change across a resume (call before :meth:`start`):
-        the container's table tells this journal every draw (SAMPLE records; the journal is
-        its :class:`~shmbuffer.ring.listeners.SampleLog`) where a draw changes anything but the
-        generator and figures (:func:`journals_samples`), and its use counters move into
-        ``use_counts.bin`` beside it (their current values copied; written in place from then
-        on); ``leases`` tell it grants, renewals and releases and go into
-        every snapshot, matched to processes through ``clients``; ``iterate_seed`` too."""
-        table = container.table
-        table.keep_use_counts_in(file_backed(self.folder / USE_COUNTS_FILE, table.use_counts))
-        table.listen(sample_log_for(container, self))
+        every table of the container tells this journal its draws (SAMPLE records naming the
+        table; the journal is their :class:`~shmbuffer.ring.listeners.SampleLog`) where a draw
+        changes anything but the generator and figures (:func:`journals_samples`), and each
+        table's use counters move into a file beside it (:func:`use_counts_file`: their
+        current values copied; written in place from then on); ``leases`` tell it grants,
+        renewals and releases and go into every snapshot, matched to processes through
+        ``clients``; ``iterate_seed`` too."""
+        for index, (name, table) in enumerate(container.tables.items()):
+            path = self.folder / use_counts_file(container, name)
+            table.keep_use_counts_in(file_backed(path, table.use_counts))
+            table.listen(sample_log_for(table, self, index))
         if leases is not None:
             leases.log = self
             if clients is not None:
@@ -283,6 +298,17 @@ class Journal:
         head = (SAMPLE, call, n, length, int(strict), handed, int(refused))
         body = SAMPLE_BODY.pack(*head) if rng is None else SAMPLE_RNG_BODY.pack(*head, *rng)
         self._append_body(body)
+
+    def sampled_by(self, draw: SampleRecord, table: int) -> None:
+        """Append a SAMPLE record of the table at ``table`` (not the default one)."""
+        if self._fd is None:
+            return
+        call, n, length, strict, handed, refused, rng = draw
+        head = (SAMPLE, call, n, length, int(strict), handed, int(refused))
+        if rng is None:
+            self._append_body(SAMPLE_TABLE_BODY.pack(*head, table))
+        else:
+            self._append_body(SAMPLE_RNG_TABLE_BODY.pack(*head, *rng, table))
 
     def lease_granted(self, lease: Lease, expires_us: int) -> None:
         if self._fd is None:
@@ -505,10 +531,10 @@ class Journal:
         flat = [v for ep in episodes for v in (ep.id, ep.start, ep.end)]
         self._append(RESTORE, [pointer, rows_written, len(episodes), *flat])
 
-    def append_priorities(self, rows: np.ndarray, priority: np.ndarray) -> None:
-        """Priorities applied to ``rows`` (validated, stale rows left out); reserve
-        ``record_bytes(1 + 2 * len(rows))`` first."""
-        self._append(PRIORITY, priority_fields(rows, priority))
+    def append_priorities(self, rows: np.ndarray, priority: np.ndarray, table: int = 0) -> None:
+        """Priorities applied to ``rows`` (validated, stale rows left out) of the table at
+        ``table``; reserve ``record_bytes(2 + 2 * len(rows))`` first."""
+        self._append(PRIORITY, priority_fields(rows, priority, table))
 
     def close(self) -> None:
         if self._map is not None:
@@ -544,7 +570,7 @@ class Journal:
         except FileNotFoundError:
             data = b""
         replayed, used, diverged = 0, 0, 0
-        stateful = container.sampler.draws_change_state
+        stateful = any(t.sampler.draws_change_state for t in container.tables.values())
         records = iter_records(data)
         first = next(records, None)
         if first is not None and first[0] == EPOCH and int(first[1][0]) == state.get("epoch"):
@@ -555,8 +581,9 @@ class Journal:
                 replayed, used = replayed + 1, end
         elif first is not None:  # an older generation: already in the snapshot
             used = len(data)
-        if not journals_samples(container):  # draws since the snapshot are not journaled:
-            move_on(container.rng)  # do not repeat them
+        for table in container.tables.values():
+            if not journals_samples(table):  # draws since the snapshot are not journaled:
+                move_on(table.rng)  # do not repeat them
         out = container_state(container, counters)
         torn = len(data[used:].rstrip(b"\0"))  # the preallocated rest is zeros
         out.update(epoch=state.get("epoch", 0), replayed=replayed, torn=torn, diverged=diverged)
@@ -564,12 +591,16 @@ class Journal:
         out["pins"] = sorted(pins.values())
         if state.get("iterate_seed") is not None:
             out["iterate_seed"] = int(state["iterate_seed"])
-        out["use_counts"] = self._saved_use_counts(container.capacity)
+        for name in container.tables:
+            entry = out if container.tables[name] is container.table else out["tables"][name]
+            entry["use_counts"] = self._saved_use_counts(
+                container.capacity, use_counts_file(container, name)
+            )
         return out
 
-    def _saved_use_counts(self, capacity: int) -> np.ndarray | None:
-        """The counter file a dead daemon left (None: none, or not of this ring)."""
-        path = self.folder / USE_COUNTS_FILE
+    def _saved_use_counts(self, capacity: int, file: str) -> np.ndarray | None:
+        """A counter file a dead daemon left (None: none, or not of this ring)."""
+        path = self.folder / file
         try:
             if path.stat().st_size != 4 * capacity:
                 return None

@@ -22,6 +22,7 @@ from shmbuffer.daemon.records import LEASE_FIELDS, record_bytes
 from shmbuffer.errors import OutOfSpaceError
 from shmbuffer.ring.container import Container, SampleRecord
 from shmbuffer.ring.listeners import SampleLog
+from shmbuffer.ring.table import Table
 
 
 class _Journal(SampleLog, Protocol):
@@ -34,20 +35,43 @@ class _Journal(SampleLog, Protocol):
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
-def sample_log_for(container: Container, journal: _Journal) -> SampleLog:
-    """The log ``container`` tells its draws: ``journal`` itself where they are journaled
-    (:func:`journals_samples`), else a :class:`LeaseRoom` over it."""
-    return journal if journals_samples(container) else LeaseRoom(journal)
+class _TableJournal(_Journal, Protocol):
+    def sampled_by(self, draw: SampleRecord, table: int) -> None: ...
 
 
-def journals_samples(container: Container) -> bool:
-    """Whether ``container``'s draws are journaled: where they change sampler state (FIFO
+def sample_log_for(table: Table, journal: _TableJournal, index: int = 0) -> SampleLog:
+    """The log ``table`` (the container's ``index``-th) tells its draws: where they are
+    journaled (:func:`journals_samples`), ``journal`` itself for the default table (the hot
+    path of one table stays one call) or a :class:`TableLog` naming the table in each record;
+    else a :class:`LeaseRoom` over it."""
+    if not journals_samples(table):
+        return LeaseRoom(journal)
+    return journal if index == 0 else TableLog(journal, index)
+
+
+class TableLog:
+    """The sample log of a table other than the default: the journal's, each SAMPLE record
+    naming the table by its place (a replay redraws on it)."""
+
+    def __init__(self, journal: _TableJournal, index: int) -> None:
+        self.journal = journal
+        self.index = index
+
+    def room_for_sample(self, n: int) -> None:
+        self.journal.room_for_sample(n)
+
+    def sampled(self, draw: SampleRecord) -> None:
+        self.journal.sampled_by(draw, self.index)
+
+
+def journals_samples(table: Container | Table) -> bool:
+    """Whether ``table``'s draws are journaled: where they change sampler state (FIFO
     consumption, epochs, ``max_times_sampled`` counts) or the limiter decides by the sampled
     count. A uniform or prioritized sampler without ``max_times_sampled`` under no limiter (or
     a min-size one) changes only the generator and the sampled figure: no record, no cost
     (``bench/sample_journal.py``); a resume takes both from the last snapshot and moves the
     generator to a fresh stream, so it does not hand out the same draws again."""
-    return container.sampler.draws_change_state or container.rate_limiter.counts_samples
+    return table.sampler.draws_change_state or table.rate_limiter.counts_samples
 
 
 def move_on(rng: np.random.Generator) -> None:

@@ -18,8 +18,11 @@ episodes_committed, rows_sampled, samples, messages, errors, ...), gauges ``rows
 ``episodes``, ``capacity_rows``, ``fill_ratio``, ``reservations``, ``reserved_rows``,
 ``leases``, ``stalled_writer_rows`` (rows pinned to stopped or disconnected local writers),
 ``clients{role}``, ``insert_rows_per_second``, ``sample_rows_per_second``,
-``waiting_requests{queue}``, ``sampler_figure{figure}``, ``uptime_seconds`` and
-``info{name,unit,mode,sampler,rate_limiter,protocol}``; the counter
+``waiting_requests{queue}``, ``uptime_seconds`` and
+``info{name,unit,mode,sampler,rate_limiter,protocol}`` (the default table's kinds); per table
+(``default`` without ``--table``), ``sampler_figure{table,figure}``,
+``table_rows_sampled_total{table}``, ``table_priority_updates_total{table}`` and
+``table_info{table,sampler,rate_limiter}``; the counter
 ``rate_limiter_blocked_seconds_total{queue}``; histograms ``sample_seconds`` (handling of
 ``sample`` requests) and ``request_seconds{op}`` (every op). A request's handling time is the
 time from dispatch to its reply sent; a parked request counts only the attempt that answered
@@ -181,6 +184,53 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def _table_families(stats: Mapping[str, Any]) -> list[Family]:
+    """Each table's series, labelled by its name: its sampler's figures, the rows it handed
+    out, its priority updates, and its kinds (a daemon before tables: its one sampler, as the
+    table ``default``)."""
+    tables = stats.get("tables") or {
+        "default": {
+            "sampler": stats.get("sampler") or {},
+            "rate_limiter": stats.get("rate_limiter") or {},
+            "priority_updates": stats.get("priority_updates", 0),
+        }
+    }
+    figures, sampled, updates, kinds = [], [], [], []
+    for name, table in tables.items():
+        sampler, limiter = table.get("sampler") or {}, table.get("rate_limiter") or {}
+        figures += [
+            ((name, k), float(v)) for k, v in sampler.get("figures", {}).items() if _number(v)
+        ]
+        sampled.append(((name,), int(limiter.get("sampled", 0))))
+        updates.append(((name,), int(table.get("priority_updates", 0))))
+        kinds.append(((name, str(sampler.get("kind", "")), str(limiter.get("kind", ""))), 1))
+    doc = "The sampler's own figures (items, epoch, consumed episodes, ...), by table and kind."
+    return [
+        Family(PREFIX + "sampler_figure", "gauge", doc, ("table", "figure"), tuple(figures)),
+        Family(
+            PREFIX + "table_rows_sampled",
+            "counter",
+            "Rows each table handed out (its limiter's count: a slice of L rows counts L).",
+            ("table",),
+            tuple(sampled),
+        ),
+        Family(
+            PREFIX + "table_priority_updates",
+            "counter",
+            "Rows whose priority update_priorities set, by table.",
+            ("table",),
+            tuple(updates),
+        ),
+        Family(
+            PREFIX + "table_info",
+            "gauge",
+            "Each table's sampler and rate limiter kinds, as labels (value 1).",
+            ("table", "sampler", "rate_limiter"),
+            tuple(kinds),
+        ),
+    ]
+
+
 def families(stats: Mapping[str, Any], times: Mapping[str, HistogramValue]) -> tuple[Family, ...]:
     """The metric families of one stats reply and the request timings (plain data, built in
     the loop thread)."""
@@ -233,16 +283,7 @@ def families(stats: Mapping[str, Any], times: Mapping[str, HistogramValue]) -> t
         )
     )
     sampler = stats.get("sampler") or {}
-    figures = sampler.get("figures", {})
-    out.append(
-        Family(
-            PREFIX + "sampler_figure",
-            "gauge",
-            "The sampler's own figures (items, epoch, consumed episodes, ...), by kind.",
-            ("figure",),
-            tuple(((k,), float(v)) for k, v in figures.items() if _number(v)),
-        )
-    )
+    out += _table_families(stats)
     info = {
         "name": str(stats.get("name", "")),
         "unit": str(stats.get("unit", "")),

@@ -15,24 +15,26 @@ rows_written, next_reservation, n, (start, stop) * n]`` (the rows a reservation 
 the ring stands after it), ``COMMIT [rows_committed, episodes_committed, n, (id, start, end) *
 n]``, ``CLEAR [pointer]``, ``RESTORE [pointer, rows_written, n, (id, start, end) * n]`` (an
 aborted reservation publishing again what it evicted, see :meth:`Container.abort`),
-``PRIORITY [n, row * n, float64 bits * n]`` (priorities set by ``update_priorities`` or given
-to a commit, rows already filtered for staleness; replayed through the sampler), ``SAMPLE
-[call, n, length, strict, handed, refused, (rng * 6)?]`` (a draw the container handed out, or
-one refused after it changed the sampler; the generator's six words only when a refused draw
-may have moved it since the last SAMPLE), ``LEASE [id, pid, host crc32, expires_us, n, episode
-id * n]``, ``RENEW [id, expires_us]`` and ``RELEASE [id]`` (leases, expiries as wall-clock
-microseconds). ``RESERVE_PINNED`` is a RESERVE whose rows are pinned to the local writer
-copying into them (``pins.py``): the RESERVE fields, then ``[id, pid, start time, m, (start,
-stop) * m, k, length * k]`` (the reservation, its writer's process, its ranges, and its
-episodes' lengths, or ``-k`` for k equal episodes); ``ABORT [id]`` ends such a pin without a
-commit (a COMMIT whose first episode starts its rows ends it too). ``META [n, id * n,
+``PRIORITY [n, row * n, float64 bits * n, table?]`` (priorities set by ``update_priorities`` or
+given to a commit, rows already filtered for staleness; replayed through the sampler), ``SAMPLE
+[call, n, length, strict, handed, refused, (rng * 6)?, table?]`` (a draw a table handed out, or
+one refused after it changed the sampler; the generator's six words only when a refused draw may
+have moved it since the last SAMPLE). ``table`` is the table's place among the container's
+(``Container.table_at``), there only for a table other than the default one, so a one-table
+daemon writes what it always did and an old record means the default table (the count of fields
+tells: even for a PRIORITY with it, 7 or 13 for a SAMPLE). ``LEASE [id, pid, host crc32,
+expires_us, n, episode id * n]``, ``RENEW [id, expires_us]`` and ``RELEASE [id]`` (leases,
+expiries as wall-clock microseconds). ``RESERVE_PINNED`` is a RESERVE whose rows are pinned to
+the local writer copying into them (``pins.py``): the RESERVE fields, then ``[id, pid, start
+time, m, (start, stop) * m, k, length * k]`` (the reservation, its writer's process, its ranges,
+and its episodes' lengths, or ``-k`` for k equal episodes); ``ABORT [id]`` ends such a pin
+without a commit (a COMMIT whose first episode starts its rows ends it too). ``META [n, id * n,
 nbytes]`` and msgpack bytes follow every COMMIT: what the commit attached to the episodes it
-published (``{"m": values, "w": writer, "t": commit time}``, padded to a whole int64). Any
-other abort needs no
-record: it changed nothing but what its RESERVE record already holds; nor does a lease's
-expiry (a resume drops it by its wall-clock expiry). A crash in the middle of a write leaves a
-short or CRC-failing last record, which :meth:`Journal.load` ignores (its request was never
-acknowledged).
+published (``{"m": values, "w": writer, "t": commit time}``, padded to a whole int64). Any other
+abort needs no record: it changed nothing but what its RESERVE record already holds; nor does a
+lease's expiry (a resume drops it by its wall-clock expiry). A crash in the middle of a write
+leaves a short or CRC-failing last record, which :meth:`Journal.load` ignores (its request was
+never acknowledged).
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ HEAD = struct.Struct("<II")
 #: A SAMPLE's body: its type and six fields, and with the generator's six words.
 SAMPLE_BODY = struct.Struct("<7q")
 SAMPLE_RNG_BODY = struct.Struct("<13q")
+#: The same with the table's place last (a table other than the default one).
+SAMPLE_TABLE_BODY = struct.Struct("<8q")
+SAMPLE_RNG_TABLE_BODY = struct.Struct("<14q")
 RENEW_BODY = struct.Struct("<3q")
 RELEASE_BODY = struct.Struct("<2q")
 LEASE_FIELDS = 5  # before the episode ids
@@ -72,11 +77,13 @@ def framed(body: bytes) -> bytes:
     return HEAD.pack(len(body), zlib.crc32(body)) + body
 
 
-def priority_fields(rows: np.ndarray, priority: np.ndarray) -> np.ndarray:
-    """The fields of a PRIORITY record: ``[n, rows..., float64 bits...]``."""
+def priority_fields(rows: np.ndarray, priority: np.ndarray, table: int = 0) -> np.ndarray:
+    """The fields of a PRIORITY record: ``[n, rows..., float64 bits..., table?]`` (the
+    table's place only for one other than the default)."""
     head = np.array([rows.size], dtype="<i8")
     bits = np.ascontiguousarray(priority, dtype="<f8").view("<i8")
-    return np.concatenate([head, np.asarray(rows, dtype="<i8"), bits])
+    tail = np.array([table] if table else [], dtype="<i8")
+    return np.concatenate([head, np.asarray(rows, dtype="<i8"), bits, tail])
 
 
 def meta_payload(values: dict[str, Any], writer: str, commit_time: float = 0.0) -> bytes:
@@ -143,11 +150,12 @@ def apply_record(
     try:
         if kind == SAMPLE:
             call, n, length, strict, handed, refused = (int(v) for v in f[:6])
-            if f.size not in (6, 12):
+            if f.size not in (6, 7, 12, 13):
                 raise ValueError(f"SAMPLE record of {f.size} fields")
-            rng = [int(v) for v in f[6:]] or None
+            table = int(f[-1]) if f.size in (7, 13) else 0
+            rng = [int(v) for v in f[6 : 6 + (f.size - 6) // 6 * 6]] or None
             draw = SampleRecord(call, n, length, bool(strict), handed, bool(refused), rng)
-            return container.replay_sample(draw)
+            return container.replay_sample(draw, table)
         if kind in (LEASE, RENEW, RELEASE):
             _apply_lease(leases if leases is not None else {}, kind, f)
             return True
@@ -185,9 +193,11 @@ def apply_record(
             container.replay_restore(restored, pointer, rows_written)
         elif kind == PRIORITY:
             n = int(f[0])
-            if f.size != 1 + 2 * n:
+            if f.size not in (1 + 2 * n, 2 + 2 * n):
                 raise ValueError(f"PRIORITY record of {f.size} fields for {n} rows")
-            container.replay_priorities(f[1 : 1 + n], f[1 + n :].view("<f8"))
+            table = int(f[-1]) if f.size == 2 + 2 * n else 0
+            rows, bits = f[1 : 1 + n], f[1 + n : 1 + 2 * n]
+            container.replay_priorities(rows, bits.view("<f8"), table)
         elif kind != EPOCH:
             raise JournalError(f"unknown journal record type {kind}")
     except (IndexError, KeyError, TypeError, ValueError, msgpack.UnpackException) as exc:

@@ -113,11 +113,15 @@ def _unwritten_settings(config: DaemonConfig) -> dict[str, Any] | None:
     if info is None or not runtime.is_stale(info) or not isinstance(info.get("settings"), dict):
         return None
     settings = dict(info["settings"])
-    return {k: settings.get(k) for k in ("capacity", "unit", "mode", "sampler", "rate_limiter")}
+    keys = ("capacity", "unit", "mode", "sampler", "rate_limiter", "table", "tables")
+    return {k: settings[k] for k in keys if k in settings}
 
 
 def _saved_parts(state: dict[str, Any] | None) -> dict[str, Any]:
-    """The sampler and rate limiter settings of a saved container state, as config fields."""
+    """The sampler and rate limiter settings of a saved container state, as config fields;
+    with several tables (a state with ``"tables"``), every table's as the ``tables`` field."""
+    if state and isinstance(state.get("tables"), dict):
+        return {"tables": _saved_tables(state)}
     out: dict[str, Any] = {}
     for part, options in (("sampler", SAMPLER_OPTIONS), ("rate_limiter", LIMITER_OPTIONS)):
         saved = (state or {}).get(part) or {}
@@ -125,6 +129,38 @@ def _saved_parts(state: dict[str, Any] | None) -> dict[str, Any]:
             settings = saved.get("settings") or {}
             out[part] = saved["name"]
             out.update({name: settings.get(name) for name in options})
+    return out
+
+
+def _saved_tables(state: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each saved table's options (sampler and limiter kinds and settings), by name, the
+    default table first: the ``tables`` setting that builds them again."""
+    tables = {str(state.get("table", "default")): state, **state["tables"]}
+    out = {}
+    for name, entry in tables.items():
+        options: dict[str, Any] = {}
+        for part in ("sampler", "rate_limiter"):
+            saved = entry.get(part) or {}
+            if "name" in saved:
+                options[part] = saved["name"]
+                settings = saved.get("settings") or {}
+                options.update({k: v for k, v in settings.items() if v is not None})
+        out[name] = options
+    return out
+
+
+def _table_conflicts(mine: dict[str, Any] | None, theirs: dict[str, Any] | None) -> list[str]:
+    """Where tables asked for differ from the saved ones: their names and order, and each
+    one's sampler kind (its saved state belongs to that sampler)."""
+    if mine is None or theirs is None:
+        return [] if mine == theirs else [f"tables: requested {mine}, saved one table"]
+    if list(mine) != list(theirs):
+        return [f"tables: requested {', '.join(mine)}, saved {', '.join(theirs)}"]
+    out = []
+    for name, options in mine.items():
+        kind, saved = options.get("sampler", "uniform"), theirs[name].get("sampler", "uniform")
+        if kind != saved:
+            out.append(f"table {name!r}: requested the {kind} sampler, saved {saved}")
     return out
 
 
@@ -138,11 +174,14 @@ def adopt_settings(
     defaults = DaemonConfig()
 
     def given(key: str) -> bool:
-        return getattr(args, key, None) is not None or (
+        flag = "table" if key == "tables" else key  # --table, repeated, makes the tables
+        return getattr(args, flag, None) is not None or (
             getattr(from_file, key) != getattr(defaults, key)
         )
 
     conflicts = []
+    if given("tables"):  # not given: the saved tables are adopted below
+        conflicts += _table_conflicts(config.tables, saved.get("tables"))
     for key in (*SETTINGS, *SAMPLER_SETTINGS):
         if not given(key) or saved.get(key) is None:
             continue
@@ -155,6 +194,8 @@ def adopt_settings(
     if conflicts:
         raise RecoveryError(f"settings conflict with the {what}: " + "; ".join(conflicts))
     adopted = {k: v for k, v in saved.items() if v is not None and k in SETTINGS}
+    if "tables" in saved and not given("tables"):  # as the dead daemon had them
+        adopted["tables"] = saved["tables"]
     if "sampler" in saved:  # every setting of the saved sampler, None ones included
         adopted.update({k: saved[k] for k in SAMPLER_SETTINGS})
     if "rate_limiter" in saved and not any(given(k) for k in LIMITER_SETTINGS):
@@ -308,7 +349,11 @@ def restore_service(config: DaemonConfig, source: str | Path) -> BufferService:
     service.counters.restore(state.get("counters", {}))
     counts = folder / USE_COUNTS
     if counts.is_file():
-        service.container.use_counts[:] = np.load(counts)
+        saved = np.load(counts)  # with several tables, one row per table in their order
+        for table, row in zip(
+            service.container.tables.values(), np.atleast_2d(saved), strict=False
+        ):
+            table.use_counts[:] = row
     service.journal.snapshot(service.persistent_state())
     log.warning(
         "restored %s: %d episodes, %d rows, %.1f MB in %.3fs",

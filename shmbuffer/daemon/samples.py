@@ -5,7 +5,9 @@ A sample reply carries the generation stamps of the rows it names: a reader that
 and finds the same stamps afterwards knows no writer touched them meanwhile (a mismatch means
 "sample again"). Leased episodes need no stamps: no writer can reach them until released. A
 sample that flow control holds back, or that a consume-once sampler has nothing for yet,
-raises :class:`~shmbuffer.daemon.state.Deferred`.
+raises :class:`~shmbuffer.daemon.state.Deferred`. Each op that draws, counts or sets
+priorities does so on the table its ``table`` field names (absent: the default table); an
+unknown name is refused naming the tables there are.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from shmbuffer.errors import (
     WaitTimeoutError,
 )
 from shmbuffer.ring.container import EpisodeSample, RowSample, SliceSample
+from shmbuffer.ring.table import Table
 from shmbuffer.storage import rows
 from shmbuffer.wire.protocol import (
     decode_f64,
@@ -45,24 +48,24 @@ class SampleOps(DaemonState):
             self.leases.release(fields["release"], client.id)
             rest = {k: v for k, v in fields.items() if k != "release"}
         deadline = now + fields.get("timeout_ms", 30_000) / 1000
+        table = self.container.table_named(fields.get("table"))
         try:
-            return self._sample(client, fields, now)
+            return self._sample(client, fields, now, table)
         except WaitTimeoutError as exc:  # the rate limiter refuses it now: wait in the daemon
             raise Deferred(str(exc), deadline, "sample", rest) from None
         except EmptyBufferError as exc:
             # A sampler that declares it waits for data (FIFO, consume-once) waits for
             # writers; an empty buffer under any other is an error at once, as it always was.
-            if not self.container.sampler.waits_when_empty:
+            if not table.sampler.waits_when_empty:
                 raise
             raise Deferred(f"nothing to consume yet: {exc}", deadline, "sample", rest) from None
 
-    def _sample(self, client: Client, fields: dict[str, Any], now: float) -> Reply:
-        """Draw through the container's sampler (which counts the reads and tells the limiter),
-        as in the in-process Buffer; every size limit is checked before the draw, since a
+    def _sample(self, client: Client, fields: dict[str, Any], now: float, table: Table) -> Reply:
+        """Draw through ``table``'s sampler (which counts the reads and tells the limiter), as
+        in the in-process Buffer; every size limit is checked before the draw, since a
         consume-once sampler hands its items out for good."""
         kind, n, beta = fields["kind"], fields["n"], fields.get("beta")
         c = self.container
-        table = c.table  # the table a request draws from (the container's one, today)
         where = fields.get("where")
         among = None if where is None else self.meta.subset(where, table)
         reply: dict[str, Any] = {}
@@ -94,7 +97,9 @@ class SampleOps(DaemonState):
             episodes = table.sample_episodes(n, beta=beta, among=among)
             ids, index = episodes.ids, episodes.starts
             drawn, physical = episodes, episodes.rows
-            if not c.sampler.waits_when_empty:  # drawn for good otherwise: never refuse them now
+            if (
+                not table.sampler.waits_when_empty
+            ):  # drawn for good otherwise: never refuse them now
                 self._check_sample_size(physical.size, fields)
             reply.update(
                 ids=encode_i64(ids),
@@ -175,7 +180,8 @@ class SampleOps(DaemonState):
                 f"op 'drawn': row {int(physical[outside][0])} is out of range for a buffer of "
                 f"capacity {self.config.capacity}"
             )
-        counted = self.container.table.count_drawn(physical, gens, self.generations)
+        table = self.container.table_named(fields.get("table"))
+        counted = table.count_drawn(physical, gens, self.generations)
         self.counters.samples += fields["samples"]
         self.counters.rows_sampled += num_rows
         client.rows_sampled += num_rows
@@ -205,29 +211,36 @@ class SampleOps(DaemonState):
                 f"limit max_payload_bytes={self.config.max_payload_bytes:,}; sample fewer rows"
             )
 
-    def update_priorities(self, rows: Any, priority: Any, generation: Any = None) -> int:
-        """Set priorities of sampled rows (the ``update_priorities`` op's work): validated
-        (invalid_argument, nothing done), rows whose generation stamp changed since the sample
-        left out and counted stale, the rest journaled (PRIORITY) before the reply."""
-        table = self.container.table
-        update = table.check_priorities(rows, priority, generation, self.generations)
-        self._journal_room(record_bytes(1 + 2 * update.rows.size))
-        applied = table.apply_priorities(update)
+    def update_priorities(
+        self, rows: Any, priority: Any, generation: Any = None, table: str | None = None
+    ) -> int:
+        """Set priorities of sampled rows of ``table`` (None: the default one; the
+        ``update_priorities`` op's work): validated (invalid_argument, nothing done), rows
+        whose generation stamp changed since the sample left out and counted stale, the rest
+        journaled (PRIORITY, naming the table) before the reply."""
+        c = self.container
+        chosen = c.table_named(table)
+        update = chosen.check_priorities(rows, priority, generation, self.generations)
+        self._journal_room(record_bytes(2 + 2 * update.rows.size))
+        applied = chosen.apply_priorities(update)
         if self.journal is not None and update.rows.size:
-            self.journal.append_priorities(update.rows, update.priority)
+            index = list(c.tables.values()).index(chosen)
+            self.journal.append_priorities(update.rows, update.priority, index)
         return applied
 
     def op_update_priorities(
         self, client: Client, fields: dict[str, Any], frames: Frames, now: float
     ) -> Reply:
         generation = fields.get("generation")
-        stale = self.container.priority_updates_stale
+        table = self.container.table_named(fields.get("table"))
+        stale = table.priority_updates_stale
         updated = self.update_priorities(
             decode_i64(fields["index"]),
             decode_f64(fields["priority"]),
             None if generation is None else decode_i64(generation),
+            fields.get("table"),
         )
-        return {"updated": updated, "stale": self.container.priority_updates_stale - stale}, []
+        return {"updated": updated, "stale": table.priority_updates_stale - stale}, []
 
     def op_iterate(
         self, client: Client, fields: dict[str, Any], frames: Frames, now: float
@@ -243,14 +256,15 @@ class SampleOps(DaemonState):
                 f"over the limit max_payload_bytes={self.config.max_payload_bytes:,}; use "
                 "more ranks"
             )
-        physical = self.container.rank_rows(
+        table = self.container.table_named(fields.get("table"))  # whose use counts it raises
+        physical = table.rank_rows(
             fields["rank"],
             world_size,
             shuffle=fields.get("shuffle", True),
             drop_last=fields.get("drop_last", False),
             seed=[self._iterate_seed, fields.get("epoch", 0)],
         )
-        self.container.count_use(physical)
+        table.count_use(physical)
         gens = self.generations[physical]
         return {"rows": encode_i64(physical), "gens": encode_i64(gens), "total": total}, []
 

@@ -381,6 +381,8 @@ class Server:
 
     def _count_waiting(self) -> None:
         self.service.waiting = {"insert": len(self._inserts), "sample": len(self._samples)}
+        # why the first parked write waits (a table holding its rows back names itself)
+        self.service.insert_wait = self._inserts[0].reason if self._inserts else None
 
     def _reply_error(self, identity: bytes, seq: Any, exc: ShmBufferError) -> None:
         self.service.counters.errors += 1

@@ -40,6 +40,7 @@ from shmbuffer.errors import (
     SchemaError,
     UnknownClientError,
 )
+from shmbuffer.ring.table import Table
 from shmbuffer.storage.schema import Schema
 from shmbuffer.storage.segment import Segment
 from shmbuffer.wire.protocol import PROTOCOL_VERSION
@@ -220,15 +221,24 @@ class BufferService(WriteOps, SampleOps):
     def op_configure(
         self, client: Client, fields: dict[str, Any], frames: Frames, now: float
     ) -> Reply:
-        """Change the rate limiter's settings live (its counts are kept); parked requests
-        are retried by the server's next pass under the new settings."""
+        """Change the rate limiter's settings live (its counts are kept), the ``table``'s
+        (absent: the default table's); parked requests are retried by the server's next
+        pass under the new settings."""
         self._require_admin(client, "configure the rate limiter")
-        limiter = self.container.rate_limiter
+        settings = {k: v for k, v in fields.items() if k != "table"}
+        name = fields.get("table")
+        table = self.container.table_named(name)
+        limiter = table.rate_limiter
         try:
-            limiter.configure(**fields)
+            limiter.configure(**settings)
         except (TypeError, ValueError) as exc:  # nothing was changed
-            raise InvalidArgumentError(f"op 'configure': {exc}") from None
-        log.warning("rate limiter reconfigured: %s", limiter.blocked_reason())
+            where = "" if name is None else f" table {name!r}:"
+            raise InvalidArgumentError(f"op 'configure':{where} {exc}") from None
+        log.warning(
+            "rate limiter%s reconfigured: %s",
+            "" if name is None else f" of table {name!r}",
+            limiter.blocked_reason(),
+        )
         if self.spans is not None:  # whether readers may draw themselves may have changed
             self.spans.publish()
         if self.journal is not None:  # a resume keeps the new settings
@@ -241,7 +251,7 @@ class BufferService(WriteOps, SampleOps):
                 self.settings_changed()
             except OSError as exc:
                 log.warning("keeping the new settings in the runtime record failed: %s", exc)
-        return {"rate_limiter": self.limiter_stats()}, []
+        return {"rate_limiter": self.limiter_stats(table)}, []
 
     @classmethod
     def from_state(
@@ -399,6 +409,27 @@ class BufferService(WriteOps, SampleOps):
             **{k: v for k, v in self.counters.__dict__.items()},
             "priority_updates": container.priority_updates,
             "priority_updates_stale": container.priority_updates_stale,
+            "tables": self.table_stats(),
+        }
+
+    def table_stats(self) -> dict[str, dict[str, Any]]:
+        """Each table's sampler, limiter and priority counters, by name (the default first):
+        the ``stats`` reply's ``tables`` (since 1.9; one, ``"default"``, without ``--table``)."""
+        return {
+            name: {
+                "sampler": {
+                    "kind": table.sampler.name,
+                    "settings": table.sampler.settings(),
+                    "figures": table.sampler.stats(),
+                },
+                "rate_limiter": self.limiter_stats(table),
+                "priority_updates": table.priority_updates,
+                "priority_updates_stale": table.priority_updates_stale,
+                # why writes wait for this table now (its limiter, or rows a consume-once
+                # table has not handed out), or None
+                "holds_writes": self._holds_writes(name),
+            }
+            for name, table in self.container.tables.items()
         }
 
     def stalled_writers(self, now: float) -> list[dict[str, Any]]:
@@ -420,10 +451,19 @@ class BufferService(WriteOps, SampleOps):
             )
         return out
 
-    def limiter_stats(self) -> dict[str, Any]:
-        """The rate limiter for ``stats`` and ``configure``: kind, settings, counts, the
-        seconds parked requests waited for it, and how many wait now."""
-        limiter = self.container.rate_limiter
+    def _holds_writes(self, name: str) -> str | None:
+        """The parked write's reason where it is table ``name``'s (the only table's, or one
+        naming it)."""
+        reason = self.insert_wait
+        if reason is None or (len(self.container.tables) > 1 and f"table {name!r}" not in reason):
+            return None
+        return reason
+
+    def limiter_stats(self, table: Table | None = None) -> dict[str, Any]:
+        """The rate limiter of ``table`` (None: the default one) for ``stats`` and
+        ``configure``: kind, settings, counts, the seconds parked requests waited for it, and
+        how many wait now (all parked requests, whichever table holds them back)."""
+        limiter = (table or self.container.table).rate_limiter
         settings = limiter.settings()
         return {
             "kind": limiter.name,

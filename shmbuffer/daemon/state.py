@@ -39,6 +39,7 @@ from shmbuffer.registry.shared_spans import SPANS_FILE, SpansFile
 from shmbuffer.ring.container import Container
 from shmbuffer.ring.meta import EpisodeMeta
 from shmbuffer.ring.publisher import SpansPublisher
+from shmbuffer.ring.table import Table
 from shmbuffer.storage.cuda_segment import check_room, create_segment
 from shmbuffer.storage.schema import Schema
 from shmbuffer.storage.segment import Segment
@@ -91,12 +92,11 @@ class DaemonState:
                 config.storage_dir,
             )
         try:
-            self.container = Container(
+            self.container = Container.of_tables(  # the first table is the default one
                 config.capacity,
+                config.make_tables(),
                 mode=config.mode,
                 unit=config.unit,
-                sampler=config.make_sampler(),
-                rate_limiter=config.make_rate_limiter(),
                 seed=config.seed,
             )
         except MemoryError:
@@ -106,6 +106,8 @@ class DaemonState:
             ) from None
         #: Every episode's metadata: what writers attach to their commits, and the length,
         #: commit time and writer the daemon records (``ring/meta.py``, docs/metadata.md).
+        # (the tables whose draws it bounds read it too: --table recent:uniform,max-episodes=N)
+        self.container.bound_tables(config.tables, config.meta)
         self.container.keep_meta(config.meta)
         self.leases = LeaseTable(config.lease_ttl)
         self.clients = ClientTable(config.max_clients, config.client_idle_ttl)
@@ -119,6 +121,8 @@ class DaemonState:
         self.rates = RateMeter()
         #: Requests the server holds parked, by queue (it keeps this up to date, for stats).
         self.waiting = {"insert": 0, "sample": 0}
+        #: Why the first parked write waits now (the server keeps it up to date; None: none).
+        self.insert_wait: str | None = None
         #: Validated priorities of open reservations, for their commit (``reserve priority``).
         self._priorities: dict[int, Any] = {}
         #: iterate's shuffles are seeded with (this, epoch): every reader's k-th pass agrees,
@@ -247,6 +251,16 @@ class DaemonState:
             "consumes": self.container.sampler.consuming,
             "local_draws": self.local_draws_info(),
             "meta": self.meta_info(),
+            # (since 1.N) every table, the default one first: what a Reader of one needs
+            "tables": [
+                {
+                    "name": name,
+                    "sampler": table.sampler.name,
+                    "consumes": table.sampler.consuming,
+                    "max_times_sampled": table.sampler.max_times_sampled,
+                }
+                for name, table in self.container.tables.items()
+            ],
         }
 
     @property
@@ -295,15 +309,23 @@ class DaemonState:
     def resume_settings(self) -> dict[str, Any]:
         """What ``start --resume`` needs of a daemon that died before its first write (it has
         no segment, so no journal): capacity, unit, mode, and the sampler's and rate
-        limiter's kinds and settings as the container has them now."""
+        limiter's kinds and settings as the container has them now (with several tables,
+        the default one's at the top and every table's under ``"tables"``, as a state has
+        them)."""
         c = self.container
-        return {
-            "capacity": c.capacity,
-            "unit": c.unit,
-            "mode": c.mode,
-            "sampler": {"name": c.sampler.name, "settings": c.sampler.settings()},
-            "rate_limiter": {"name": c.rate_limiter.name, "settings": c.rate_limiter.settings()},
-        }
+
+        def parts(table: Table) -> dict[str, Any]:
+            sampler, limiter = table.sampler, table.rate_limiter
+            return {
+                "sampler": {"name": sampler.name, "settings": sampler.settings()},
+                "rate_limiter": {"name": limiter.name, "settings": limiter.settings()},
+            }
+
+        out = {"capacity": c.capacity, "unit": c.unit, "mode": c.mode, **parts(c.table)}
+        if self.config.tables is not None:
+            (first, _), *others = c.tables.items()
+            out.update(table=first, tables={name: parts(t) for name, t in others})
+        return out
 
     def persistent_state(self) -> dict[str, Any]:
         """The container and counters as JSON (what the journal snapshots and checkpoints
@@ -340,7 +362,7 @@ class DaemonState:
             # The container's state holds the sampler, the rate limiter and the generator.
             cut = Cut(
                 state={**self.persistent_state(), "name": self.config.name},
-                use_counts=self.container.use_counts.copy(),
+                use_counts=self.use_counts_cut(),
                 pointer=self.container.pointer,
                 open_ranges=[r for res in self.container.reservations.values() for r in res.ranges],
                 lineage=self.lineage,
@@ -353,6 +375,14 @@ class DaemonState:
         self.checkpoint_job = job
         job.start()
         return job
+
+    def use_counts_cut(self) -> np.ndarray:
+        """The use counters a checkpoint keeps (a copy): the default table's, or with several
+        tables one row per table, in the container's order."""
+        tables = list(self.container.tables.values())
+        if len(tables) == 1:
+            return tables[0].use_counts.copy()
+        return np.stack([table.use_counts for table in tables])
 
     def _save_for_checkpoint(self, ranges: list[tuple[int, int]], deadline: float) -> None:
         """Before rows are granted: a running checkpoint saves the cut's rows among them first

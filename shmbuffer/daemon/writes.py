@@ -279,7 +279,9 @@ class WriteOps(DaemonState):
         # A writer's priorities are checked first (invalid_argument: nothing done) and go to
         # the journal as a PRIORITY record after the COMMIT, so a resume sets them again.
         given = self.container.commit_priorities(reservation.id, priority)
-        extra = 0 if given is None else record_bytes(1 + 2 * given.rows.size)
+        # every table keeping priorities stores them (Container.commit): one record each
+        keeping = [] if given is None else self._prioritized()
+        extra = 0 if given is None else len(keeping) * record_bytes(2 + 2 * given.rows.size)
         # A commit the journal cannot hold is refused (out_of_space), never acknowledged: the
         # reservation stays open, so the writer may retry once there is room.
         writer = _writer(client)
@@ -297,8 +299,14 @@ class WriteOps(DaemonState):
         self.counters.episodes_committed += reservation.num_episodes  # not the entries
         self._journal_commit(ids, reservation.episodes, payload)  # before the reply
         if given is not None and self.journal is not None:
-            self.journal.append_priorities(given.rows, given.priority)
+            for index in keeping:
+                self.journal.append_priorities(given.rows, given.priority, index)
         return ids
+
+    def _prioritized(self) -> list[int]:
+        """The places of the tables that keep priorities (the journal names each)."""
+        tables = self.container.tables.values()
+        return [i for i, t in enumerate(tables) if t.sampler.has_priorities]
 
     def op_commit(
         self, client: Client, fields: dict[str, Any], frames: Frames, now: float
@@ -353,7 +361,8 @@ class WriteOps(DaemonState):
         # Room for both records first (a sub-episode across the wrap is two), and for its
         # priorities (at most one per row): a full disk refuses the write whole, never after
         # its rows were copied.
-        extra = record_bytes(1 + 2 * fields["rows"]) if "priority" in fields else 0
+        records = len(self._prioritized())
+        extra = records * record_bytes(2 + 2 * fields["rows"]) if "priority" in fields else 0
         extra += meta_bytes(plan.episodes + 1, meta_payload(meta or {}, _writer(client)))
         self._journal_room(_RESERVE_BYTES + record_bytes(3 + 3 * (plan.episodes + 1)) + extra)
         reservation = self._reserve(client, fields, plan, now, pin=False)

@@ -14,8 +14,8 @@ in-process :class:`~shmbuffer.Buffer` (which copies right after reserving) and t
   named ``"default"``): a sampler, a rate limiter, a generator, use counts and priority
   counters over the ring, listening to it; ``sample_rows`` / ``sample_episodes`` /
   ``sample_slices``, priority updates, the limiter's ``sample_blocker``, ``rank_rows``, stats;
-- :mod:`shmbuffer.ring.persistence`: ``state()`` / ``from_state()`` of the ring and the default
-  table, and the replayed draws of the journal.
+- :mod:`shmbuffer.ring.persistence`: ``state()`` / ``from_state()`` of the ring and every
+  table, and the replayed draws of the journal (each on the table that drew it).
 
 Its methods and attributes are the ring's and the default table's, handed on (one call each),
 so the daemon, the Buffer and the journal address one object; a second table is
@@ -172,8 +172,7 @@ class Container:
     ) -> Table:
         """Another table over the ring (as :class:`~shmbuffer.ring.table.Table` takes its
         arguments), from now on told everything the ring does, its writes held back by its
-        flow control as by the default table's. In process only: :meth:`state` keeps the
-        default table's parts, and a load starts the others over from the loaded registry.
+        flow control as by the default table's; :meth:`state` keeps its parts under its name.
         ValueError for a name taken."""
         if name in self.tables:
             raise ValueError(f"a table named {name!r} exists already")
@@ -182,6 +181,14 @@ class Container:
         for named, each in self.tables.items():  # with two or more, messages name them
             each.name = named
         return table
+
+    def table_at(self, index: int) -> Table:
+        """The table at ``index`` in the container's order (0: the default one), as the
+        journal names a table; ValueError for an index out of range."""
+        tables = list(self.tables.values())
+        if not 0 <= index < len(tables):
+            raise ValueError(f"no table number {index}: the container has {len(tables)}")
+        return tables[index]
 
     def table_named(self, name: str | None) -> Table:
         """The table ``name`` (None: the default one); InvalidArgumentError naming the
@@ -264,16 +271,28 @@ class Container:
         """Publish a reservation's episodes; return their ids in order.
 
         ``priority``: None (the sampler's default: the largest seen so far), a scalar, or one
-        value per row (transition unit) or per episode (episode unit), checked by the default
-        table and every other table keeping priorities before anything is published
-        (InvalidArgumentError leaves the reservation open); tables that keep none ignore it."""
+        value per row (transition unit) or per episode (episode unit), checked by every table
+        keeping priorities before anything is published (InvalidArgumentError leaves the
+        reservation open; refused as the default table refuses it where no table keeps
+        any); tables that keep none ignore it."""
         if priority is None:
             return self.ring.commit(reservation_id)
-        given = self.table.commit_priority(reservation_id, priority)
+        first = self.priority_table
+        given = first.commit_priority(reservation_id, priority)
         for table in self.tables.values():
-            if table is not self.table and table.sampler.has_priorities:
+            if table is not first and table.sampler.has_priorities:
                 table.commit_priority(reservation_id, given)
         return self.ring.commit(reservation_id, given)
+
+    @property
+    def priority_table(self) -> Table:
+        """The table that checks a writer's priorities: the default one where it keeps
+        priorities or no table does, else the first that does (a consume-once default table
+        beside a prioritized one must not refuse what the other stores)."""
+        if self.table.sampler.has_priorities:
+            return self.table
+        keeping = [t for t in self.tables.values() if t.sampler.has_priorities]
+        return keeping[0] if keeping else self.table
 
     def abort(self, reservation_id: int, written: int | None = None) -> list[Episode]:
         """:meth:`Ring.abort <shmbuffer.ring.ring.Ring.abort>`."""
@@ -358,12 +377,12 @@ class Container:
         self, num_rows: int, episodes: int | Sequence[int], priority: Priority
     ) -> F64 | None:
         """:meth:`Table.check_priority <shmbuffer.ring.table.Table.check_priority>`."""
-        return self.table.check_priority(num_rows, episodes, priority)
+        return self.priority_table.check_priority(num_rows, episodes, priority)
 
     def commit_priorities(self, reservation_id: int, priority: Priority) -> PriorityUpdate | None:
         """:meth:`Table.commit_priorities <shmbuffer.ring.table.Table.commit_priorities>` of the
         default table."""
-        return self.table.commit_priorities(reservation_id, priority)
+        return self.priority_table.commit_priorities(reservation_id, priority)
 
     def check_priorities(
         self,
@@ -397,9 +416,9 @@ class Container:
     # -- saved states and the journal's replay (shmbuffer.ring.persistence) ------------------------
 
     def state(self) -> dict[str, Any]:
-        """:func:`persistence.state_of <shmbuffer.ring.persistence.state_of>` the ring and the
-        default table."""
-        state = persistence.state_of(self.ring, self.table)
+        """:func:`persistence.state_of <shmbuffer.ring.persistence.state_of>` the ring and
+        every table, and the episodes' metadata where it is kept."""
+        state = persistence.state_of(self.ring, self.tables)
         if self.meta is not None:
             state["meta"] = persistence.encode_state(self.meta.state_dict())
         return state
@@ -412,30 +431,32 @@ class Container:
         sampler: Sampler | None = None,
         rate_limiter: RateLimiter | None = None,
     ) -> Self:
-        """A container in ``state``. ``sampler``/``rate_limiter`` None: the saved kinds with
-        their saved settings (uniform / no limit for a state saved before samplers existed).
-        ValueError (KeyError, TypeError) when the state is inconsistent."""
-        saved = state.get("sampler") or {}
-        if sampler is None and "name" in saved:
-            sampler = make_sampler(saved["name"], **dict(saved.get("settings") or {}))
-        limiter = state.get("rate_limiter") or {}
-        if rate_limiter is None and "name" in limiter:
-            rate_limiter = make_rate_limiter(limiter["name"], **dict(limiter.get("settings") or {}))
+        """A container in ``state``, with every table it saved. ``sampler``/``rate_limiter``
+        (the default table's) None: the saved kinds with their saved settings (uniform / no
+        limit for a state saved before samplers existed); the other tables' are always the
+        saved ones. ValueError (KeyError, TypeError) when the state is inconsistent."""
+        tables = persistence.saved_tables(state)
+        (first, saved), *others = tables.items()
+        default = _saved_parts(saved)
         container = cls(
             operator.index(state["capacity"]),
             mode=state["mode"],
             unit=state["unit"],
-            sampler=sampler,
-            rate_limiter=rate_limiter,
+            sampler=default[0] if sampler is None else sampler,
+            rate_limiter=default[1] if rate_limiter is None else rate_limiter,
+            table_name=first,
         )
+        for name, entry in others:
+            parts = _saved_parts(entry)
+            container.add_table(name, sampler=parts[0], rate_limiter=parts[1])
         container.load_state(state)
         return container
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """:func:`persistence.load_state <shmbuffer.ring.persistence.load_state>` into the ring and
-        the default table; every other table starts over from the loaded registry. Saved
+        every table (the state's tables must be this container's, by name and kind). Saved
         metadata is kept from then on (:meth:`keep_meta`)."""
-        persistence.load_state(self.ring, self.table, state)
+        persistence.load_state(self.ring, self.tables, state)
         if state.get("meta") is not None:
             self.keep_meta().load_state_dict(decode_state(state["meta"]))
 
@@ -455,9 +476,12 @@ class Container:
     def replay_clear(self, pointer: int) -> None:
         self.ring.replay_clear(pointer)
 
-    def replay_priorities(self, rows: npt.ArrayLike, priority: npt.ArrayLike) -> int:
-        """Redo a priority update (stale rows were already left out when it was journaled)."""
-        return self.table.update_priorities(rows, priority)
+    def replay_priorities(
+        self, rows: npt.ArrayLike, priority: npt.ArrayLike, table: int = 0
+    ) -> int:
+        """Redo a priority update on the table at ``table`` (:meth:`table_at`; stale rows were
+        already left out when it was journaled)."""
+        return self.table_at(table).update_priorities(rows, priority)
 
     def replay_meta(
         self,
@@ -472,7 +496,22 @@ class Container:
         meta = self.keep_meta()
         meta.attach(ids, meta.check(values), writer, commit_time)
 
-    def replay_sample(self, draw: SampleRecord) -> bool:
+    def replay_sample(self, draw: SampleRecord, table: int = 0) -> bool:
         """:func:`persistence.replay_sample <shmbuffer.ring.persistence.replay_sample>` on the
-        default table."""
-        return persistence.replay_sample(self.table, draw)
+        table at ``table`` (:meth:`table_at`)."""
+        return persistence.replay_sample(self.table_at(table), draw)
+
+
+def _saved_parts(saved: Mapping[str, Any]) -> tuple[Sampler | None, RateLimiter | None]:
+    """A saved table's sampler and limiter, of the saved kinds and settings (None: none saved,
+    a state from before samplers existed)."""
+    sampler = saved.get("sampler") or {}
+    limiter = saved.get("rate_limiter") or {}
+    return (
+        make_sampler(sampler["name"], **dict(sampler.get("settings") or {}))
+        if "name" in sampler
+        else None,
+        make_rate_limiter(limiter["name"], **dict(limiter.get("settings") or {}))
+        if "name" in limiter
+        else None,
+    )

@@ -1,14 +1,15 @@
-"""A ring and its default table across restarts: their state, and the journal's replayed draws.
+"""A ring and its tables across restarts: their state, and the journal's replayed draws.
 
-A state holds the registry, the ring's position, the default table's sampler (its kind,
-settings and state), its limiter counts and its generator's state, as plain values
-(:func:`state_of`, :func:`load_state`). Other tables over the ring are in-process only for now:
-a load starts them over from the loaded registry (``RingListener.on_load``), nothing of theirs
-is saved. The journal's replay runs the same code as the live requests: the ring's
+A state holds the registry, the ring's position and every table's sampler (its kind, settings
+and state), limiter counts, generator state and priority counters, as plain values
+(:func:`state_of`, :func:`load_state`). The default table's sit at the top level, where they
+always were, so states saved before several tables existed load as they did; every other
+table's are under ``"tables"`` by name, in the container's order, and the default table's name
+under ``"table"``. The journal's replay runs the same code as the live requests: the ring's
 ``replay_*`` methods tell every listener what a commit or eviction did, so it is redone on
-``--resume`` too, and :func:`replay_sample` draws a journaled sample again (the generator set
-as it was), so what samples changed (consumption, epochs, ``max_times_sampled`` counts, the
-limiter's sampled count) comes back as well.
+``--resume`` too, and :func:`replay_sample` draws a journaled sample again on the table that
+drew it (the generator set as it was), so what samples changed (consumption, epochs,
+``max_times_sampled`` counts, the limiter's sampled count) comes back as well.
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ from shmbuffer.ring.table import Table
 from shmbuffer.storage.rows import episode_rows
 
 
-def state_of(ring: Ring, table: Table) -> dict[str, Any]:
+def state_of(ring: Ring, tables: Mapping[str, Table]) -> dict[str, Any]:
     """Everything a restart needs, open reservations aside (their rows are never
-    published): ring, registry, and ``table``'s sampler (its kind, settings and state),
-    limiter counts and the generator's state. Plain values, JSON- and msgpack-able both: bytes
-    travel as ``{"b64": ...}`` and integers beyond 64 bits (the generator's) as
-    ``{"int": "..."}``."""
-    return {
+    published): ring, registry, and each table's parts (:func:`table_state`): the first of
+    ``tables`` (the default one) at the top level, the others under ``"tables"`` by name.
+    Plain values, JSON- and msgpack-able both: bytes travel as ``{"b64": ...}`` and integers
+    beyond 64 bits (the generators') as ``{"int": "..."}``."""
+    (default, table), *others = tables.items()
+    state = {
         "capacity": ring.capacity,
         "unit": ring.unit,
         "mode": ring.mode,
@@ -44,6 +46,18 @@ def state_of(ring: Ring, table: Table) -> dict[str, Any]:
         "rows_written": ring.rows_written,
         "next_reservation": ring.next_reservation,
         "registry": ring.registry.to_state(),
+        **table_state(table),
+    }
+    if others or default != "default":  # one table named "default": the layout of old
+        state["table"] = default
+        state["tables"] = {name: table_state(each) for name, each in others}
+    return state
+
+
+def table_state(table: Table) -> dict[str, Any]:
+    """One table's sampler (its kind, settings and state), limiter (kind, settings, counts),
+    generator state and priority counters."""
+    return {
         "sampler": {
             "name": table.sampler.name,
             "settings": table.sampler.settings(),
@@ -60,14 +74,26 @@ def state_of(ring: Ring, table: Table) -> dict[str, Any]:
     }
 
 
-def load_state(ring: Ring, table: Table, state: Mapping[str, Any]) -> None:
-    """``ring`` and its ``table`` take over ``state`` (see :func:`state_of`); open
-    reservations are dropped and use counters restart at 0 for every committed row, or take
-    ``state["use_counts"]`` (an array, what the dead daemon's counter file held: see
-    :func:`adopt_use_counts`) when it is there. ValueError when it does not fit (capacity,
-    unit, mode, another sampler kind) or is inconsistent; checked before anything changes,
-    except a sampler state that fails its own checks (the owner discards the ring then). A
-    different limiter kind keeps the saved counts."""
+def saved_tables(state: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """Each saved table's entry by name, the default one first: the state itself for the
+    default table (its parts are at the top level), named ``"default"`` in a state saved
+    before several tables existed."""
+    others = state.get("tables") or {}
+    if not isinstance(others, Mapping):
+        raise ValueError(f"saved tables must be a mapping, got {type(others).__name__}")
+    return {str(state.get("table", "default")): state, **others}
+
+
+def load_state(ring: Ring, tables: Mapping[str, Table], state: Mapping[str, Any]) -> None:
+    """``ring`` and its ``tables`` (by name, the default one first) take over ``state`` (see
+    :func:`state_of`); a table the state does not have starts over from the loaded registry (a state
+    of one table, saved before tables had names, is the default table's). Open reservations are
+    dropped and use counters restart at 0 for every committed row, or take a table entry's
+    ``"use_counts"`` (an array, what the dead daemon's counter file held: see
+    :func:`adopt_use_counts`) when it is there. ValueError when it does not fit (capacity, unit,
+    mode, other tables, another sampler kind) or is inconsistent; checked before anything changes,
+    except a sampler state that fails its own checks (the owner discards the ring then). A different
+    limiter kind keeps the saved counts."""
     for key in ("capacity", "unit", "mode"):
         if state[key] != getattr(ring, key):
             raise ValueError(
@@ -75,33 +101,52 @@ def load_state(ring: Ring, table: Table, state: Mapping[str, Any]) -> None:
                 f"mode={state['mode']}, the buffer is capacity={ring.capacity} "
                 f"unit={ring.unit} mode={ring.mode}"
             )
-    registry = EpisodeRegistry.from_state(state["registry"])
-    saved = state.get("sampler") or {}
-    if "name" in saved and saved["name"] != table.sampler.name:
+    saved = saved_tables(state)
+    default = next(iter(tables))
+    if "table" not in state and len(saved) == 1:  # a state of one table: the default one's
+        saved = {default: state}
+    missing = [name for name in saved if name not in tables]
+    if missing or next(iter(saved)) != default:
         raise ValueError(
-            f"saved state is for the {saved['name']!r} sampler, this buffer's is "
-            f"{table.sampler.name!r}: resume or restore with the same sampler"
+            f"saved state has the tables {', '.join(saved)}, this buffer has "
+            f"{', '.join(tables)}: resume or restore with the same tables"
         )
-    # A checkpoint written before samplers existed kept the generator under "sampler".
-    rng = state.get("rng", saved.get("rng"))
+    for name, entry in saved.items():
+        kind = (entry.get("sampler") or {}).get("name")
+        if kind is not None and kind != tables[name].sampler.name:
+            where = "" if len(tables) == 1 else f"table {name!r}: "
+            raise ValueError(
+                f"{where}saved state is for the {kind!r} sampler, this buffer's is "
+                f"{tables[name].sampler.name!r}: resume or restore with the same sampler"
+            )
+    registry = EpisodeRegistry.from_state(state["registry"])
     ring.load(
         registry,
         operator.index(state["pointer"]),
         operator.index(state["rows_written"]),
         operator.index(state["next_reservation"]),
     )  # every table starts over from the registry: counters, sampler, limiter counts
-    if state.get("use_counts") is not None:
-        adopt_use_counts(table, state["use_counts"])
-    if "state" in saved:
-        table.sampler.load_state_dict(decode_state(saved["state"]))
-    limiter = state.get("rate_limiter") or {}
+    for name, entry in saved.items():
+        load_table(tables[name], entry)
+
+
+def load_table(table: Table, saved: Mapping[str, Any]) -> None:
+    """``table`` (just started over from the loaded registry) takes its saved parts."""
+    sampler = saved.get("sampler") or {}
+    # A checkpoint written before samplers existed kept the generator under "sampler".
+    rng = saved.get("rng", sampler.get("rng"))
+    if saved.get("use_counts") is not None:
+        adopt_use_counts(table, saved["use_counts"])
+    if "state" in sampler:
+        table.sampler.load_state_dict(decode_state(sampler["state"]))
+    limiter = saved.get("rate_limiter") or {}
     if "state" in limiter:
         counts = decode_state(limiter["state"])
         table.rate_limiter.load_state_dict({**counts, "limiter": table.rate_limiter.name})
     if rng is not None:
         table.rng.bit_generator.state = decode_state(rng)
-    table.priority_updates = int(state.get("priority_updates", 0))
-    table.priority_updates_stale = int(state.get("priority_updates_stale", 0))
+    table.priority_updates = int(saved.get("priority_updates", 0))
+    table.priority_updates_stale = int(saved.get("priority_updates_stale", 0))
 
 
 def adopt_use_counts(table: Table, saved: npt.ArrayLike) -> None:

@@ -168,7 +168,9 @@ class Table(RingListener):
         limiter = self.rate_limiter
         pending = self.ring.reserved_rows if limiter.bounds_inserts else 0
         if not limiter.can_insert(num_rows + pending):
-            return limiter.blocked_reason()
+            return limiter.blocked_reason() + (
+                "" if self.name is None else f" (table {self.name!r})"
+            )
         sampler = self.sampler
         for start, stop in evict:
             if sampler.blocks_overwrite(start, stop):

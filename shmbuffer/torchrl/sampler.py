@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 
+from shmbuffer.clients.reader import Reader
 from shmbuffer.samplers.base import check_beta
 from shmbuffer.torchrl.storage import daemon_storage_of
 from shmbuffer.torchrl.writer import UNKNOWN
@@ -40,15 +41,39 @@ class DaemonSampler(Sampler):  # type: ignore[misc]  # TorchRL has no type hints
     Args:
         beta: the importance exponent for the weights (None: the daemon's
             ``--importance-exponent``).
+        table: the daemon's table to draw from and set priorities in (``start --table``;
+            None: the default one, through the storage's own Reader). Another table is read
+            through a Reader of this sampler's, opened with the storage's target and options
+            at the first sample.
     """
 
-    def __init__(self, *, beta: float | None = None) -> None:
+    def __init__(self, *, beta: float | None = None, table: str | None = None) -> None:
         self.beta = None if beta is None else check_beta(beta)
+        if table is not None and not isinstance(table, str):
+            raise TypeError(f"table must be a table's name (a str), got {table!r}")
+        self.table = table
+        self._reader: Reader | None = None  # of ``table``, once a sample needs it
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (index, generation)
+
+    def _reader_of(self, daemon: Any) -> Reader:
+        """The Reader that draws for this sampler: the storage's, or one of ``table``."""
+        if self.table is None:
+            reader: Reader = daemon.reader
+            return reader
+        if self._reader is None:
+            self._reader = Reader(
+                daemon.target,
+                timeout=daemon.timeout,
+                remote=daemon.remote,
+                table=self.table,
+                **daemon.reader_options,
+            )
+        return self._reader
 
     def sample(self, storage: Any, batch_size: int) -> tuple[torch.Tensor, dict[str, Any]]:
         daemon = daemon_storage_of(storage, "DaemonSampler")
-        data, info = daemon.reader.sample(batch_size, return_info=True, beta=self.beta)
+        reader = self._reader_of(daemon)
+        data, info = reader.sample(batch_size, return_info=True, beta=self.beta)
         index = info["index"]
         daemon._handed = (index, daemon._unwrap(data))  # the get(index) that follows takes it
         self._last = (index, info["generation"])
@@ -88,7 +113,7 @@ class DaemonSampler(Sampler):  # type: ignore[misc]  # TorchRL has no type hints
         generation = None
         if self._last is not None and torch.equal(self._last[0], index):
             generation = self._last[1]
-        daemon.reader.update_priorities(index, priority, generation)
+        self._reader_of(daemon).update_priorities(index, priority, generation)
 
     def _empty(self) -> None:
         self._last = None
@@ -109,8 +134,9 @@ class DaemonSampler(Sampler):  # type: ignore[misc]  # TorchRL has no type hints
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_last=None, _rng=None)
+        state.update(_last=None, _rng=None, _reader=None)
         return state
 
     def __repr__(self) -> str:
-        return f"DaemonSampler(beta={self.beta})"
+        table = "" if self.table is None else f", table={self.table!r}"
+        return f"DaemonSampler(beta={self.beta}{table})"

@@ -69,6 +69,8 @@ def _int(lo: int = 0, hi: int = MAX_INT, required: bool = True) -> Spec:
 
 _ID = _int(1)
 _TIMEOUT = _int(0, 3_600_000, required=False)
+#: A table's name, where a request addresses one (absent: the default table).
+_TABLE = Spec((str,), required=False)
 #: A priority for what a write publishes: one number for every item, or f64 bytes holding one
 #: value per item (row in transition unit, episode in episode unit; see ``encode_f64``).
 _PRIORITY = Spec((bytes, float, int), required=False)
@@ -155,7 +157,10 @@ REQUESTS: dict[str, dict[str, Spec]] = {
         "beta": Spec((float, int), required=False),
         "info": Spec((bool,), required=False),
         "timeout_ms": _TIMEOUT,
-        # Since 1.9: draw only from the episodes this metadata filter selects (uniformly).
+        # The table to draw from (since 1.9; absent: the default table).
+        "table": _TABLE,
+        # Since 1.9: draw only from the episodes this metadata filter selects (uniformly, or
+        # by priority on a prioritized table).
         "where": _WHERE,
     },
     # The live episodes a filter selects, ordered, at most ``limit``, with their metadata
@@ -168,12 +173,13 @@ REQUESTS: dict[str, dict[str, Spec]] = {
     # Rows a reader drew itself over the runs the daemon publishes and the sample calls they
     # came from, counted as the daemon counts its own draws; the rows and their stamps then
     # travel as two payload frames of int64 (1.8).
-    "drawn": {"rows": _int(0, MAX_SAMPLE_ROWS), "samples": _int(0)},
+    "drawn": {"rows": _int(0, MAX_SAMPLE_ROWS), "samples": _int(0), "table": _TABLE},
     # Set the priorities of sampled rows; stale ones (overwritten since) are skipped (1.2).
     "update_priorities": {
         "index": Spec((bytes,)),
         "priority": Spec((bytes,)),
         "generation": Spec((bytes,), required=False),
+        "table": _TABLE,  # whose priorities (since 1.9; absent: the default table)
     },
     # This rank's share of every stored row, each once: the rows of one pass (1.2).
     "iterate": {
@@ -182,6 +188,7 @@ REQUESTS: dict[str, dict[str, Spec]] = {
         "shuffle": Spec((bool,), required=False),
         "drop_last": Spec((bool,), required=False),
         "epoch": _int(0, required=False),
+        "table": _TABLE,  # whose use counts the pass raises (since 1.9)
     },
     # A remote reader's copy of rows named by physical index (iterate's rows), checked
     # against the stamps it was given (1.2).
@@ -191,6 +198,7 @@ REQUESTS: dict[str, dict[str, Spec]] = {
         "samples_per_insert": Spec((float, int), required=False),
         "min_size": _int(0, required=False),
         "error_buffer": Spec((float, int), required=False),
+        "table": _TABLE,  # whose limiter (since 1.9; absent: the default table)
     },
     "release": {"lease": _ID},
     # A reader's heartbeat: the lease lasts another lease_ttl (since 1.1).
@@ -319,7 +327,7 @@ def _check_iterate(op: str, fields: Mapping[str, Any]) -> None:
 
 
 def _check_configure(op: str, fields: Mapping[str, Any]) -> None:
-    if not fields:
+    if not set(fields) - {"table"}:
         raise ProtocolError(f"op {op!r}: give at least one setting to change")
 
 
@@ -404,6 +412,9 @@ _BUFFER: dict[str, Spec] = {
     "meta": Spec((dict,), required=False),
     "meta.kinds": Spec((dict,)),
     "meta.declared": Spec((bool,)),
+    # since 1.9: every table, the default one first, each a map of name, sampler, consumes
+    # and max_times_sampled (the fields above are the default table's)
+    "tables": Spec((list,), required=False),
 }
 #: The ``stats.sampler`` map (since 1.2).
 _SAMPLER: dict[str, Spec] = {
@@ -470,6 +481,10 @@ _STATS: dict[str, Spec] = {
             "priority_updates_stale",
         )
     },
+    # since 1.9 (one, "default", without --table): name -> {sampler, rate_limiter,
+    # priority_updates, priority_updates_stale, holds_writes}, the maps as above, the default
+    # table first; holds_writes: why writes wait for that table now (nil: they do not)
+    "tables": Spec((dict,), required=False),
 }
 
 #: Every op's successful reply fields (besides ``v``, ``seq`` and ``ok``); a field inside a map

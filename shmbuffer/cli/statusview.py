@@ -120,7 +120,7 @@ def table_lines(s: dict[str, Any]) -> list[str]:
     line per table: its sampler and what it holds (size and consumption, or its priorities),
     the rows it handed out, its limiter, and why writes wait for it now."""
     tables = s.get("tables") or {}  # a daemon before protocol 1.9 has none
-    if len(tables) < 2:
+    if len(tables) < 2 and not any("bounds" in t for t in tables.values()):
         return []
     lines = []
     for i, (name, table) in enumerate(tables.items()):
@@ -136,7 +136,23 @@ def table_lines(s: dict[str, Any]) -> list[str]:
         if table.get("holds_writes"):
             line += f"  HOLDS WRITES: {table['holds_writes']}"
         lines.append(line)
+        if table.get("bounds"):
+            lines.append("              " + _bounds_line(table["bounds"]))
     return lines
+
+
+def _bounds_line(bounds: dict[str, Any]) -> str:
+    """A bounded table's options and, with staleness, its live episodes per policy-version lag
+    behind the newest (``lag 0: 812  1: 640 ... none: 0``)."""
+    lags = bounds.get("lags")
+    options = {k: v for k, v in bounds.items() if k not in ("lags", "newest_policy_version")}
+    text = "bounds " + _pairs(options)
+    if lags is not None:
+        newest = bounds.get("newest_policy_version")
+        text += f"  newest policy_version {newest}  episodes by lag " + "  ".join(
+            f"{lag}: {count:,}" for lag, count in lags.items()
+        )
+    return text
 
 
 class LiveStatus:

@@ -415,8 +415,9 @@ class BufferService(WriteOps, SampleOps):
     def table_stats(self) -> dict[str, dict[str, Any]]:
         """Each table's sampler, limiter and priority counters, by name (the default first):
         the ``stats`` reply's ``tables`` (since 1.9; one, ``"default"``, without ``--table``)."""
-        return {
-            name: {
+        out: dict[str, dict[str, Any]] = {}
+        for name, table in self.container.tables.items():
+            out[name] = {
                 "sampler": {
                     "kind": table.sampler.name,
                     "settings": table.sampler.settings(),
@@ -429,8 +430,9 @@ class BufferService(WriteOps, SampleOps):
                 # table has not handed out), or None
                 "holds_writes": self._holds_writes(name),
             }
-            for name, table in self.container.tables.items()
-        }
+            if table.bounds is not None:  # its options, the newest version, episodes per lag
+                out[name]["bounds"] = table.bounds.stats()
+        return out
 
     def stalled_writers(self, now: float) -> list[dict[str, Any]]:
         """Pinned reservations past their TTL or whose connection is gone: the rows a

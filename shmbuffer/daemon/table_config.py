@@ -62,7 +62,8 @@ def _parsed(table: str, key: str, value: str) -> Any:
         try:
             return bound.parse(value)
         except ValueError:
-            what = "numbers a/b/c" if bound.many else f"a {bound.type.__name__}"
+            what = "an integer" if bound.type is int else "a number"
+            what = f"{what}s a/b/c" if bound.many else what
             raise ConfigError(
                 f"--table {table}: {bound.flag[2:]} must be {what}, got {value!r}"
             ) from None

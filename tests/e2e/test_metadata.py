@@ -155,3 +155,24 @@ def test_episodes_command(daemon, e2e_env):
     bad = e2e_env.cli("episodes", "--name", d.name, "--where", "ret >")
     assert bad.returncode == 1 and "position 5" in bad.stderr
     assert np.isfinite(rows[0]["commit_time"])
+
+
+def test_bounded_tables_through_the_daemon_and_their_status(daemon, e2e_env):
+    tables = ["--table", "replay:uniform", "--table", "recent:uniform,max-episodes=3"]
+    tables += ["--table", "fresh:uniform,max-staleness=1"]
+    d = daemon(capacity=200, unit="episode", args=tables)
+    with Writer(d.name, timeout=5) as w:
+        for i in range(10):
+            w.add_episode(episode(i), meta={"policy_version": i // 3})  # versions 0..3
+        w.flush()
+    with Reader(d.name, table="recent", timeout=5) as r:
+        assert set(r.sample(200)["obs"][:, 0].tolist()) == {7.0, 8.0, 9.0}
+    with Reader(d.name, table="fresh", timeout=5) as r:  # versions 2 and 3: episodes 6..9
+        assert set(r.sample(400)["obs"][:, 0].tolist()) == {6.0, 7.0, 8.0, 9.0}
+        assert set(r.sample(100, where="policy_version == 3")["obs"][:, 0].tolist()) == {9.0}
+    status = e2e_env.cli("status", "--name", d.name)
+    assert "bounds max_episodes=3" in status.stdout, status.stdout
+    lags = "newest policy_version 3  episodes by lag 0: 1  1: 3  2: 3  3: 3  4+: 0  none: 0"
+    assert lags in status.stdout, status.stdout
+    bad = e2e_env.cli("start", "--name", "x", "--table", "a:uniform,max-episodes=lots")
+    assert bad.returncode != 0 and "max-episodes must be an integer" in bad.stderr, bad.stderr

@@ -81,6 +81,9 @@ class WorkerConfig:
     num_envs: int
     seed: int
     rollout_len: int = 0  # 0: transitions as they come (DQN, SAC); T: T-step entries (PPO)
+    #: Attach each finished episode's return, policy version and env to it as metadata
+    #: (transitions only; docs/metadata.md).
+    meta: bool = False
 
 
 @dataclass
@@ -170,8 +173,16 @@ def _worker_loop(index: int, cfg: WorkerConfig, shared: Shared) -> None:
                     fragment.setdefault(key, []).append(value)
             else:
                 for i in range(cfg.num_envs):
+                    meta = None
+                    if cfg.meta and done[i]:  # what the learner and tools select by
+                        meta = {
+                            "ret": float(ep_return[i] + reward[i]),
+                            "steps": int(ep_length[i] + 1),
+                            "policy_version": weights.seen,
+                            "env_id": f"w{index}/{i}",
+                        }
                     writer.add_transition(
-                        f"w{index}/{i}", {key: value[i] for key, value in step.items()}
+                        f"w{index}/{i}", {key: value[i] for key, value in step.items()}, meta=meta
                     )
             ep_return += reward
             ep_length += 1

@@ -87,7 +87,11 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def train(args: argparse.Namespace, daemon: Daemon, prioritized: bool) -> None:
+def train(
+    args: argparse.Namespace, daemon: Daemon, prioritized: bool, worker_meta: bool = False
+) -> None:
+    """Train until ``args.target`` or ``args.minutes``; ``worker_meta``: workers attach each
+    episode's return, policy version and env to it (docs/metadata.md)."""
     buffer = daemon.name
     torch.manual_seed(args.seed)
     q = q_network()
@@ -104,6 +108,7 @@ def train(args: argparse.Namespace, daemon: Daemon, prioritized: bool) -> None:
                 act=EpsilonGreedy(1.0, 0.05, args.eps_decay_steps),
                 num_envs=args.envs_per_worker,
                 seed=args.seed,
+                meta=worker_meta,
             ),
         )
         progress = Progress(rollout, args.curve)

@@ -63,7 +63,7 @@ def _parsed(table: str, key: str, value: str) -> Any:
             return bound.parse(value)
         except ValueError:
             what = "an integer" if bound.type is int else "a number"
-            what = f"{what}s a/b/c" if bound.many else what
+            what = "numbers a/b/c" if bound.many else what
             raise ConfigError(
                 f"--table {table}: {bound.flag[2:]} must be {what}, got {value!r}"
             ) from None

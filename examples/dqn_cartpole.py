@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,10 +88,15 @@ def parse_args() -> argparse.Namespace:
 
 
 def train(
-    args: argparse.Namespace, daemon: Daemon, prioritized: bool, worker_meta: bool = False
+    args: argparse.Namespace,
+    daemon: Daemon,
+    prioritized: bool,
+    worker_meta: bool = False,
+    after_workers: Callable[[], None] | None = None,
 ) -> None:
     """Train until ``args.target`` or ``args.minutes``; ``worker_meta``: workers attach each
-    episode's return, policy version and env to it (docs/metadata.md)."""
+    episode's return, policy version and env to it (docs/metadata.md); ``after_workers``:
+    called once the workers stopped, before the figures are printed."""
     buffer = daemon.name
     torch.manual_seed(args.seed)
     q = q_network()
@@ -134,6 +139,8 @@ def train(
                         weights.publish(q)
         finally:
             rollout.stop()
+            if after_workers is not None:
+                after_workers()
             progress.finish()
 
 

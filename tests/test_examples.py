@@ -314,3 +314,21 @@ def test_sac_pendulum_reaches_minus_250_within_10_minutes(
     check_figures(run)
     assert run.final_return >= -250, run.describe()
     check_curve_plot(curve, tmp_path / "curves.png", "--title", "Pendulum-v1 through shmbuffer")
+
+
+@pytest.mark.timeout(SHORT_MINUTES * 60 + SHUTDOWN_S + 30)
+def test_two_tables_a_learner_and_an_evaluator_over_one_daemon(folders: tuple[Path, Path]) -> None:
+    """``dqn_eval_tables.py``: the learner on a prioritized table, an evaluator consuming a
+    FIFO table of the same rows, each episode once (it raises on one handed out twice), the
+    return each worker attached equal to its stored rewards (it raises otherwise)."""
+    run = run_example(
+        "dqn_eval_tables.py", folders, "--workers", "2", "--target", SHORT_TARGET,
+        minutes=SHORT_MINUTES,
+    )  # fmt: skip
+    assert run.returncode == 0, run.describe()
+    consumed = re.search(r"^eval: (\d+) episodes consumed, each once$", run.stdout, re.M)
+    assert consumed and int(consumed[1]) > 0, run.describe()
+    assert re.search(r"^eval: best live episodes of policy v\d+ on: #\d+ ", run.stdout, re.M)
+    assert_nothing_left(folders)
+    check_figures(run)
+    assert run.final_return > CLEARLY_ABOVE_RANDOM, run.describe()

@@ -44,6 +44,8 @@ def state_of(ring: Ring, table: Table) -> dict[str, Any]:
         "rows_written": ring.rows_written,
         "next_reservation": ring.next_reservation,
         "registry": ring.registry.to_state(),
+        # which tables hold the live episodes written into only some (ring/members.py)
+        "members": ring.membership.state([ep.id for ep in ring.registry]),
         "sampler": {
             "name": table.sampler.name,
             "settings": table.sampler.settings(),
@@ -89,6 +91,7 @@ def load_state(ring: Ring, table: Table, state: Mapping[str, Any]) -> None:
         operator.index(state["pointer"]),
         operator.index(state["rows_written"]),
         operator.index(state["next_reservation"]),
+        state.get("members"),
     )  # every table starts over from the registry: counters, sampler, limiter counts
     if state.get("use_counts") is not None:
         adopt_use_counts(table, state["use_counts"])

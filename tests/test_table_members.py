@@ -5,6 +5,7 @@ back a write over rows it does not hold."""
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,10 @@ from hypothesis import strategies as st
 
 from shmbuffer import Buffer
 from shmbuffer.errors import EmptyBufferError, InvalidArgumentError, WaitTimeoutError
+from shmbuffer.registry import shared_spans
+from shmbuffer.registry.shared_spans import SpansFile, SpansView
 from shmbuffer.ring.container import Container
+from shmbuffer.ring.publisher import SpansPublisher
 from shmbuffer.samplers import FifoSampler, NoLimit, PrioritizedSampler, UniformSampler
 
 NAMES = ("u", "p", "f")
@@ -280,3 +284,38 @@ def test_the_journal_replays_a_commit_into_its_tables() -> None:
     check_tables(replayed, {ids[0]: frozenset(["p"])}, set())
     with pytest.raises(InvalidArgumentError, match="no table named 'q'"):
         replayed.replay_commit([(1, 3, 6)], ["q"])
+
+
+def test_a_filter_and_a_recent_bound_select_among_the_tables_own_episodes() -> None:
+    buf = Buffer(
+        200,
+        unit="episode",
+        seed=4,
+        tables={"all": {}, "some": {}, "recent": {"max_episodes": 2}},
+    )
+    for i in range(10):  # "some" and "recent" hold the even episodes only
+        into = ["all", "some", "recent"] if i % 2 == 0 else ["all"]
+        buf.add_episode(episode(i), meta={"r": float(i)}, tables=into)
+    drawn = {int(e["ep"][0]) for e in buf.sample_episodes(400, table="some", where="r >= 3")}
+    assert drawn == {4, 6, 8}
+    recent = {int(e["ep"][0]) for e in buf.sample_episodes(400, table="recent")}
+    assert recent == {6, 8}  # its own newest two, not the ring's
+    mixed = {int(e["ep"][0]) for e in buf.sample_episodes(400, table="recent", where="r < 7")}
+    assert mixed == {6}
+
+
+def test_readers_drawing_rows_themselves_see_only_the_tables_own_runs(tmp_path: Path) -> None:
+    out = SpansFile(tmp_path / shared_spans.SPANS_FILE)
+    view = SpansView.open(out.path)
+    assert view is not None
+    c = Container.of_tables(
+        40, {"a": (UniformSampler(), NoLimit()), "b": (UniformSampler(), NoLimit())}
+    )
+    publisher = SpansPublisher(c.tables["b"], out)
+    for i in range(4):
+        c.commit(c.reserve_rows(10, tables=["a", "b"] if i in (1, 2) else ["a"]).id)
+    publisher.flush()
+    got = view.draw(np.random.default_rng(0), 2000, np.zeros(40, dtype=np.int64))
+    assert got is not None
+    rows, _, live = got
+    assert live == 20 and rows.min() >= 10 and rows.max() < 30

@@ -40,9 +40,10 @@ from shmbuffer.api.reads import (
 )
 from shmbuffer.api.recent import RecentSamples
 from shmbuffer.api.tables import built_tables, table_options
-from shmbuffer.api.writeplan import plan_write, vector_episode, write_priority
+from shmbuffer.api.writeplan import plan_write, priority_for, vector_episode
 from shmbuffer.errors import ClosedError
 from shmbuffer.ring.container import Container
+from shmbuffer.ring.members import Members
 from shmbuffer.ring.meta import EpisodeMeta, EpisodeRecords
 from shmbuffer.samplers import LIMITER_OPTIONS, OPTIONS, RateLimiter, Sampler
 from shmbuffer.samplers.base import Priority
@@ -193,17 +194,23 @@ class Buffer:
     # -- writing ----------------------------------------------------------------------------
 
     def extend(
-        self, batch: Mapping[str, Any], priority: Priority = None, meta: Meta = None
+        self,
+        batch: Mapping[str, Any],
+        priority: Priority = None,
+        meta: Meta = None,
+        tables: Sequence[str] | None = None,
     ) -> list[int]:
         """Write rows straight in: a chunk of transitions, or one whole episode in episode
         unit. Returns the ids of the (single) registry entry written.
 
         ``priority`` (prioritized sampler only): a scalar, one value per row (transition
         unit) or one for the episode (episode unit); None gives the largest priority seen so
-        far. ``meta``: scalars to attach to the entry written (:meth:`episodes`). Both
-        checked before anything is written."""
+        far. ``meta``: scalars to attach to the entry written (:meth:`episodes`). ``tables``:
+        the tables it goes into (None: every one; ``docs/tables.md``). All checked before
+        anything is written."""
         self._check_open()
-        return self._write(batch, priority=priority, meta=self._checked_meta(meta))
+        into = self.container.members(tables)
+        return self._write(batch, priority=priority, meta=self._checked_meta(meta), into=into)
 
     def add_episode(
         self,
@@ -211,6 +218,7 @@ class Buffer:
         num_envs: int = 1,
         priority: Priority = None,
         meta: Meta = None,
+        tables: Sequence[str] | None = None,
     ) -> list[int]:
         """Write a finished episode; with ``num_envs > 1`` its leaves are ``[L, num_envs, ...]``
         and each sub-env becomes its own episode. Returns the new episode ids.
@@ -218,23 +226,30 @@ class Buffer:
         ``priority`` as for :meth:`extend`; with ``num_envs > 1`` one value per sub-episode
         (episode unit) or per row, shaped ``[L, num_envs]`` like the data (transition unit).
         ``meta``: scalars to attach to the episode (to each sub-episode), as :meth:`episodes`
-        reads them."""
+        reads them. ``tables`` as for :meth:`extend`."""
         self._check_open()
+        into = self.container.members(tables)
         checked = self._checked_meta(meta)
         if num_envs == 1:
-            return self._write(episode, priority=priority, meta=checked)
+            return self._write(episode, priority=priority, meta=checked, into=into)
         batch, priority = vector_episode(episode, num_envs, self.unit, priority)
-        return self._write(batch, num_sub_episodes=num_envs, priority=priority, meta=checked)
+        return self._write(batch, num_envs, priority, checked, into)
 
     def add_transition(
-        self, env_id: str, transition: Mapping[str, Any], meta: Meta = None
+        self,
+        env_id: str,
+        transition: Mapping[str, Any],
+        meta: Meta = None,
+        tables: Sequence[str] | None = None,
     ) -> list[int]:
         """Append one step of ``env_id``; returns ids of episodes it finished (if any).
         ``meta`` is merged into the metadata of the episode in progress, attached when it
-        ends (a later value of a name replaces an earlier one)."""
+        ends (a later value of a name replaces an earlier one); ``tables``, where given, are
+        the tables it goes into (the last given for it wins; never given: every table)."""
         self._check_open()
-        checked = self._checked_meta(meta)
-        return self._write_finished(self.assembler.add_transition(env_id, transition, checked))
+        self.container.members(tables)  # refused before the step is taken
+        step = self.assembler.add_transition(env_id, transition, self._checked_meta(meta), tables)
+        return self._write_finished(step)
 
     def end_episode(self, env_id: str) -> list[int]:
         """End ``env_id``'s pending episode now (a no-op when nothing is pending)."""
@@ -244,11 +259,12 @@ class Buffer:
     def truncate_episodes(self, env_ids: Iterable[str]) -> list[int]:
         return [i for env_id in env_ids for i in self.end_episode(env_id)]
 
-    def _write_finished(self, episodes: list[FinishedEpisode]) -> list[int]:
+    def _write_finished(self, finished: list[FinishedEpisode]) -> list[int]:
+        into = self.container.members  # the tables last named for each, checked then
         return [
             i
-            for ep in episodes
-            for i in self._write(ep.data, num_sub_episodes=ep.num_sub_episodes, meta=ep.meta)
+            for e in finished
+            for i in self._write(e.data, e.num_sub_episodes, None, e.meta, into(e.tables))
         ]
 
     def _write(
@@ -257,33 +273,23 @@ class Buffer:
         num_sub_episodes: int = 1,
         priority: Priority = None,
         meta: Mapping[str, Any] | None = None,
+        into: Members = None,
     ) -> list[int]:
         # A lazy schema is fixed by the first batch accepted, never by one refused (a bad
         # batch, priority, or more rows than a fixed buffer holds): rows are reserved first.
+        # ``into``: the tables the rows go into (Container.members; None: every one).
         segment = self.segment
         ring = self._ring
-        plan = plan_write(
-            None if segment is None else segment.schema,
-            batch,
-            num_sub_episodes,
-            ring.capacity,
-            ring.mode,
-        )
+        fixed = None if segment is None else segment.schema
+        plan = plan_write(fixed, batch, num_sub_episodes, ring.capacity, ring.mode)
         if plan is None:
             return []
         schema, leaves, first_row, num_rows, kept, _ = plan
         container = self.container
-        if priority is not None:  # checked before anything is evicted, as the sampler would
-            sampler = container.priority_table.sampler  # the table that stores them
-            priority = write_priority(
-                priority,
-                plan,
-                self.unit,
-                sampler=sampler.name,
-                keeps=sampler.has_priorities,
-                most=sampler.priority_limit,
-            )
-        reservation = ring.reserve(ring.plan(num_rows, kept))
+        if priority is not None:  # checked before anything is evicted, as its table would
+            sampler = container.priority_table(into).sampler
+            priority = priority_for(priority, plan, self.unit, sampler)
+        reservation = ring.reserve(ring.plan(num_rows, kept, into))
         if segment is None:
             try:
                 self._allocate(schema)
@@ -396,10 +402,8 @@ class Buffer:
         samples whose ``info["index"]`` is ``index`` (as :meth:`Reader.update_priorities`). A
         bad index, priority or length raises InvalidArgumentError and applies nothing."""
         self._check_open()
-        if self.segment is None:
-            stamps = np.zeros(self.capacity, dtype=np.int64)
-        else:
-            stamps = self.segment.generations
+        segment = self.segment
+        stamps = np.zeros(self.capacity, np.int64) if segment is None else segment.generations
         index = to_host(index)
         seen = self._recent.generations_of(index) if generation is None else generation
         # checked once, by the container (reads.check_update_args, as a Reader checks them)
@@ -436,12 +440,8 @@ class Buffer:
         if target is None:
             return self._episodes(drawn.starts, drawn.ends, scalar=False, physical=drawn.rows)
         assert self.segment is not None
-        arrays, flat, held = target
-        lengths = drawn.ends - drawn.starts
-        rows.check_out_rows(held, lengths)
-        rows.gather_columns(self.segment.columns, drawn.rows, self.segment.arrays, out=arrays)
-        total = len(drawn.rows)
-        return rows.episodes({key: tensor[:total] for key, tensor in flat.items()}, lengths)
+        columns, arrays = self.segment.columns, self.segment.arrays
+        return rows.episodes_into(columns, drawn.rows, arrays, drawn.ends - drawn.starts, target)
 
     def sample_slices(
         self,
@@ -564,10 +564,8 @@ class Buffer:
         if physical is None:
             physical = rows.episode_rows(starts, lengths)
             self.container.count_use(physical)
-        flat = rows.read_columns(self.segment.columns, physical, self.segment.arrays)
-        if scalar:
-            return rows.nest(flat, [len(physical)])
-        return rows.episodes(flat, lengths)
+        columns, arrays = self.segment.columns, self.segment.arrays
+        return rows.read_episodes(columns, physical, arrays, lengths, scalar)
 
     # -- lifecycle --------------------------------------------------------------------------
 

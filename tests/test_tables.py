@@ -49,7 +49,11 @@ class Recorder(RingListener):
         return [ep.id for ep in self.ring.registry]
 
     def on_commit(
-        self, episodes: Sequence[Episode], ranges: Sequence[Range], priority: Any
+        self,
+        episodes: Sequence[Episode],
+        ranges: Sequence[Range],
+        priority: Any,
+        members: Any = None,
     ) -> None:
         self.heard.append(("commit", [ep.id for ep in episodes], list(ranges), self.ids()))
 
@@ -99,7 +103,9 @@ def test_a_listener_may_ask_a_reservation_to_wait() -> None:
     class Gate(RingListener):
         closed: str | None = "the gate is closed"
 
-        def insert_blocker(self, num_rows: int, evict: Sequence[Range]) -> str | None:
+        def insert_blocker(
+            self, num_rows: int, evict: Sequence[Range], members: Any = None
+        ) -> str | None:
             return self.closed
 
     gate = Gate()

@@ -58,6 +58,8 @@ class FinishedEpisode:
     env_id: str = ""
     #: The metadata given with its steps, merged (a later value of a name replaces one before).
     meta: Mapping[str, Any] = field(default_factory=dict)
+    #: The tables it goes into, as its steps last named them (None: none named, every table).
+    tables: tuple[str, ...] | None = None
 
     @property
     def length(self) -> int:
@@ -222,6 +224,7 @@ class _Pending:
     keys: frozenset[Key]
     width: int  # 1, or num_envs for whole vector steps kept without auto-truncation
     meta: dict[str, Any] = field(default_factory=dict)  # merged from its steps' meta
+    tables: tuple[str, ...] | None = None  # the tables its steps named last
 
 
 class EpisodeAssembler:
@@ -265,11 +268,18 @@ class EpisodeAssembler:
     # -- adding ----------------------------------------------------------------------------
 
     def add_transition(
-        self, env_id: str, transition: Mapping[str, Any], meta: Mapping[str, Any] | None = None
+        self,
+        env_id: str,
+        transition: Mapping[str, Any],
+        meta: Mapping[str, Any] | None = None,
+        tables: Sequence[str] | None = None,
     ) -> list[FinishedEpisode]:
         """Add one step; return the episodes it finished (done flag on it), postprocessed.
         ``meta`` (checked by the caller) is merged into the metadata of the episode the step
-        belongs to (of each sub-env's, for a vector step split by env)."""
+        belongs to (of each sub-env's, for a vector step split by env). ``tables`` (checked
+        by the caller; None: not said) are the tables that episode goes into: the last named
+        for it wins, none named means every table."""
+        named = None if tables is None else tuple(tables)
         if not isinstance(env_id, str):
             raise TypeError(f"env_id must be a str, got {type(env_id).__name__}")
         tree = _copy_tree(transition)
@@ -301,7 +311,8 @@ class EpisodeAssembler:
                     pending = self._pending.get(sid)
                     merged = {**(pending.meta if pending else {}), **(meta or {})}
                     steps = [*(pending.steps if pending else []), step]
-                    episode = self._finish(sid, steps, 1, merged)
+                    into = named if named is not None else pending.tables if pending else None
+                    episode = self._finish(sid, steps, 1, merged, into)
                     done.add(sid)
                     if episode is not None:
                         finished.append(episode)
@@ -313,6 +324,8 @@ class EpisodeAssembler:
                 pending.steps.append(step)
                 if meta:
                     pending.meta.update(meta)
+                if named is not None:
+                    pending.tables = named
         return finished
 
     # -- ending ------------------------------------------------------------------------------
@@ -343,13 +356,18 @@ class EpisodeAssembler:
 
     def _end(self, ids: list[str]) -> list[FinishedEpisode]:
         pending = [(sid, self._pending[sid]) for sid in ids]
-        episodes = [self._finish(sid, p.steps, p.width, p.meta) for sid, p in pending]
+        episodes = [self._finish(sid, p.steps, p.width, p.meta, p.tables) for sid, p in pending]
         for sid in ids:
             del self._pending[sid]
         return [episode for episode in episodes if episode is not None]
 
     def _finish(
-        self, sid: str, steps: list[dict[str, Any]], width: int, meta: Mapping[str, Any]
+        self,
+        sid: str,
+        steps: list[dict[str, Any]],
+        width: int,
+        meta: Mapping[str, Any],
+        tables: tuple[str, ...] | None = None,
     ) -> FinishedEpisode | None:
         """Postprocess ``steps`` into rows; ``None`` (with a warning) when no rows result."""
         merged = {name: [step[name] for step in steps] for name in steps[0]}
@@ -382,4 +400,6 @@ class EpisodeAssembler:
                 tree, lambda _k, t: t.transpose(0, 1).reshape(width * length, *t.shape[2:])
             )
         data = tensordict_class()(tree, batch_size=[width * length], device=self.device)
-        return FinishedEpisode(data=data, num_sub_episodes=width, env_id=sid, meta=dict(meta))
+        return FinishedEpisode(
+            data=data, num_sub_episodes=width, env_id=sid, meta=dict(meta), tables=tables
+        )

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from shmbuffer.errors import CapacityError, InvalidArgumentError, SchemaError
-from shmbuffer.samplers.base import check_priority
+from shmbuffer.samplers.base import Sampler, check_priority
 from shmbuffer.samplers.declare import declared
 from shmbuffer.storage.schema import Schema, to_host
 
@@ -122,6 +122,21 @@ def write_priority(
         return check_priority(value, total, most=most)[plan.first_row :]
     except (TypeError, ValueError) as exc:
         raise InvalidArgumentError(str(exc)) from None
+
+
+def priority_for(priority: Any, plan: WritePlan, unit: str, sampler: Sampler) -> Items:
+    """:func:`write_priority` checked as ``sampler`` (the table's the write's priority goes
+    to) keeps them."""
+    if priority is None:
+        return None
+    return write_priority(
+        priority,
+        plan,
+        unit,
+        sampler=sampler.name,
+        keeps=sampler.has_priorities,
+        most=sampler.priority_limit,
+    )
 
 
 def vector_episode(

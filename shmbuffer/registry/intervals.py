@@ -52,10 +52,11 @@ from __future__ import annotations
 import bisect
 import itertools
 import operator
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from shmbuffer.errors import NotFoundError
 from shmbuffer.registry.slots import _INITIAL_SLOTS, I64, Episode, SlotTable
@@ -150,15 +151,23 @@ class EpisodeRegistry(SlotTable):
         self._next_id = episode_id + 1
         return episode_id
 
-    def add_run(self, bounds: Sequence[tuple[int, int]]) -> int:
+    def add_run(self, bounds: Sequence[tuple[int, int]], first: int | None = None) -> int:
         """Register several episodes at once (a reservation's, in its order) and return the
         first new id; ``bounds[i]`` gets ``first + i``. Every check of :meth:`add`, and that
         they do not overlap each other, passes before anything changes (ValueError if not).
+        ``first``: the ids to give, from it on (a table's registry of the episodes it holds
+        takes the ring's ids; ValueError below :attr:`next_id`); None: the next ones.
 
         One overlap query per run of adjacent episodes and one vectorised append to the slot
         arrays, instead of :meth:`add` per episode (per-episode calls were much of a commit of many
         chunks into a full ring)."""
         k = len(bounds)
+        if first is not None:
+            if first < self._next_id:
+                raise ValueError(f"episode id {first} is below the next id {self._next_id}")
+            if not k:
+                return first
+            self._next_id = operator.index(first)
         if k <= 1:
             return self.add(*bounds[0]) if k else self._next_id
         runs = self._runs(bounds)
@@ -481,6 +490,26 @@ class EpisodeRegistry(SlotTable):
             raise NotFoundError(f"episode {episode_id!r} is not live")
         return self._episode_at_slot(slot)
 
+    def holds(self, ids: I64) -> npt.NDArray[np.bool_]:
+        """Whether each of ``ids`` (an int64 array) is live, vectorised: one search over the
+        live slots, O(k log n)."""
+        h, t = self._head, self._tail
+        if not len(ids) or t == h:
+            return np.zeros(len(ids), dtype=bool)
+        slots = np.minimum(self._ids[h:t].searchsorted(ids) + h, t - 1)
+        found: npt.NDArray[np.bool_] = (self._ids[slots] == ids) & self._alive[slots]
+        return found
+
+    def only(self, keep: Callable[[int], bool]) -> EpisodeRegistry:
+        """A new registry of the live episodes whose id ``keep`` admits, with the same
+        capacity and next id: O(live episodes)."""
+        out = EpisodeRegistry(self.capacity)
+        for ep in self:
+            if keep(ep.id):
+                out._insert(ep.id, ep.start, ep.end)
+        out._next_id = self._next_id
+        return out
+
     def __contains__(self, episode_id: object) -> bool:
         if not isinstance(episode_id, (int, np.integer)) or isinstance(episode_id, bool):
             return False
@@ -511,6 +540,12 @@ class EpisodeRegistry(SlotTable):
     def num_rows(self) -> int:
         """Sum of the lengths of the live episodes."""
         return self._num_rows
+
+    @property
+    def oldest_id(self) -> int:
+        """The oldest live id (:attr:`next_id` when none is live), O(1): the head slot is
+        always live."""
+        return int(self._ids[self._head]) if self._n_live else self._next_id
 
     @property
     def next_id(self) -> int:

@@ -107,13 +107,18 @@ class TableBounds:
 
     # -- the selection -----------------------------------------------------------------------
 
-    def restrict(self, meta: Metadata, positions: I64 | None) -> tuple[I64, F64 | None]:
-        """The positions among ``positions`` (None: every live one) the bounds keep, in id
-        order, and each one's weight (None: 1 each)."""
+    def restrict(
+        self, meta: Metadata, positions: I64 | None, held: npt.NDArray[np.bool_] | None = None
+    ) -> tuple[I64, F64 | None]:
+        """The positions among ``positions`` (None: every live one; ``held``: only those it
+        marks, the table's own episodes where it holds only some) the bounds keep, in id
+        order, and each one's weight (None: 1 each). ``max_episodes`` counts the newest of the
+        table's own; the newest ``policy_version`` is the ring's."""
         self._catch_up(meta)
         size = len(meta.live())
         if self.bounds.max_episodes is not None:
-            newest = _newest_live(meta.live(), self.bounds.max_episodes)
+            live = meta.live() if held is None else meta.live() & held
+            newest = _newest_live(live, self.bounds.max_episodes)
             if positions is None:
                 positions = newest
             elif newest.size:
@@ -122,7 +127,7 @@ class TableBounds:
                 positions = newest
         if self._lag is None:
             if positions is None:  # not reached: a bound of some kind is always given
-                positions = np.flatnonzero(meta.live())
+                positions = np.flatnonzero(meta.live() if held is None else meta.live() & held)
             return positions, None
         if self._newest is None:
             return np.empty(0, dtype=np.int64), None if self._weights is None else np.empty(0)
@@ -130,6 +135,8 @@ class TableBounds:
         values, present = meta.column(POLICY_VERSION)
         if positions is None:
             positions = self._at_or_above(meta, floor, values, present, size)
+            if held is not None:
+                positions = positions[held[positions]]
         else:
             positions = positions[present[positions] & (values[positions] >= floor)]
         if self._weights is None:

@@ -27,7 +27,7 @@ Not thread-safe: the owner (buffer or daemon loop) serialises calls.
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Self
 
 import numpy as np
@@ -35,11 +35,12 @@ import numpy.typing as npt
 
 from shmbuffer.api.reads import as_invalid_argument
 from shmbuffer.api.tables import table_bounds
-from shmbuffer.errors import InvalidArgumentError
+from shmbuffer.errors import InvalidArgumentError, NotFoundError
 from shmbuffer.registry.intervals import Episode, EpisodeRegistry
 from shmbuffer.ring import persistence
 from shmbuffer.ring.bounds import TableBounds
 from shmbuffer.ring.listeners import F64, Range, SampleLog, SampleRecord
+from shmbuffer.ring.members import Members, holds
 from shmbuffer.ring.meta import EpisodeMeta
 from shmbuffer.ring.persistence import decode_state
 from shmbuffer.ring.ring import Plan, Reservation, Ring
@@ -90,7 +91,9 @@ class Container:
     ) -> None:
         self.ring = Ring(capacity, mode=mode, unit=unit)
         #: The table the container's own sampling methods and attributes address.
-        self.table = Table(self.ring, sampler=sampler, rate_limiter=rate_limiter, seed=seed)
+        self.table = Table(
+            self.ring, sampler=sampler, rate_limiter=rate_limiter, seed=seed, key=table_name
+        )
         #: Every table over the ring, by name; each hears the ring in this order.
         self.tables: dict[str, Table] = {table_name: self.table}
         #: The ring's open reservations (its dict, which it never replaces).
@@ -176,7 +179,7 @@ class Container:
         ValueError for a name taken."""
         if name in self.tables:
             raise ValueError(f"a table named {name!r} exists already")
-        table = Table(self.ring, sampler=sampler, rate_limiter=rate_limiter, seed=seed)
+        table = Table(self.ring, sampler=sampler, rate_limiter=rate_limiter, seed=seed, key=name)
         self.tables[name] = table
         for named, each in self.tables.items():  # with two or more, messages name them
             each.name = named
@@ -201,6 +204,38 @@ class Container:
                 f"no table named {name!r}; the tables are {', '.join(self.tables)}"
             )
         return table
+
+    def members(self, tables: Iterable[str] | None) -> Members:
+        """The tables a write goes into, as the ring records them (``ring/members.py``):
+        None for None or every table. InvalidArgumentError naming the tables there are for a
+        name that is none of them, a str given for a list, or no table at all."""
+        if tables is None:
+            return None
+        if isinstance(tables, str) or not isinstance(tables, Iterable):
+            raise InvalidArgumentError(
+                f"tables must be a list of table names, got {tables!r}; the tables are "
+                + ", ".join(self.tables)
+            )
+        names = list(tables)
+        for name in names:
+            if not isinstance(name, str) or name not in self.tables:
+                raise InvalidArgumentError(
+                    f"tables: no table named {name!r}; the tables are {', '.join(self.tables)}"
+                )
+        if not names:
+            raise InvalidArgumentError(
+                f"tables: an empty list puts the rows in no table; name one of "
+                f"{', '.join(self.tables)} (or give None: every table)"
+            )
+        members = frozenset(names)
+        return None if len(members) == len(self.tables) else members
+
+    def priority_table(self, members: Members) -> Table:
+        """The table a write into ``members`` checks its priority against: the first one it
+        goes into that keeps priorities, else the first one it goes into (whose refusal
+        names its sampler)."""
+        into = [t for t in self.tables.values() if holds(members, t.key)]
+        return next((t for t in into if t.sampler.has_priorities), into[0])
 
     # -- the ring's -------------------------------------------------------------------------
 
@@ -247,52 +282,71 @@ class Container:
     def num_episodes(self) -> int:
         return len(self.ring.registry)
 
-    def plan(self, num_rows: int, episodes: int | Sequence[int] = 1) -> Plan:
-        """:meth:`Ring.plan <shmbuffer.ring.ring.Ring.plan>`."""
-        return self.ring.plan(num_rows, episodes)
+    def plan(
+        self,
+        num_rows: int,
+        episodes: int | Sequence[int] = 1,
+        tables: Iterable[str] | None = None,
+    ) -> Plan:
+        """:meth:`Ring.plan <shmbuffer.ring.ring.Ring.plan>` of rows going into ``tables``
+        (None: every table; :meth:`members` checks them first)."""
+        return self.ring.plan(num_rows, episodes, self.members(tables))
 
     def reserve(self, plan: Plan, owner: object = None) -> Reservation:
         """:meth:`Ring.reserve <shmbuffer.ring.ring.Ring.reserve>`."""
         return self.ring.reserve(plan, owner)
 
     def reserve_rows(
-        self, num_rows: int, episodes: int | Sequence[int] = 1, owner: object = None
+        self,
+        num_rows: int,
+        episodes: int | Sequence[int] = 1,
+        owner: object = None,
+        tables: Iterable[str] | None = None,
     ) -> Reservation:
-        """:meth:`Ring.reserve_rows <shmbuffer.ring.ring.Ring.reserve_rows>`."""
-        return self.ring.reserve(self.ring.plan(num_rows, episodes), owner)
+        """:meth:`Ring.reserve_rows <shmbuffer.ring.ring.Ring.reserve_rows>` into ``tables``."""
+        return self.ring.reserve(self.plan(num_rows, episodes, tables), owner)
 
     def hold(
-        self, reservation_id: int, ranges: Sequence[Range], episodes: int | Sequence[int]
+        self,
+        reservation_id: int,
+        ranges: Sequence[Range],
+        episodes: int | Sequence[int],
+        tables: Iterable[str] | None = None,
     ) -> Reservation:
-        """:meth:`Ring.hold <shmbuffer.ring.ring.Ring.hold>`."""
-        return self.ring.hold(reservation_id, ranges, episodes)
+        """:meth:`Ring.hold <shmbuffer.ring.ring.Ring.hold>`, its episodes going into
+        ``tables``."""
+        return self.ring.hold(reservation_id, ranges, episodes, self.members(tables))
 
-    def commit(self, reservation_id: int, priority: Priority = None) -> list[int]:
+    def commit(
+        self, reservation_id: int, priority: Priority = None, tables: Iterable[str] | None = None
+    ) -> list[int]:
         """Publish a reservation's episodes; return their ids in order.
 
-        ``priority``: None (the sampler's default: the largest seen so far), a scalar, or one
-        value per row (transition unit) or per episode (episode unit), checked by every table
-        keeping priorities before anything is published (InvalidArgumentError leaves the
-        reservation open; refused as the default table refuses it where no table keeps
-        any); tables that keep none ignore it."""
-        if priority is None:
-            return self.ring.commit(reservation_id)
-        first = self.priority_table
-        given = first.commit_priority(reservation_id, priority)
-        for table in self.tables.values():
-            if table is not first and table.sampler.has_priorities:
+        ``tables``: the tables they go into, where the reservation did not say it already
+        (a writer that reserved ahead); None: as reserved (every table unless the plan
+        named some). ``priority``: None (the sampler's default: the largest seen so far), a
+        scalar, or one value per row (transition unit) or per episode (episode unit),
+        checked by every table they go into that keeps priorities (by the first they go into
+        when none does: refused) before anything is published. InvalidArgumentError (an
+        unknown table, a bad priority) and NotFoundError leave the reservation open and
+        unchanged; tables that keep no priorities ignore it."""
+        reservation = self.ring.reservations.get(reservation_id)
+        if reservation is None:
+            raise NotFoundError(f"no open reservation {reservation_id}")
+        members = reservation.members if tables is None else self.members(tables)
+        given = None
+        if priority is not None:
+            keeping = [
+                t
+                for t in self.tables.values()
+                if holds(members, t.key) and t.sampler.has_priorities
+            ]
+            first = keeping[0] if keeping else self.priority_table(members)
+            given = first.commit_priority(reservation_id, priority)
+            for table in keeping[1:]:
                 table.commit_priority(reservation_id, given)
+        reservation.members = members
         return self.ring.commit(reservation_id, given)
-
-    @property
-    def priority_table(self) -> Table:
-        """The table that checks a writer's priorities: the default one where it keeps
-        priorities or no table does, else the first that does (a consume-once default table
-        beside a prioritized one must not refuse what the other stores)."""
-        if self.table.sampler.has_priorities:
-            return self.table
-        keeping = [t for t in self.tables.values() if t.sampler.has_priorities]
-        return keeping[0] if keeping else self.table
 
     def abort(self, reservation_id: int, written: int | None = None) -> list[Episode]:
         """:meth:`Ring.abort <shmbuffer.ring.ring.Ring.abort>`."""
@@ -377,12 +431,14 @@ class Container:
         self, num_rows: int, episodes: int | Sequence[int], priority: Priority
     ) -> F64 | None:
         """:meth:`Table.check_priority <shmbuffer.ring.table.Table.check_priority>`."""
-        return self.priority_table.check_priority(num_rows, episodes, priority)
+        return self.priority_table(None).check_priority(num_rows, episodes, priority)
 
     def commit_priorities(self, reservation_id: int, priority: Priority) -> PriorityUpdate | None:
         """:meth:`Table.commit_priorities <shmbuffer.ring.table.Table.commit_priorities>` of the
-        default table."""
-        return self.priority_table.commit_priorities(reservation_id, priority)
+        table the reservation's priorities are checked by (:meth:`priority_table`)."""
+        reservation = self.ring.reservations.get(reservation_id)
+        members = None if reservation is None else reservation.members
+        return self.priority_table(members).commit_priorities(reservation_id, priority)
 
     def check_priorities(
         self,
@@ -466,9 +522,12 @@ class Container:
         """:meth:`Ring.replay_reserve <shmbuffer.ring.ring.Ring.replay_reserve>`."""
         self.ring.replay_reserve(evicted, pointer, rows_written, next_reservation)
 
-    def replay_commit(self, episodes: Sequence[tuple[int, int, int]]) -> None:
-        """:meth:`Ring.replay_commit <shmbuffer.ring.ring.Ring.replay_commit>`."""
-        self.ring.replay_commit(episodes)
+    def replay_commit(
+        self, episodes: Sequence[tuple[int, int, int]], tables: Iterable[str] | None = None
+    ) -> None:
+        """:meth:`Ring.replay_commit <shmbuffer.ring.ring.Ring.replay_commit>` into
+        ``tables`` (None: every table), as :meth:`commit` took them."""
+        self.ring.replay_commit(episodes, self.members(tables))
 
     def replay_restore(self, episodes: Sequence[Episode], pointer: int, rows_written: int) -> None:
         self.ring.replay_restore(episodes, pointer, rows_written)

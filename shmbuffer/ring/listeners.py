@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shmbuffer.registry.intervals import Episode
+from shmbuffer.ring.members import Members
 
 #: Physical rows ``[start, stop)`` of the ring.
 Range = tuple[int, int]
@@ -51,19 +52,28 @@ class RingListener:
       as read-only.
     """
 
-    def insert_blocker(self, num_rows: int, evict: Sequence[Range]) -> str | None:
+    def insert_blocker(
+        self, num_rows: int, evict: Sequence[Range], members: Members = None
+    ) -> str | None:
         """Why a reservation of ``num_rows`` rows that evicts ``evict`` (the rows it would
-        take) must wait now, or None: flow control that must answer before the rows are
-        handed out (a rate limiter's insert side, rows a consuming reader still has to
-        read). The ring puts the first reason in the reservation's ``Plan.blocked``."""
+        take) going into the tables ``members`` (None: every one) must wait now, or None:
+        flow control that must answer before the rows are handed out (a rate limiter's insert
+        side, for the tables the rows go into; rows a consuming reader still has to read,
+        whichever tables the new rows go into). The ring puts the first reason in the
+        reservation's ``Plan.blocked``."""
         return None
 
     def on_commit(
-        self, episodes: Sequence[Episode], ranges: Sequence[Range], priority: F64 | None
+        self,
+        episodes: Sequence[Episode],
+        ranges: Sequence[Range],
+        priority: F64 | None,
+        members: Members = None,
     ) -> None:
         """``episodes`` were published (ids increasing), over the physical ``ranges`` they
-        fill together. ``priority``: None (no priority given), or one checked value per item
-        (per row in transition unit, per episode in episode unit) for the tables that keep
+        fill together, into the tables ``members`` names by key (None: every table; see
+        below). ``priority``: None (no priority given), or one checked value per item (per
+        row in transition unit, per episode in episode unit) for the tables that keep
         priorities; the committer checked it against them before the commit."""
 
     def on_evict(self, start: int, stop: int, evicted: Sequence[Episode], rows: int) -> None:
@@ -85,6 +95,24 @@ class RingListener:
     def on_load(self) -> None:
         """The ring took a saved state: its registry is a new object whose episodes this
         listener never heard of, and no reservation is open. Start over from it."""
+
+
+# Tables over one ring, and which of them hold an episode (``ring/members.py``):
+#
+# - A commit goes into the tables its ``members`` name (keys, a table's name), every one for
+#   None; every episode of one commit into the same ones. The ring records it
+#   (``Ring.members_of``) until no abort can bring the episode back.
+# - A table hears every change, and keeps only what is its own: it tells its sampler, its
+#   limiter (inserted, deleted, restored, sampled rows) and its use counts of the episodes it
+#   holds and nothing else, so its sizes, a FIFO's queue and a sum tree's mass hold its
+#   episodes exactly. An eviction, a restore, a clear or a load reaches it as for any
+#   listener; it sorts out its own episodes (a restore by ``Ring.members_of``).
+# - A table that does not hold every live episode keeps a registry of those it holds
+#   (``Table.registry``), which its sampler draws over: a uniform table's row draws over its
+#   own runs of rows, a filter or bounds selection intersected with it.
+# - Rows are reused only once every table that holds them lets them go: a consume-once
+#   table's ``insert_blocker`` asks its sampler about the rows evicted, which holds only its
+#   own, so a table that does not hold an episode never holds back the write over it.
 
 
 class SampleRecord(NamedTuple):

@@ -42,6 +42,7 @@ from shmbuffer.errors import InvalidArgumentError
 from shmbuffer.registry.intervals import Episode
 from shmbuffer.registry.query import Column, Where, parse_order, parse_where
 from shmbuffer.ring.listeners import F64, Range, RingListener
+from shmbuffer.ring.members import Members
 from shmbuffer.ring.ring import Ring
 from shmbuffer.ring.subset import Subset
 from shmbuffer.ring.table import Table
@@ -219,7 +220,11 @@ class EpisodeMeta(RingListener):
     # -- the ring's news -----------------------------------------------------------------------
 
     def on_commit(
-        self, episodes: Sequence[Episode], ranges: Sequence[Range], priority: F64 | None
+        self,
+        episodes: Sequence[Episode],
+        ranges: Sequence[Range],
+        priority: F64 | None,
+        members: Members = None,
     ) -> None:
         self._cover(episodes[-1].id)
         self.last_commit_time = now = time.time()  # the daemon journals it with the commit
@@ -366,13 +371,21 @@ class EpisodeMeta(RingListener):
         return self.among(standing.update(self) - self._base, table, f"where={where!r}")
 
     def among(self, positions: I64 | None, table: Table, what: str) -> Subset:
-        """The live episodes at ``positions`` (None: every live one) that ``table``'s bounds
-        keep, for it to draw from (``what`` selected them, for its messages)."""
+        """The live episodes at ``positions`` (None: every live one) that ``table`` holds
+        and its bounds keep, for it to draw from (``what`` selected them, for its messages).
+        For a table that holds only some episodes, O(span) more, to find its own."""
         factor = None
+        held = None  # which positions hold an episode of the table, where it holds not all
+        if not table.holds_all:
+            size = self._size
+            held = table.holding(np.arange(self._base, self._base + size, dtype=np.int64))
+            if positions is not None:
+                positions = positions[held[positions]]
         if table.bounds is not None:
-            positions, factor = table.bounds.restrict(self, positions)
+            positions, factor = table.bounds.restrict(self, positions, held)
         elif positions is None:
-            positions = np.flatnonzero(self.live())
+            live = self.live()
+            positions = np.flatnonzero(live if held is None else live & held)
         starts = self._starts[positions]
         ends = starts + self._values["length"][positions]
         return table.filtered(positions + self._base, starts, ends, what, factor)

@@ -46,6 +46,10 @@ def state_of(ring: Ring, tables: Mapping[str, Table]) -> dict[str, Any]:
         "rows_written": ring.rows_written,
         "next_reservation": ring.next_reservation,
         "registry": ring.registry.to_state(),
+        # which tables hold the live episodes written into only some (ring/members.py)
+        "members": (
+            ring.membership.state([ep.id for ep in ring.registry]) if len(ring.membership) else []
+        ),
         **table_state(table),
     }
     if others or default != "default":  # one table named "default": the layout of old
@@ -125,6 +129,7 @@ def load_state(ring: Ring, tables: Mapping[str, Table], state: Mapping[str, Any]
         operator.index(state["pointer"]),
         operator.index(state["rows_written"]),
         operator.index(state["next_reservation"]),
+        state.get("members"),
     )  # every table starts over from the registry: counters, sampler, limiter counts
     for name, entry in saved.items():
         load_table(tables[name], entry)

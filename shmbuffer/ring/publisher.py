@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from shmbuffer.registry.intervals import Episode
 from shmbuffer.registry.shared_spans import SpansFile
 from shmbuffer.ring.listeners import F64, Range, RingListener
+from shmbuffer.ring.members import Members
 from shmbuffer.ring.ring import Ring
 from shmbuffer.ring.table import Table
 
@@ -55,7 +56,7 @@ class SpansPublisher(RingListener):
 
     def publish(self) -> None:
         """Publish the registry's runs as they are now."""
-        registry = self.ring.registry
+        registry = self.table.registry  # the episodes its table holds, no other
         starts, ends = registry.spans.runs()
         self.out.publish(starts, ends, registry.num_rows, self.open())
         self.stale = False
@@ -66,7 +67,11 @@ class SpansPublisher(RingListener):
             self.publish()
 
     def on_commit(
-        self, episodes: Sequence[Episode], ranges: Sequence[Range], priority: F64 | None
+        self,
+        episodes: Sequence[Episode],
+        ranges: Sequence[Range],
+        priority: F64 | None,
+        members: Members = None,
     ) -> None:
         self.stale = self.eligible
 

@@ -40,12 +40,13 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from shmbuffer.errors import CapacityError, NotFoundError, WaitTimeoutError
 from shmbuffer.names import MODES, UNITS, check_choice
 from shmbuffer.registry.intervals import Episode, EpisodeRegistry
 from shmbuffer.ring.listeners import F64, Range, RingListener
+from shmbuffer.ring.members import Members, Membership
 
 __all__ = ["Plan", "Range", "Reservation", "Ring", "episode_lengths"]
 
@@ -71,6 +72,9 @@ class Reservation:
     #: The (sub-)episodes it publishes: what ``episodes_committed`` counts. ``episodes`` can
     #: hold one more entry, for the one the ring's end splits in two.
     num_episodes: int = 1
+    #: The tables its episodes go into, by key (None: every one): ``ring/members.py``. Its
+    #: owner may change it until the commit (a writer that reserved ahead says it then).
+    members: Members = None
 
     @property
     def num_rows(self) -> int:
@@ -96,6 +100,9 @@ class Plan(NamedTuple):
     blocked: str | None
     #: ``(pointer, rows_written)`` it was made at.
     at: tuple[int, int]
+    #: The tables the rows go into (None: every one); only theirs hold it back by their
+    #: rate limiters.
+    members: Members = None
 
     @property
     def episodes(self) -> int:
@@ -130,6 +137,8 @@ class Ring:
         self.next_reservation = 1
         # A tuple: every change walks it, and it changes only when a listener registers.
         self._listeners: tuple[RingListener, ...] = ()
+        #: Which tables hold the episodes written into only some (``ring/members.py``).
+        self.membership = Membership()
 
     def listen(self, listener: RingListener) -> None:
         """Tell ``listener`` every change from now on, after those registered before it (see
@@ -162,26 +171,27 @@ class Ring:
 
     # -- reserving ----------------------------------------------------------------------------
 
-    def plan(self, num_rows: int, episodes: int | Sequence[int] = 1) -> Plan:
+    def plan(
+        self, num_rows: int, episodes: int | Sequence[int] = 1, members: Members = None
+    ) -> Plan:
         """Decide a reservation of ``num_rows`` for ``episodes`` (a count of equal
         sub-episodes, or their lengths: a writer that batches several small episodes into one
-        round trip) without changing anything: its rows, its evictions, the writers it would
-        lap and whether a listener holds it back. An owner checks its own rules against it
-        (the daemon: leases on the evicted rows) and then hands it to :meth:`reserve`.
-        CapacityError/ValueError for a request that can never fit."""
+        round trip) going into the tables ``members`` (None: every one) without changing
+        anything: its rows, its evictions, the writers it would lap and whether a listener
+        holds it back. An owner checks its own rules against it (the daemon: leases on the
+        evicted rows) and then hands it to :meth:`reserve`. CapacityError/ValueError for a
+        request that can never fit."""
         lengths = episode_lengths(num_rows, episodes)
         ranges, evict = self._plan(num_rows)
         busy = self.conflicts(evict) if self.reservations else []
         blocked = None
         for listener in self._listeners:
-            blocked = listener.insert_blocker(num_rows, evict)
+            blocked = listener.insert_blocker(num_rows, evict, members)
             if blocked is not None:
                 break
         # tuple.__new__, not Plan(...): its generated constructor is a Python-level call
-        return _new_tuple(
-            Plan,
-            (num_rows, lengths, ranges, evict, busy, blocked, (self.pointer, self.rows_written)),
-        )
+        at = (self.pointer, self.rows_written)
+        return _new_tuple(Plan, (num_rows, lengths, ranges, evict, busy, blocked, at, members))
 
     def _plan(self, num_rows: int) -> tuple[list[Range], list[Range]]:
         if num_rows > self.capacity:
@@ -233,20 +243,29 @@ class Ring:
             before=before,
             travelled=self.travelled,
             num_episodes=len(plan.lengths),
+            members=plan.members,
         )
         self.next_reservation += 1
         self.reservations[reservation.id] = reservation
         return reservation
 
     def reserve_rows(
-        self, num_rows: int, episodes: int | Sequence[int] = 1, owner: object = None
+        self,
+        num_rows: int,
+        episodes: int | Sequence[int] = 1,
+        owner: object = None,
+        members: Members = None,
     ) -> Reservation:
         """:meth:`plan` and :meth:`reserve` in one, for an owner with nothing to check in
         between (the in-process Buffer)."""
-        return self.reserve(self.plan(num_rows, episodes), owner)
+        return self.reserve(self.plan(num_rows, episodes, members), owner)
 
     def hold(
-        self, reservation_id: int, ranges: Sequence[Range], episodes: int | Sequence[int]
+        self,
+        reservation_id: int,
+        ranges: Sequence[Range],
+        episodes: int | Sequence[int],
+        members: Members = None,
     ) -> Reservation:
         """Open again reservation ``reservation_id`` of ``ranges`` split into ``episodes`` (as
         :meth:`reserve` takes them) that a dead owner had, its rows already evicted by the
@@ -263,6 +282,7 @@ class Ring:
             _episode_bounds(held, lengths),
             before=(self.pointer, self.rows_written, self.travelled),
             travelled=self.travelled,
+            members=members,
         )
         self.reservations[reservation_id] = reservation
         return reservation
@@ -307,17 +327,35 @@ class Ring:
     # -- committing, aborting, restoring, clearing --------------------------------------------
 
     def commit(self, reservation_id: int, priority: F64 | None = None) -> list[int]:
-        """Publish a reservation's episodes; return their ids in order. ``priority``: one
-        checked value per item for the listeners that keep priorities (None: none given);
-        the committer checks it first (``Container.commit`` asks its tables)."""
+        """Publish a reservation's episodes into the tables its ``members`` name; return
+        their ids in order. ``priority``: one checked value per item for the listeners that
+        keep priorities (None: none given); the committer checks it first
+        (``Container.commit`` asks its tables)."""
         reservation = self.reservations.pop(reservation_id, None)
         if reservation is None:
             raise NotFoundError(f"no open reservation {reservation_id}")
         first = self.registry.add_run(reservation.episodes)
         episodes = [Episode(first + i, s, e) for i, (s, e) in enumerate(reservation.episodes)]
+        members = reservation.members
+        if members is not None:
+            self._remember(first, first + len(episodes), members)
         for listener in self._listeners:
-            listener.on_commit(episodes, reservation.ranges, priority)
+            listener.on_commit(episodes, reservation.ranges, priority, members)
         return [ep.id for ep in episodes]
+
+    def _remember(self, first: int, end: int, members: Members) -> None:
+        """Record ids ``[first, end)`` as written into ``members``, forgetting the runs no
+        abort can bring back (``ring/members.py``)."""
+        floor = self.registry.oldest_id
+        for reservation in self.reservations.values():
+            for ep in (*reservation.evicted, *reservation.trimmed):
+                floor = min(floor, ep.id)
+        self.membership.forget_below(floor)
+        self.membership.add(first, end, members)
+
+    def members_of(self, episode_id: int) -> Members:
+        """The tables episode ``episode_id`` was written into (None: every one)."""
+        return self.membership.of(episode_id)
 
     def abort(self, reservation_id: int, written: int | None = None) -> list[Episode]:
         """Give rows back unpublished (a writer that died or failed mid-copy).
@@ -373,21 +411,29 @@ class Ring:
         self.registry.clear()
         if not self.reservations:
             self.pointer = 0
+        self.membership.clear()
         for listener in self._listeners:
             listener.on_clear(rows)
 
     # -- saved states and the journal's replay ------------------------------------------------
 
     def load(
-        self, registry: EpisodeRegistry, pointer: int, rows_written: int, next_reservation: int
+        self,
+        registry: EpisodeRegistry,
+        pointer: int,
+        rows_written: int,
+        next_reservation: int,
+        members: Sequence[Sequence[Any]] | None = None,
     ) -> None:
-        """Take over a saved ``registry`` and position (a checkpoint, a journal snapshot):
-        open reservations are dropped (their rows were never published) and every listener
-        starts over from the new registry."""
+        """Take over a saved ``registry``, position and table ``members`` (a checkpoint, a
+        journal snapshot; :meth:`Membership.state <shmbuffer.ring.members.Membership.state>`,
+        None: every episode in every table): open reservations are dropped (their rows were
+        never published) and every listener starts over from the new registry."""
         if registry.capacity != self.capacity:
             raise ValueError(
                 f"a registry of {registry.capacity} rows for a ring of {self.capacity}"
             )
+        self.membership.load(members)
         self.registry = registry
         self.reservations.clear()
         self.pointer, self.rows_written = pointer, rows_written
@@ -406,10 +452,13 @@ class Ring:
         self.pointer, self.rows_written = pointer, rows_written
         self.next_reservation = next_reservation
 
-    def replay_commit(self, episodes: Sequence[tuple[int, int, int]]) -> None:
-        """Redo a commit of ``(id, start, end)`` episodes (one reservation's); ValueError if
-        the registry hands out other ids (the journal does not fit this state). Priorities a
-        writer gave are journaled apart and replayed as a priority update."""
+    def replay_commit(
+        self, episodes: Sequence[tuple[int, int, int]], members: Members = None
+    ) -> None:
+        """Redo a commit of ``(id, start, end)`` episodes (one reservation's) into the tables
+        ``members`` (None: every one); ValueError if the registry hands out other ids (the
+        journal does not fit this state). Priorities a writer gave are journaled apart and
+        replayed as a priority update."""
         published: list[Episode] = []
         for episode_id, start, end in episodes:
             got = self.registry.add(start, end)
@@ -417,8 +466,10 @@ class Ring:
                 raise ValueError(f"replayed episode got id {got}, journal says {episode_id}")
             published.append(Episode(got, start, end))
         bounds = [(ep.start, ep.end) for ep in published]
+        if members is not None and published:
+            self._remember(published[0].id, published[-1].id + 1, members)
         for listener in self._listeners:
-            listener.on_commit(published, bounds, None)
+            listener.on_commit(published, bounds, None, members)
 
     def replay_restore(self, episodes: Sequence[Episode], pointer: int, rows_written: int) -> None:
         """Redo an abort that published ``episodes`` again (see :meth:`abort`)."""

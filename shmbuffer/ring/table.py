@@ -49,7 +49,7 @@ from shmbuffer.api.reads import (
     raise_invalid,
 )
 from shmbuffer.errors import InvalidArgumentError, NotFoundError, WaitTimeoutError
-from shmbuffer.registry.intervals import Episode
+from shmbuffer.registry.intervals import Episode, EpisodeRegistry
 from shmbuffer.registry.spans import loaded_draws
 from shmbuffer.ring.listeners import (
     EPISODES,
@@ -62,6 +62,7 @@ from shmbuffer.ring.listeners import (
     SampleRecord,
     rng_words,
 )
+from shmbuffer.ring.members import Members, holds
 from shmbuffer.ring.ring import Ring, episode_lengths
 from shmbuffer.ring.samples import EpisodeSample, PriorityUpdate, RowSample, SliceSample
 from shmbuffer.ring.subset import PrioritySubset, Subset
@@ -99,6 +100,7 @@ class Table(RingListener):
         sampler: Sampler | None = None,
         rate_limiter: RateLimiter | None = None,
         seed: int | None = None,
+        key: str = "default",
     ) -> None:
         if sampler is not None and _attached(sampler):  # two tables under one sampler: garbage
             raise InvalidArgumentError(
@@ -107,6 +109,11 @@ class Table(RingListener):
         self.ring = ring
         #: Its name among several tables over the ring (None: the only one), for messages.
         self.name: str | None = None
+        #: What a write's ``members`` name it by (``ring/members.py``).
+        self.key = key
+        #: The episodes it holds, where it does not hold every live one (None: the ring's
+        #: registry holds them): see :attr:`registry`.
+        self._own: EpisodeRegistry | None = None
         self.sampler: Sampler = UniformSampler() if sampler is None else sampler
         self.rate_limiter: RateLimiter = NoLimit() if rate_limiter is None else rate_limiter
         try:
@@ -128,11 +135,41 @@ class Table(RingListener):
         self.rng_unlogged = False
         #: Which live episodes it draws from at all (None: every one): ``ring/bounds.py``.
         self.bounds: TableBounds | None = None
-        self.sampler.attach(ring.registry, ring.unit, ring.capacity)
-        if ring.num_rows:
+        self._adopt()
+        self.sampler.attach(self.registry, ring.unit, ring.capacity)
+        if self.registry.num_rows:
             self._count_committed()
-            self.rate_limiter.on_insert(ring.num_rows)
+            self.rate_limiter.on_insert(self.registry.num_rows)
         ring.listen(self)
+
+    @property
+    def registry(self) -> EpisodeRegistry:
+        """The live episodes this table holds: the ring's registry while it holds every one,
+        else a registry of its own with the ring's ids (made at the first commit that leaves
+        it out), which its sampler draws over."""
+        own = self._own
+        return self.ring.registry if own is None else own
+
+    @property
+    def holds_all(self) -> bool:
+        """Whether it holds every live episode of the ring."""
+        return self._own is None
+
+    def holding(self, ids: I64) -> npt.NDArray[np.bool_]:
+        """Whether it holds each of the live episodes ``ids``."""
+        own = self._own
+        return np.ones(len(ids), dtype=bool) if own is None else own.holds(ids)
+
+    def _adopt(self) -> None:
+        """Hold the live episodes the ring's membership gives it (a new table, a load): the
+        ring's registry if every one, else a registry of those."""
+        ring, key = self.ring, self.key
+        if not ring.membership or not ring.membership.any_leaves_out(
+            key, (ep.id for ep in ring.registry)
+        ):
+            self._own = None
+            return
+        self._own = ring.registry.only(lambda i: holds(ring.members_of(i), key))
 
     def listen(self, log: SampleLog | None) -> None:
         """Tell ``log`` every draw from now on (None: nobody): how the daemon's journal hears
@@ -155,22 +192,29 @@ class Table(RingListener):
         """Use counts as for a ring just loaded: 0 for every committed row, -1 elsewhere."""
         use_counts = self.use_counts
         use_counts[:] = -1
-        for ep in self.ring.registry:
+        for ep in self.registry:
             use_counts[ep.start : ep.end] = 0
 
     # -- what the ring tells it ---------------------------------------------------------------
 
-    def insert_blocker(self, num_rows: int, evict: Sequence[Range]) -> str | None:
+    def insert_blocker(
+        self, num_rows: int, evict: Sequence[Range], members: Members = None
+    ) -> str | None:
         # Rows reserved and not yet committed count as inserted already: the limiter counts
         # inserts at commit, and a writer may hold several reservations (a batch reserved
         # ahead), each admitted against a count that did not include the others. Summed only
-        # for a limiter that bounds inserts: the default one never looks.
+        # for a limiter that bounds inserts: the default one never looks. Rows that go into
+        # other tables only are no insert of this one's.
         limiter = self.rate_limiter
-        pending = self.ring.reserved_rows if limiter.bounds_inserts else 0
-        if not limiter.can_insert(num_rows + pending):
-            return limiter.blocked_reason() + (
-                "" if self.name is None else f" (table {self.name!r})"
+        if limiter.bounds_inserts and holds(members, self.key):
+            key = self.key
+            pending = sum(
+                r.num_rows for r in self.ring.reservations.values() if holds(r.members, key)
             )
+            if not limiter.can_insert(num_rows + pending):
+                return limiter.blocked_reason() + (
+                    "" if self.name is None else f" (table {self.name!r})"
+                )
         sampler = self.sampler
         for start, stop in evict:
             if sampler.blocks_overwrite(start, stop):
@@ -183,8 +227,21 @@ class Table(RingListener):
         return None
 
     def on_commit(
-        self, episodes: Sequence[Episode], ranges: Sequence[Range], priority: F64 | None
+        self,
+        episodes: Sequence[Episode],
+        ranges: Sequence[Range],
+        priority: F64 | None,
+        members: Members = None,
     ) -> None:
+        own = self._own
+        if members is not None and self.key not in members:
+            if own is None:  # the first it is left out of: its own registry from now on
+                first = episodes[0].id
+                self._own = own = self.ring.registry.only(lambda i: i < first)
+                self.sampler.on_restore([], own)  # the same episodes, in another registry
+            return
+        if own is not None:
+            own.add_run([(ep.start, ep.end) for ep in episodes], episodes[0].id)
         use_counts = self.use_counts
         num_rows = 0
         for start, stop in ranges:
@@ -195,6 +252,14 @@ class Table(RingListener):
         self.rate_limiter.on_insert(num_rows)
 
     def on_evict(self, start: int, stop: int, evicted: Sequence[Episode], rows: int) -> None:
+        own = self._own
+        if own is not None:  # what it held of the range goes from its own registry too
+            before = own.num_rows
+            trimmed: list[Episode] = []
+            evicted = own.evict(start, stop, trimmed if self.ring.unit == "transition" else None)
+            if not evicted and not trimmed:
+                return  # none of its episodes were there
+            rows = before - own.num_rows
         use_counts = self.use_counts
         use_counts[start:stop] = -1
         # An episode's rows inside [start, stop) were just marked; only one reaching outside
@@ -207,14 +272,27 @@ class Table(RingListener):
             self.rate_limiter.on_delete(rows)
 
     def on_restore(self, episodes: Sequence[Episode], rows: int) -> None:
+        own = self._own
+        if own is not None:  # only those it held come back to it
+            ring, key = self.ring, self.key
+            episodes = [ep for ep in episodes if holds(ring.members_of(ep.id), key)]
+            if not episodes:
+                return
+            before = own.num_rows
+            own.restore(episodes)
+            rows = own.num_rows - before
         for ep in episodes:  # their counters restart at 0
             self.use_counts[ep.start : ep.end] = 0
-        self.sampler.on_restore(episodes, self.ring.registry)
+        self.sampler.on_restore(episodes, self.registry)
         if rows > 0:
             self.rate_limiter.on_restore(rows)
 
     def on_clear(self, rows: int) -> None:
+        own = self._own
         self.sampler.on_clear()
+        if own is not None:  # both empty now: the ring's registry holds all it holds again
+            rows, self._own = own.num_rows, None
+            self.sampler.on_restore([], self.ring.registry)
         if rows:
             self.rate_limiter.on_delete(rows)
         self.use_counts[:] = -1
@@ -224,9 +302,10 @@ class Table(RingListener):
         attached to it, the limiter counting them inserted and nothing sampled (a saved
         table's own state goes on top: ``persistence.load_state``)."""
         ring = self.ring
+        self._adopt()
         self._count_committed()
-        self.sampler.attach(ring.registry, ring.unit, ring.capacity)
-        counts = {"inserted": ring.num_rows, "sampled": 0, "deleted": 0}
+        self.sampler.attach(self.registry, ring.unit, ring.capacity)
+        counts = {"inserted": self.registry.num_rows, "sampled": 0, "deleted": 0}
         self.rate_limiter.load_state_dict({**counts, "limiter": self.rate_limiter.name})
 
     # -- reads --------------------------------------------------------------------------------
@@ -379,7 +458,7 @@ class Table(RingListener):
         """``n`` whole episodes by the sampler. The limiter is asked about ``n`` times the mean
         stored episode length (the lengths are known only after the draw, which the sampler
         counts) and told the rows actually handed out."""
-        registry = self.ring.registry
+        registry = self.registry
         episodes = len(registry)
         mean = max(1, round(registry.num_rows / episodes)) if episodes else 1
         n = check_episode_args(n, mean, beta)  # by the mean length: the lengths come with the draw
@@ -457,7 +536,7 @@ class Table(RingListener):
         takes every ``world_size``-th position from ``r``. The sampler and the limiter are
         neither asked nor told: this is the read-everything path, not a sample."""
         rank, world_size = check_rank(rank, world_size)
-        registry = self.ring.registry
+        registry = self.registry
         total = registry.num_rows
         if shuffle:
             positions = np.random.default_rng(seed).permutation(total)

@@ -404,6 +404,34 @@ def episodes(
     return list(nest(flat, [int(lengths.sum())]).split(lengths.tolist()))
 
 
+def read_episodes(
+    columns: Mapping[Key, torch.Tensor],
+    rows: np.ndarray,
+    arrays: Mapping[Key, np.ndarray] | None,
+    lengths: np.ndarray,
+    scalar: bool = False,
+) -> TensorDict | list[TensorDict]:
+    """Episodes of ``lengths`` whose ``rows`` follow one another, copied out (:func:`episodes`;
+    ``scalar``: one episode, as one TensorDict)."""
+    flat = read_columns(columns, rows, arrays)
+    return nest(flat, [len(rows)]) if scalar else episodes(flat, lengths)
+
+
+def episodes_into(
+    columns: Mapping[Key, torch.Tensor],
+    rows: np.ndarray,
+    arrays: Mapping[Key, np.ndarray] | None,
+    lengths: np.ndarray,
+    target: OutArrays,
+) -> TensorDict | list[TensorDict]:
+    """:func:`read_episodes` into a caller's ``out`` (:func:`out_arrays`), as views of it;
+    InvalidArgumentError if it holds too few rows (:func:`check_out_rows`)."""
+    out, flat, held = target
+    check_out_rows(held, lengths)
+    gather_columns(columns, rows, arrays, out=out)
+    return episodes({key: tensor[: len(rows)] for key, tensor in flat.items()}, lengths)
+
+
 _NUMPY_DTYPES: dict[torch.dtype, np.dtype[Any]] = {}
 
 

@@ -72,9 +72,17 @@ GOOD_FULL: dict[str, dict[str, Any]] = {
         "timeout_ms": 0,
         "priority": bytes(32),
         "metas": [[3, {"ret": 1.5}]],
+        "tables": ["replay"],
     },
     "commit": {"reservation": 1, "priority": 0.5, "meta": {"env": "e3"}},
-    "write": {"rows": 4, "episodes": 4, "timeout_ms": 3_600_000, "priority": 2, "meta": {}},
+    "write": {
+        "rows": 4,
+        "episodes": 4,
+        "timeout_ms": 3_600_000,
+        "priority": 2,
+        "meta": {},
+        "tables": ["a", "b"],
+    },
     "sample": {
         "kind": "slices",
         "n": 1 << 20,

@@ -175,23 +175,27 @@ class WritePipeline:
         lengths: list[int],
         priority: float | bytes | None = None,
         meta: dict[str, Any] | None = None,
+        tables: list[str] | None = None,
     ) -> None:
-        """Reserve rows for ``pieces`` (laid out one after another), copy each into them, and
-        leave the commit to ride on the next reserve (which publishes them with
-        ``priority``, as the daemon checked it at this reserve, and ``meta``)."""
+        """Reserve rows for ``pieces`` (laid out one after another) going into ``tables``,
+        copy each into them, and leave the commit to ride on the next reserve (which publishes
+        them with ``priority``, as the daemon checked it at this reserve, and ``meta``)."""
         assert self.segment is not None
         num_rows = sum(lengths)
         fields: dict[str, Any] = {"rows": num_rows, "timeout_ms": int(self.reserve_timeout * 1000)}
         if priority is not None:
             fields["priority"] = priority
+        if tables is not None:
+            fields["tables"] = tables
         if all(n == lengths[0] for n in lengths):
             fields["episodes"] = len(lengths)
         else:
             fields["lengths"] = lengths
         shape: Shape = (num_rows, fields.get("episodes"), fields.get("lengths"))
-        # A write with a priority never takes (or sends) a reservation made ahead: its
-        # reserve carries the priority its commit publishes.
-        reply = self._take_ahead(shape if priority is None else None)
+        # A write with a priority, or into only some tables, never takes (or sends) a
+        # reservation made ahead: its reserve carries them.
+        plain = priority is None and tables is None
+        reply = self._take_ahead(shape if plain else None)
         if reply is None:
             previous, self._uncommitted = self._uncommitted, []
             fields.update(commit_fields([r for r, _, _ in previous], self.metas))
@@ -200,7 +204,7 @@ class WritePipeline:
             )
             for _, written, _ in previous:
                 self._count(written)
-        if self.ahead.wanted(shape, self._last_write, with_priority=priority is not None):
+        if self.ahead.wanted(shape, self._last_write, with_priority=not plain):
             # it carries the pending commits of the writes before this one
             previous, self._uncommitted = self._uncommitted, []
             self.ahead.send(shape, [(r, w) for r, w, _ in previous])
@@ -241,11 +245,14 @@ class WritePipeline:
         num_sub: int,
         priority: float | bytes | None = None,
         meta: dict[str, Any] | None = None,
+        tables: list[str] | None = None,
     ) -> None:
         assert self.schema is not None
         extra: dict[str, Any] = {} if priority is None else {"priority": priority}
         if meta:
             extra["meta"] = meta
+        if tables is not None:
+            extra["tables"] = tables
         frames = [
             rows.to_bytes(leaves[f.key][first_row : first_row + num_rows], f.dtype)
             for f in self.schema.fields

@@ -28,6 +28,7 @@ from shmbuffer.api.metadata import check_values
 from shmbuffer.api.writeplan import plan_write, vector_episode, write_priority
 from shmbuffer.clients.connection import Connection
 from shmbuffer.clients.pipeline import WritePipeline, compact
+from shmbuffer.errors import InvalidArgumentError
 from shmbuffer.samplers import SAMPLERS
 from shmbuffer.storage.schema import Schema
 from shmbuffer.storage.segment import Segment
@@ -113,6 +114,8 @@ class Writer:
         kind = SAMPLERS.get(self.sampler)
         self._keeps_priorities = kind is not None and kind.has_priorities
         self.batch_bytes = batch_bytes
+        #: The daemon's tables (one, "default", before protocol 1.9).
+        self._table_names = [t["name"] for t in conn.buffer.get("tables") or []] or ["default"]
         #: The metadata kinds known here (the daemon's at hello, then this writer's own).
         info = conn.buffer.get("meta") or {}
         self._meta_kinds: dict[str, str] = dict(info.get("kinds") or {})
@@ -140,7 +143,13 @@ class Writer:
 
     # -- the Buffer API -----------------------------------------------------------------------
 
-    def extend(self, batch: Mapping[str, Any], priority: Any = None, meta: Meta = None) -> None:
+    def extend(
+        self,
+        batch: Mapping[str, Any],
+        priority: Any = None,
+        meta: Meta = None,
+        tables: Sequence[str] | None = None,
+    ) -> None:
         """Write a chunk of transitions (or, in episode unit, one whole episode).
 
         ``priority`` (a daemon with ``--sampler prioritized`` only): one number, one value
@@ -148,10 +157,12 @@ class Writer:
         largest priority seen so far. Checked before anything is written (InvalidArgumentError
         naming the value); at most 4096 distinct values a write. ``meta``: scalars to attach
         to what is written (``docs/metadata.md``), checked here against the kinds this writer
-        knows and by the daemon at the commit."""
+        knows and by the daemon at the commit. ``tables``: the daemon's tables it goes into
+        (None: every one; ``docs/tables.md``), refused here naming the tables there are."""
         self.conn.check()
         with self._pipe.lock:
-            self._write(batch, priority=priority, meta=self._checked_meta(meta))
+            into = self._checked_tables(tables)
+            self._write(batch, priority=priority, meta=self._checked_meta(meta), tables=into)
 
     def add_episode(
         self,
@@ -159,30 +170,43 @@ class Writer:
         num_envs: int = 1,
         priority: Any = None,
         meta: Meta = None,
+        tables: Sequence[str] | None = None,
     ) -> None:
         """Write a finished episode; with ``num_envs > 1`` its leaves are ``[L, num_envs,
         ...]`` and each sub-env becomes its own episode. ``priority`` as for :meth:`extend`;
         with ``num_envs > 1`` one value per sub-episode (episode unit) or per row, shaped
         ``[L, num_envs]`` like the data (transition unit). ``meta``: scalars to attach to the
-        episode (to each sub-episode), as :meth:`extend` takes them."""
+        episode (to each sub-episode), and ``tables``, as :meth:`extend` takes them."""
         # Checked before the lock (a forked child may inherit it held) and before anything is
         # staged: a closed or forked writer must refuse the write, not drop it.
         self.conn.check()
         with self._pipe.lock:
-            checked = self._checked_meta(meta)
+            checked, into = self._checked_meta(meta), self._checked_tables(tables)
             if num_envs == 1:
-                self._write(episode, priority=priority, meta=checked)
+                self._write(episode, priority=priority, meta=checked, tables=into)
                 return
             batch, priority = vector_episode(episode, num_envs, self.unit, priority)
-            self._write(batch, num_sub_episodes=num_envs, priority=priority, meta=checked)
+            self._write(
+                batch, num_sub_episodes=num_envs, priority=priority, meta=checked, tables=into
+            )
 
-    def add_transition(self, env_id: str, transition: Mapping[str, Any], meta: Meta = None) -> None:
+    def add_transition(
+        self,
+        env_id: str,
+        transition: Mapping[str, Any],
+        meta: Meta = None,
+        tables: Sequence[str] | None = None,
+    ) -> None:
         """Append one step of ``env_id``; ``meta`` is merged into the metadata of the episode
-        in progress and attached when it ends (a later value of a name replaces one before)."""
+        in progress and attached when it ends (a later value of a name replaces one before);
+        ``tables``, where given, are the tables that episode goes into (the last given wins;
+        never given: every table)."""
         self.conn.check()
         with self._pipe.lock:
             checked = self._checked_meta(meta)
-            self._write_finished(self.assembler.add_transition(env_id, transition, checked))
+            self._checked_tables(tables)  # refused before the step is taken
+            finished = self.assembler.add_transition(env_id, transition, checked, tables)
+            self._write_finished(finished)
 
     def end_episode(self, env_id: str) -> None:
         self.conn.check()
@@ -195,7 +219,30 @@ class Writer:
 
     def _write_finished(self, episodes: list[FinishedEpisode]) -> None:
         for ep in episodes:
-            self._write(ep.data, num_sub_episodes=ep.num_sub_episodes, meta=dict(ep.meta) or None)
+            self._write(
+                ep.data,
+                num_sub_episodes=ep.num_sub_episodes,
+                meta=dict(ep.meta) or None,
+                tables=self._checked_tables(ep.tables),
+            )
+
+    def _checked_tables(self, tables: Sequence[str] | None) -> list[str] | None:
+        """The tables a write goes into as the daemon takes them: None for None or every
+        table; InvalidArgumentError naming the daemon's tables for a name none of them has,
+        a str for the list, or none at all (the rows would be in no table)."""
+        if tables is None:
+            return None
+        names = self._table_names
+        if isinstance(tables, str) or not all(isinstance(t, str) for t in tables):
+            raise InvalidArgumentError(
+                f"tables must be a list of table names, got {tables!r}; the tables are "
+                + ", ".join(names)
+            )
+        unknown = [t for t in tables if t not in names]
+        if unknown or not tables:
+            what = f"no table named {unknown[0]!r}" if unknown else "an empty list: no table"
+            raise InvalidArgumentError(f"tables: {what}; the tables are {', '.join(names)}")
+        return None if set(tables) == set(names) else list(dict.fromkeys(tables))
 
     def _checked_meta(self, meta: Meta) -> dict[str, Any] | None:
         """``meta`` as plain scalars, checked against the kinds the daemon declared or this
@@ -215,6 +262,7 @@ class Writer:
         num_sub_episodes: int = 1,
         priority: Any = None,
         meta: dict[str, Any] | None = None,
+        tables: list[str] | None = None,
     ) -> None:
         self._pipe.check_ticker()
         # Refused here, before any copy, if it does not fit the schema; and a lazy schema is
@@ -236,12 +284,13 @@ class Writer:
             pipe.adopt(self.conn.call("define_schema", schema=schema.to_spec())["buffer"])
         assert self.schema is not None
         if self.remote:
-            pipe.write_remote(leaves, first_row, num_rows, kept, one, meta)
-        elif meta is None and self._gathers(num_rows):  # one commit carries one meta
+            pipe.write_remote(leaves, first_row, num_rows, kept, one, meta, tables)
+        elif meta is None and tables is None and self._gathers(num_rows):
+            # (one reservation carries one meta and one set of tables for all it holds)
             pipe.stage(leaves, first_row, num_rows, plan.lengths, items)
         else:
             pipe.write_staged()  # what came first is stored first
-            pipe.write_local([(leaves, first_row, num_rows)], plan.lengths, one, meta)
+            pipe.write_local([(leaves, first_row, num_rows)], plan.lengths, one, meta, tables)
 
     def _gathers(self, num_rows: int) -> bool:
         """Whether a local write of ``num_rows`` is staged, to share a reservation with the

@@ -190,6 +190,7 @@ def reserve_bytes(evicted: int, pin: Pin | None = None) -> int:
     fields = 4 + 2 * evicted
     if pin is not None:
         fields += 5 + 2 * len(pin.ranges) + (0 if isinstance(pin.split, int) else len(pin.split))
+        fields += 1 if pin.tables else 0
     return record_bytes(fields)
 
 
@@ -503,7 +504,9 @@ class Journal:
             self._append(RESERVE, fields)
             return
         process = pin.process
-        extra = pin_fields(pin.reservation, process.pid, process.start, pin.ranges, pin.split)
+        extra = pin_fields(
+            pin.reservation, process.pid, process.start, pin.ranges, pin.split, pin.tables
+        )
         self._append(RESERVE_PINNED, [*fields, *extra])
 
     def append_abort(self, reservation_id: int) -> None:
@@ -515,9 +518,13 @@ class Journal:
         episodes: list[tuple[int, int, int]],
         rows_committed: int,
         episodes_committed: int,
+        tables: int = 0,
     ) -> None:
+        """A commit; ``tables``: the mask of the tables its episodes go into where only some
+        (``Container.members_mask``; 0: every table, and no field)."""
         flat = [v for ep in episodes for v in ep]
-        self._append(COMMIT, [rows_committed, episodes_committed, len(episodes), *flat])
+        fields = [rows_committed, episodes_committed, len(episodes), *flat]
+        self._append(COMMIT, [*fields, tables] if tables else fields)
 
     def append_meta(self, ids: list[int], payload: bytes) -> None:
         """What a commit attached to the episodes ``ids`` (``records.meta_payload``)."""

@@ -43,6 +43,8 @@ class Pin:
     #: How its rows split into episodes, as the reserve asked: a count of equal ones, or
     #: their lengths (``Container.hold`` rebuilds the reservation from it).
     split: int | list[int]
+    #: The tables its episodes go into, as a mask (``Container.members_mask``; 0: every one).
+    tables: int = 0
     #: Monotonic time since which no client owns it (None: its writer's client does).
     orphaned: float | None = None
     #: Past its ``reservation_ttl`` and logged as such (once).
@@ -86,9 +88,10 @@ class PinTable:
         return [pin for pin in self._pins.values() if pin.orphaned is not None]
 
     def to_state(self) -> list[list[Any]]:
-        """JSON-able, for the journal's snapshots: ``[id, pid, start, ranges, split]``."""
+        """JSON-able, for the journal's snapshots: ``[id, pid, start, ranges, split,
+        tables]``."""
         return [
-            [p.reservation, p.process.pid, p.process.start, p.ranges, p.split]
+            [p.reservation, p.process.pid, p.process.start, p.ranges, p.split, p.tables]
             for p in self._pins.values()
         ]
 
@@ -101,6 +104,7 @@ def pins_from_state(entries: list[list[Any]]) -> list[Pin]:
             Process(int(pid), int(start)),
             [(int(s), int(e)) for s, e in ranges],
             int(split) if isinstance(split, int) else [int(n) for n in split],
+            int(tables[0]) if tables else 0,  # a snapshot from before tables has none
         )
-        for rid, pid, start, ranges, split in entries
+        for rid, pid, start, ranges, split, *tables in entries
     ]

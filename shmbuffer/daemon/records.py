@@ -11,30 +11,32 @@ Record format (little endian)::
     u32 body_length | u32 crc32(body) | body = int64[type, field, field, ...]
 
 Types: ``EPOCH [epoch]`` (first record of every journal generation), ``RESERVE [pointer,
-rows_written, next_reservation, n, (start, stop) * n]`` (the rows a reservation evicted and where
-the ring stands after it), ``COMMIT [rows_committed, episodes_committed, n, (id, start, end) *
-n]``, ``CLEAR [pointer]``, ``RESTORE [pointer, rows_written, n, (id, start, end) * n]`` (an
-aborted reservation publishing again what it evicted, see :meth:`Container.abort`),
-``PRIORITY [n, row * n, float64 bits * n, table?]`` (priorities set by ``update_priorities`` or
-given to a commit, rows already filtered for staleness; replayed through the sampler), ``SAMPLE
-[call, n, length, strict, handed, refused, (rng * 6)?, table?]`` (a draw a table handed out, or
-one refused after it changed the sampler; the generator's six words only when a refused draw may
-have moved it since the last SAMPLE). ``table`` is the table's place among the container's
-(``Container.table_at``), there only for a table other than the default one, so a one-table
-daemon writes what it always did and an old record means the default table (the count of fields
-tells: even for a PRIORITY with it, 7 or 13 for a SAMPLE). ``LEASE [id, pid, host crc32,
-expires_us, n, episode id * n]``, ``RENEW [id, expires_us]`` and ``RELEASE [id]`` (leases,
-expiries as wall-clock microseconds). ``RESERVE_PINNED`` is a RESERVE whose rows are pinned to
-the local writer copying into them (``pins.py``): the RESERVE fields, then ``[id, pid, start
-time, m, (start, stop) * m, k, length * k]`` (the reservation, its writer's process, its ranges,
-and its episodes' lengths, or ``-k`` for k equal episodes); ``ABORT [id]`` ends such a pin
-without a commit (a COMMIT whose first episode starts its rows ends it too). ``META [n, id * n,
-nbytes]`` and msgpack bytes follow every COMMIT: what the commit attached to the episodes it
-published (``{"m": values, "w": writer, "t": commit time}``, padded to a whole int64). Any other
-abort needs no record: it changed nothing but what its RESERVE record already holds; nor does a
-lease's expiry (a resume drops it by its wall-clock expiry). A crash in the middle of a write
-leaves a short or CRC-failing last record, which :meth:`Journal.load` ignores (its request was
-never acknowledged).
+rows_written, next_reservation, n, (start, stop) * n]`` (the rows a reservation evicted and
+where the ring stands after it), ``COMMIT [rows_committed, episodes_committed, n, (id, start,
+end) * n, tables?]`` (``tables``: for episodes written into only some tables, their mask,
+``Container.members_mask``), ``CLEAR [pointer]``, ``RESTORE [pointer, rows_written, n, (id,
+start, end) * n]`` (an aborted reservation publishing again what it evicted, see
+:meth:`Container.abort`), ``PRIORITY [n, row * n, float64 bits * n, table?]`` (priorities set by
+``update_priorities`` or given to a commit, rows already filtered for staleness; replayed
+through the sampler), ``SAMPLE [call, n, length, strict, handed, refused, (rng * 6)?, table?]``
+(a draw a table handed out, or one refused after it changed the sampler; the generator's six
+words only when a refused draw may have moved it since the last SAMPLE). ``table`` is the
+table's place among the container's (``Container.table_at``), there only for a table other than
+the default one, so a one-table daemon writes what it always did and an old record means the
+default table (the count of fields tells: even for a PRIORITY with it, 7 or 13 for a SAMPLE).
+``LEASE [id, pid, host crc32, expires_us, n, episode id * n]``, ``RENEW [id, expires_us]`` and
+``RELEASE [id]`` (leases, expiries as wall-clock microseconds). ``RESERVE_PINNED`` is a RESERVE
+whose rows are pinned to the local writer copying into them (``pins.py``): the RESERVE fields,
+then ``[id, pid, start time, m, (start, stop) * m, k, length * k]`` (the reservation, its
+writer's process, its ranges, and its episodes' lengths, or ``-k`` for k equal episodes; then
+the tables' mask where only some); ``ABORT [id]`` ends such a pin without a commit (a COMMIT
+whose first episode starts its rows ends it too). ``META [n, id * n, nbytes]`` and msgpack bytes
+follow every COMMIT: what the commit attached to the episodes it published (``{"m": values, "w":
+writer, "t": commit time}``, padded to a whole int64). Any other abort needs no record: it
+changed nothing but what its RESERVE record already holds; nor does a lease's expiry (a resume
+drops it by its wall-clock expiry). A crash in the middle of a write leaves a short or
+CRC-failing last record, which :meth:`Journal.load` ignores (its request was never
+acknowledged).
 """
 
 from __future__ import annotations
@@ -170,7 +172,9 @@ def apply_record(
             counters["rows_committed"], counters["episodes_committed"] = int(f[0]), int(f[1])
             n = int(f[2])
             episodes = f[3 : 3 + 3 * n].reshape(n, 3).tolist()  # ValueError if cut short
-            container.replay_commit([(i, s, e) for i, s, e in episodes])
+            mask = int(f[3 + 3 * n]) if f.size == 4 + 3 * n else 0  # into only some tables
+            tables = container.mask_members(mask)
+            container.replay_commit([(i, s, e) for i, s, e in episodes], tables)
             if pins and n:  # a pinned reservation's commit: its first episode starts its rows
                 first = episodes[0][1]  # (open reservations never overlap: one at most)
                 for rid in [rid for rid, pin in pins.items() if pin[3][0][0] == first]:
@@ -206,24 +210,31 @@ def apply_record(
 
 
 def pin_fields(
-    reservation_id: int, pid: int, start: int, ranges: list[Range], split: int | list[int]
+    reservation_id: int,
+    pid: int,
+    start: int,
+    ranges: list[Range],
+    split: int | list[int],
+    tables: int = 0,
 ) -> list[int]:
     """What RESERVE_PINNED adds after the RESERVE fields (see the module docstring): a count
-    of equal episodes is one field (negative), unequal lengths one each."""
+    of equal episodes is one field (negative), unequal lengths one each; then, for episodes
+    going into only some tables, their mask (``Container.members_mask``)."""
     head = [reservation_id, pid, start, len(ranges), *(v for r in ranges for v in r)]
-    if isinstance(split, int):
-        return [*head, -split]
-    return [*head, len(split), *split]
+    fields = [*head, -split] if isinstance(split, int) else [*head, len(split), *split]
+    return [*fields, tables] if tables else fields
 
 
 def _apply_pin(pins: dict[int, list[Any]], f: np.ndarray) -> None:
     rid, pid, start, m = (int(v) for v in f[:4])
     ranges = f[4 : 4 + 2 * m].reshape(m, 2).tolist()
     k = int(f[4 + 2 * m])
-    split: int | list[int] = -k if k < 0 else f[5 + 2 * m :].tolist()
-    if f.size != 5 + 2 * m + max(k, 0):
+    size = 5 + 2 * m + max(k, 0)
+    split: int | list[int] = -k if k < 0 else f[5 + 2 * m : size].tolist()
+    if f.size not in (size, size + 1):
         raise ValueError(f"RESERVE_PINNED record of {f.size} pin fields")
-    pins[rid] = [rid, pid, start, ranges, split]
+    tables = int(f[size]) if f.size > size else 0
+    pins[rid] = [rid, pid, start, ranges, split, tables]
 
 
 def _apply_lease(leases: dict[int, list[Any]], kind: int, f: np.ndarray) -> None:

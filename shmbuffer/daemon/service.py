@@ -273,7 +273,8 @@ class BufferService(WriteOps, SampleOps):
         for held in pins_from_state(entries):
             if not alive(held.process):
                 continue
-            reservation = self.container.hold(held.reservation, held.ranges, held.split)
+            tables = self.container.mask_members(held.tables)
+            reservation = self.container.hold(held.reservation, held.ranges, held.split, tables)
             reservation.deadline = now + self.config.reservation_ttl
             held.orphaned = now
             self.pins.add(held)

@@ -295,14 +295,16 @@ class DaemonState:
             self.journal.append_reserve(evicted, c.pointer, c.rows_written, c.next_reservation, pin)
 
     def _journal_commit(
-        self, ids: list[int], bounds: list[tuple[int, int]], meta_payload: bytes
+        self, ids: list[int], bounds: list[tuple[int, int]], meta_payload: bytes, tables: int
     ) -> None:
-        """A COMMIT record, and the META record of what it attached."""
+        """A COMMIT record (into the ``tables`` of a mask, 0: every one), and the META record
+        of what it attached."""
         if self.journal is not None:
             self.journal.append_commit(
                 [(i, s, e) for i, (s, e) in zip(ids, bounds, strict=True)],
                 self.counters.rows_committed,
                 self.counters.episodes_committed,
+                tables,
             )
             self.journal.append_meta(ids, meta_payload)
 

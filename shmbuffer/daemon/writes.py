@@ -61,7 +61,7 @@ AHEAD_MAX_LIVE = 65_536
 
 
 def _commit_bytes(reservation: Reservation) -> int:
-    return record_bytes(3 + 3 * len(reservation.episodes))
+    return record_bytes(4 + 3 * len(reservation.episodes))  # with a tables mask, at most
 
 
 def _writer(client: Client) -> str:
@@ -104,7 +104,7 @@ class WriteOps(DaemonState):
         reply: dict[str, Any] = {"reservation": 0, "ranges": []}
         ahead = bool(fields.get("ahead"))
         try:
-            plan = self.container.plan(fields["rows"], split)
+            plan = self.container.plan(fields["rows"], split, fields.get("tables"))
             if not ahead or self._ahead_cheap_to_return(plan):
                 reservation = self._reserve(client, fields, plan, now)
                 reply = {
@@ -134,7 +134,7 @@ class WriteOps(DaemonState):
         more: list[Any] = []
         for _ in range(fields["count"] - 1):
             try:
-                plan = self.container.plan(fields["rows"], split)  # where the ring is now
+                plan = self.container.plan(fields["rows"], split, fields.get("tables"))
                 if not self._ahead_cheap_to_return(plan):
                     break
                 reservation = self._reserve(client, fields, plan, now)
@@ -186,15 +186,16 @@ class WriteOps(DaemonState):
         process = client.process if pin and not client.remote else None
         split = plan.lengths if plan.episodes > 1 and len(set(plan.lengths)) > 1 else None
         room = reserve_bytes(len(evict))
-        if process is not None:  # the pin's fields too: its ranges and split
-            room += 8 * (5 + 2 * len(plan.ranges) + (0 if split is None else len(split)))
+        if process is not None:  # the pin's fields too: its ranges, split and tables
+            room += 8 * (6 + 2 * len(plan.ranges) + (0 if split is None else len(split)))
         self._journal_room(room)  # OutOfSpaceError: nothing done
         reservation = self.container.reserve(plan, owner=client.id)
         if priority is not None:
             self._priorities[reservation.id] = priority
         held = None
         if process is not None:
-            held = Pin(reservation.id, process, reservation.ranges, split or plan.episodes)
+            tables = self.container.members_mask(plan.members)
+            held = Pin(reservation.id, process, reservation.ranges, split or plan.episodes, tables)
             self.pins.add(held)
         self._journal_reserve(evict, held)  # before the reply hands out the rows
         for start, stop in reservation.ranges:
@@ -297,7 +298,8 @@ class WriteOps(DaemonState):
         self.counters.rows_committed += reservation.num_rows
         client.rows_committed += reservation.num_rows
         self.counters.episodes_committed += reservation.num_episodes  # not the entries
-        self._journal_commit(ids, reservation.episodes, payload)  # before the reply
+        tables = self.container.members_mask(reservation.members)
+        self._journal_commit(ids, reservation.episodes, payload, tables)  # before the reply
         if given is not None and self.journal is not None:
             for index in keeping:
                 self.journal.append_priorities(given.rows, given.priority, index)
@@ -357,7 +359,7 @@ class WriteOps(DaemonState):
             )
         leaves = self._leaves_from_frames(fields["rows"], frames)
         meta = self.meta.check(fields["meta"]) if "meta" in fields else None
-        plan = self.container.plan(fields["rows"], episode_split(fields))
+        plan = self.container.plan(fields["rows"], episode_split(fields), fields.get("tables"))
         # Room for both records first (a sub-episode across the wrap is two), and for its
         # priorities (at most one per row): a full disk refuses the write whole, never after
         # its rows were copied.

@@ -230,6 +230,17 @@ class Container:
         members = frozenset(names)
         return None if len(members) == len(self.tables) else members
 
+    def members_mask(self, members: Members) -> int:
+        """``members`` as one bit per table, in the tables' order (0: every table): how the
+        journal records them."""
+        if members is None:
+            return 0
+        return sum(1 << i for i, name in enumerate(self.tables) if name in members)
+
+    def mask_members(self, mask: int) -> list[str] | None:
+        """The table names a :meth:`members_mask` holds (None for 0: every table)."""
+        return [name for i, name in enumerate(self.tables) if mask >> i & 1] if mask else None
+
     def priority_table(self, members: Members) -> Table:
         """The table a write into ``members`` checks its priority against: the first one it
         goes into that keeps priorities, else the first one it goes into (whose refusal

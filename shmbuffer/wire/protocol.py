@@ -76,6 +76,8 @@ _TABLE = Spec((str,), required=False)
 _PRIORITY = Spec((bytes, float, int), required=False)
 #: Episode metadata: a map of name -> scalar (checked by the daemon, which names the name).
 _META = Spec((dict,), required=False)
+#: The tables a write's episodes go into: a list of table names (checked by the daemon).
+_TABLES = Spec((list,), required=False)
 #: A metadata filter (``docs/metadata.md``), parsed by the daemon, never evaluated.
 _WHERE = Spec((str,), required=False)
 #: Most episodes an ``episodes`` reply lists (what one reply's header carries well).
@@ -129,6 +131,8 @@ REQUESTS: dict[str, dict[str, Spec]] = {
         # ``[reservation, meta]`` pairs: what each commit carried attaches to the episodes it
         # publishes (since 1.9).
         "metas": Spec((list,), required=False),
+        # The tables this reservation's episodes go into (since 1.9; absent: every table).
+        "tables": _TABLES,
     },
     # meta: scalars attached to every episode the commit publishes (since 1.9).
     "commit": {"reservation": _ID, "priority": _PRIORITY, "meta": _META},
@@ -142,6 +146,7 @@ REQUESTS: dict[str, dict[str, Spec]] = {
         "timeout_ms": _TIMEOUT,
         "priority": _PRIORITY,
         "meta": _META,  # since 1.9
+        "tables": _TABLES,  # since 1.9
     },
     "sample": {
         "kind": Spec((str,), choices=("rows", "episodes", "slices")),

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from shmbuffer import Reader, Writer
-from shmbuffer.errors import InvalidArgumentError, QueryError
+from shmbuffer.errors import InvalidArgumentError, QueryError, WaitTimeoutError
 
 LENGTH = 5
 
@@ -176,3 +176,47 @@ def test_bounded_tables_through_the_daemon_and_their_status(daemon, e2e_env):
     assert lags in status.stdout, status.stdout
     bad = e2e_env.cli("start", "--name", "x", "--table", "a:uniform,max-episodes=lots")
     assert bad.returncode != 0 and "max-episodes must be an integer" in bad.stderr, bad.stderr
+
+
+def members_of(name: str, table: str, n: int = 400) -> set[int]:
+    """The episode numbers a table's uniform draws find (n draws: every one of a few shows)."""
+    with Reader(name, table=table, timeout=5) as r:
+        return {int(v) for v in r.sample(n)["obs"][:, 0].tolist()}
+
+
+def test_an_episode_in_only_some_tables_through_the_daemon_and_a_resume(daemon, e2e_env, tmp_path):
+    tables = ["--table", "replay:uniform", "--table", "eval:fifo,max-times-sampled=1"]
+    tables += ["--table", "other:uniform"]
+    d = daemon(capacity=200, unit="episode", args=tables)
+    with Writer(d.name, timeout=5) as w:
+        w.add_episode(episode(0))  # every table
+        w.add_episode(episode(1), tables=["replay"])
+        w.add_episode(episode(2), tables=["eval", "other"], meta={"ret": 2.0})
+        for t in range(3):  # the last tables named for the episode win
+            step = {"obs": torch.full((2,), 3.0), "step": torch.tensor(t)}
+            w.add_transition("e", step, tables=["other"] if t == 0 else ["replay", "other"])
+        w.end_episode("e")
+        with pytest.raises(InvalidArgumentError, match="no table named 'nope'; the tables are"):
+            w.add_episode(episode(9), tables=["nope"])
+        with pytest.raises(InvalidArgumentError, match="empty list"):
+            w.add_episode(episode(9), tables=[])
+        w.flush()
+    expected = {"replay": {0, 1, 3}, "other": {0, 2, 3}}
+    assert {t: members_of(d.name, t) for t in expected} == expected
+    with Reader(d.name, table="eval", timeout=5) as r, r.sample_episodes(1) as eps:
+        assert [int(e["obs"][0, 0]) for e in eps] == [0]  # its own two, the oldest first
+
+    sigkill(d)  # the journal's COMMIT records say which tables
+    resumed = daemon(name=d.name, capacity=200, unit="episode", args=["--resume"])
+    assert {t: members_of(resumed.name, t) for t in expected} == expected
+    with Reader(resumed.name, table="eval", timeout=5, sample_timeout=0.5) as r:
+        with r.sample_episodes(1) as eps:  # the one not handed out before the kill
+            assert [int(e["obs"][0, 0]) for e in eps] == [2]
+        with pytest.raises(WaitTimeoutError), r.sample_episodes(1):
+            pass
+
+    out = e2e_env.cli("checkpoint", "--name", resumed.name, "--to", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert resumed.stop() == 0
+    restored = daemon(name=d.name, capacity=200, unit="episode", args=["--restore", str(tmp_path)])
+    assert {t: members_of(restored.name, t) for t in expected} == expected

@@ -26,25 +26,38 @@ PER_COMMIT = 100
 LENGTH = 4  # rows per episode: the rows themselves are never read here
 QUERY = "ret > 0.9 and version >= 2 and env in ('e1', 'e3')"  # selects about 1 in 40
 SELECTIVE = "ret > 0.99"  # about 1 in 100, for the draws
+FIXED = 1_000  # episodes "tag == 1" selects, at every size: a selective filter's draws
 
 
-def _filled(episodes: int) -> tuple[Any, Any, list[dict[str, Any]]]:
-    """A ring of ``episodes`` live episodes with metadata, its default table, and the same
-    metadata as a list of dicts (the baseline's)."""
+def _filled(episodes: int) -> tuple[Any, Any, Any, list[dict[str, Any]]]:
+    """A ring of ``episodes`` live episodes with metadata, its uniform and its prioritized
+    table (random priorities), and the same metadata as a list of dicts (the baseline's)."""
     from shmbuffer.ring.container import Container
-    from shmbuffer.ring.meta import EpisodeMeta
+    from shmbuffer.samplers import make_rate_limiter, make_sampler
 
-    container = Container(episodes * LENGTH, unit="episode")
-    meta = EpisodeMeta(container.ring)
+    tables = {
+        name: (make_sampler(kind), make_rate_limiter("none"))
+        for name, kind in (("uniform", "uniform"), ("prioritized", "prioritized"))
+    }
+    container = Container.of_tables(episodes * LENGTH, tables, unit="episode", seed=0)
+    meta = container.keep_meta()
+    prioritized = container.tables["prioritized"]
     rng = np.random.default_rng(0)
     dicts: list[dict[str, Any]] = []
     for commit in range(episodes // PER_COMMIT):
-        values = {"ret": float(rng.random()), "version": commit % 5, "env": f"e{commit % 4}"}
+        values = {
+            "ret": float(rng.random()),
+            "version": commit % 5,
+            "env": f"e{commit % 4}",
+            "tag": int(commit < FIXED // PER_COMMIT),  # the first FIXED episodes, at any size
+        }
         reservation = container.ring.reserve_rows(PER_COMMIT * LENGTH, PER_COMMIT)
         ids = container.ring.commit(reservation.id)
         meta.attach(ids, meta.check(values))
         dicts += [{"id": i, **values} for i in ids]
-    return meta, container.table, dicts
+    starts = np.arange(episodes, dtype=np.int64) * LENGTH
+    prioritized.update_priorities(starts, rng.uniform(0.05, 2.0, episodes))
+    return meta, container.table, prioritized, dicts
 
 
 def _per_call_us(fn: Callable[[], Any], seconds: float) -> tuple[float, int]:
@@ -71,8 +84,12 @@ def queries(ctx: Context) -> list[Row]:
         f"in-process EpisodeMeta over a ring of episodes of {LENGTH} rows, metadata ret (float), "
         f"version (int), env (str), one set per {PER_COMMIT} episodes; query = {QUERY!r} "
         f"(~1/40 selected), the first 10 found; sample-where = Table.sample_rows(256) among "
-        f"{SELECTIVE!r} (~1/100), standing filter; rows = episodes scanned per query, 256 per "
-        "draw; python-list = [d for d in dicts if ...] over the same values",
+        f"{SELECTIVE!r} (~1/100), standing filter; sample-where-{FIXED // 1000}k: among the "
+        f"{FIXED:,} episodes 'tag == 1' selects at every size (a selective filter's draws stay "
+        "flat in buffer size); sample-where-prioritized: the same as sample-where on a "
+        "prioritized table (random priorities in [0.05, 2)), by priority among the selection; "
+        "rows = episodes scanned per query, 256 per draw; python-list = [d for d in dicts if "
+        "...] over the same values",
     )
     rows: list[Row] = []
 
@@ -97,7 +114,7 @@ def queries(ctx: Context) -> list[Row]:
 
 
 def _time_size(size: int, seconds: float, add: Callable[..., None]) -> None:
-    meta, table, dicts = _filled(size)
+    meta, table, prioritized, dicts = _filled(size)
     where = meta.parsed(QUERY)
     us, calls = _per_call_us(lambda: meta.select(where, limit=10), seconds)
     add("shmbuffer", "query", size, us, calls, size)
@@ -116,6 +133,14 @@ def _time_size(size: int, seconds: float, add: Callable[..., None]) -> None:
         lambda: table.sample_rows(256, among=meta.subset(SELECTIVE, table)), seconds
     )
     add("shmbuffer", "sample-where", size, us, calls, 256)
+    us, calls = _per_call_us(
+        lambda: table.sample_rows(256, among=meta.subset("tag == 1", table)), seconds
+    )
+    add("shmbuffer", f"sample-where-{FIXED // 1000}k", size, us, calls, 256)
+    us, calls = _per_call_us(
+        lambda: prioritized.sample_rows(256, among=meta.subset(SELECTIVE, prioritized)), seconds
+    )
+    add("shmbuffer", "sample-where-prioritized", size, us, calls, 256)
 
 
 def _label(size: int) -> str:

@@ -448,6 +448,8 @@ class Container:
         """:meth:`Table.commit_priorities <shmbuffer.ring.table.Table.commit_priorities>` of the
         table the reservation's priorities are checked by (:meth:`priority_table`)."""
         reservation = self.ring.reservations.get(reservation_id)
+        if priority is None and reservation is not None:  # asked at every commit: no more
+            return None
         members = None if reservation is None else reservation.members
         return self.priority_table(members).commit_priorities(reservation_id, priority)
 

@@ -1,9 +1,9 @@
 """The daemon's handler tables against the protocol's tables: one handler per request op, and
 the replies a real BufferService sends match ``protocol.REPLIES`` field by field.
 
-Adding an op is two places, its table entries in ``shmbuffer/wire/protocol.py`` and its handler in
-``shmbuffer/daemon/service.py``; these tests fail until both (and ``docs/protocol.md``, see
-tests/test_protocol.py) agree.
+Adding an op is its table entries in ``shmbuffer/wire/protocol.py`` (requests) and
+``shmbuffer/wire/replies.py`` (replies) and its handler in ``shmbuffer/daemon/service.py``;
+these tests fail until they (and ``docs/protocol.md``, see tests/test_protocol.py) agree.
 """
 
 from __future__ import annotations

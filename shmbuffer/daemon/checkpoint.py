@@ -42,7 +42,7 @@ Layout of ``<dest>/checkpoint/`` (format 3)::
     chunks.json     the chunk table: layout, file names, identity lineages, this checkpoint's
                     lineage, and each chunk file's CRC-32 (``checksums``)
     use_counts.npy  per-row read counters at the cut (with several tables, one row per table)
-    state.json      journal.container_state at the cut: ring, registry, counters, and the
+    state.json      saved_state.container_state at the cut: ring, registry, counters, and the
                     sampler (kind, settings, state), rate limiter (kind, settings, counts) and
                     generator state of Container.state
     COMPLETE        written last; a folder without it is never restored. It holds the CRC-32

@@ -121,12 +121,17 @@ from shmbuffer.daemon.records import (
     priority_fields,
     record_bytes,
 )
+from shmbuffer.daemon.saved_state import (
+    USE_COUNTS_FILE,
+    container_state,
+    restore_container,
+    use_counts_file,
+)
 from shmbuffer.errors import JournalError, OutOfSpaceError
 from shmbuffer.registry.intervals import Episode
 from shmbuffer.ring.container import Container, Range, SampleRecord
-from shmbuffer.samplers import RateLimiter, Sampler
 
-__all__ = [  # the record names are re-exported: importers know them from here
+__all__ = [  # the record and saved-state names are re-exported: importers know them from here
     "ABORT",
     "CLEAR",
     "COMMIT",
@@ -155,8 +160,6 @@ __all__ = [  # the record names are re-exported: importers know them from here
 
 JOURNAL_FILE = "journal.bin"
 STATE_FILE = "state.json"
-USE_COUNTS_FILE = "use_counts.bin"
-STATE_FORMAT = 1
 
 _SAMPLE_BYTES = HEAD.size + SAMPLE_RNG_BODY.size
 _EPOCH_BYTES = record_bytes(1)
@@ -168,23 +171,6 @@ JOURNAL_CHUNK = 64 * 1024
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
-# -- container state --------------------------------------------------------------------------
-
-
-def use_counts_file(container: Container, name: str) -> str:
-    """The file of table ``name``'s use counters: ``use_counts.bin`` for the default table
-    (where it always was), ``use_counts.<name>.bin`` for another."""
-    return (
-        USE_COUNTS_FILE if container.tables[name] is container.table else f"use_counts.{name}.bin"
-    )
-
-
-def container_state(container: Container, counters: dict[str, int] | None = None) -> dict[str, Any]:
-    """What a restart needs to rebuild ``container`` (:meth:`Container.state`: ring, registry,
-    sampler, limiter, generator), plus the daemon's counters; JSON-able."""
-    return {"format": STATE_FORMAT, **container.state(), "counters": dict(counters or {})}
-
-
 def reserve_bytes(evicted: int, pin: Pin | None = None) -> int:
     """The size of a RESERVE record evicting ``evicted`` ranges, pinned with ``pin``."""
     fields = 4 + 2 * evicted
@@ -192,27 +178,6 @@ def reserve_bytes(evicted: int, pin: Pin | None = None) -> int:
         fields += 5 + 2 * len(pin.ranges) + (0 if isinstance(pin.split, int) else len(pin.split))
         fields += 1 if pin.tables else 0
     return record_bytes(fields)
-
-
-def restore_container(
-    state: dict[str, Any],
-    container: Container | None = None,
-    *,
-    sampler: Sampler | None = None,
-    rate_limiter: RateLimiter | None = None,
-) -> Container:
-    """A container in ``state`` with no open reservation (use counters restart at 0 for every
-    committed row): ``container`` updated in place (its sampler must be of the saved kind), or
-    a new one with ``sampler``/``rate_limiter`` (None: the saved kinds and settings)."""
-    if state.get("format") != STATE_FORMAT:
-        raise JournalError(f"state format {state.get('format')!r}, expected {STATE_FORMAT}")
-    try:
-        if container is None:
-            return Container.from_state(state, sampler=sampler, rate_limiter=rate_limiter)
-        container.load_state(state)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise JournalError(f"saved state does not fit: {exc}") from exc
-    return container
 
 
 # -- the journal ------------------------------------------------------------------------------

@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 from shmbuffer import runtime
 from shmbuffer.daemon.config import LIMITER_OPTIONS, SAMPLER_OPTIONS, DaemonConfig
-from shmbuffer.daemon.journal import STATE_FILE, Journal, restore_container
+from shmbuffer.daemon.journal import STATE_FILE, Journal
+from shmbuffer.daemon.saved_state import restore_container
 from shmbuffer.errors import CheckpointError, JournalError, RecoveryError, ShmBufferError
 from shmbuffer.runtime import runtime_dir
 from shmbuffer.storage.schema import Schema

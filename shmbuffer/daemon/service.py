@@ -25,10 +25,11 @@ from typing import Any
 
 from shmbuffer.daemon.clients import Client
 from shmbuffer.daemon.config import DaemonConfig
-from shmbuffer.daemon.journal import record_bytes, restore_container
+from shmbuffer.daemon.journal import record_bytes
 from shmbuffer.daemon.pins import pins_from_state
 from shmbuffer.daemon.processes import alive
 from shmbuffer.daemon.samples import SampleOps
+from shmbuffer.daemon.saved_state import restore_container
 from shmbuffer.daemon.state import Deferred, Frames, Reply
 from shmbuffer.daemon.stats import client_figures
 from shmbuffer.daemon.writes import WriteOps

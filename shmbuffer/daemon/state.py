@@ -28,10 +28,11 @@ from shmbuffer.daemon.checkpoint import open_destination
 from shmbuffer.daemon.checkpoint_job import CheckpointJob, Cut
 from shmbuffer.daemon.clients import ClientTable
 from shmbuffer.daemon.config import DaemonConfig
-from shmbuffer.daemon.journal import Journal, container_state
+from shmbuffer.daemon.journal import Journal
 from shmbuffer.daemon.leases import LeaseTable
 from shmbuffer.daemon.pins import Pin, PinTable
 from shmbuffer.daemon.processes import Process
+from shmbuffer.daemon.saved_state import container_state
 from shmbuffer.daemon.security import segment_access
 from shmbuffer.daemon.stats import Counters, RateMeter
 from shmbuffer.errors import CheckpointError, OutOfSpaceError

@@ -97,9 +97,7 @@ class SampleOps(DaemonState):
             episodes = table.sample_episodes(n, beta=beta, among=among)
             ids, index = episodes.ids, episodes.starts
             drawn, physical = episodes, episodes.rows
-            if (
-                not table.sampler.waits_when_empty
-            ):  # drawn for good otherwise: never refuse them now
+            if not table.sampler.waits_when_empty:  # drawn for good otherwise: never refuse
                 self._check_sample_size(physical.size, fields)
             reply.update(
                 ids=encode_i64(ids),

@@ -105,9 +105,9 @@ class DaemonState:
                 f"capacity {config.capacity:,} rows: the daemon cannot allocate its per-row "
                 f"bookkeeping (about {12 * config.capacity:,} bytes of memory)"
             ) from None
-        #: Every episode's metadata: what writers attach to their commits, and the length,
-        #: commit time and writer the daemon records (``ring/meta.py``, docs/metadata.md).
-        # (the tables whose draws it bounds read it too: --table recent:uniform,max-episodes=N)
+        # Every episode's metadata, kept from the start: what writers attach to their commits,
+        # and the length, commit time and writer the daemon records (``ring/meta.py``); the
+        # tables whose draws it bounds read it too (``--table recent:uniform,max-episodes=N``).
         self.container.bound_tables(config.tables, config.meta)
         self.container.keep_meta(config.meta)
         self.leases = LeaseTable(config.lease_ttl)
@@ -252,7 +252,7 @@ class DaemonState:
             "consumes": self.container.sampler.consuming,
             "local_draws": self.local_draws_info(),
             "meta": self.meta_info(),
-            # (since 1.N) every table, the default one first: what a Reader of one needs
+            # since 1.9: every table, the default one first: what a Reader of one needs
             "tables": [
                 {
                     "name": name,

@@ -59,6 +59,11 @@ class Client:
     #: (as ``died`` if its process is gone by then, else ``closed``).
     disconnected: bool = False
 
+    @property
+    def writer(self) -> str:
+        """What an episode's metadata records as its ``writer``: ``pid@host``."""
+        return f"{self.pid}@{self.host}"
+
     def is_alive(self) -> bool:
         return alive(self.process) if self.process is not None else pid_alive(self.pid)
 

@@ -120,6 +120,8 @@ from shmbuffer.daemon.records import (
     pin_fields,
     priority_fields,
     record_bytes,
+    time_bits,
+    writer_body,
 )
 from shmbuffer.daemon.saved_state import (
     USE_COUNTS_FILE,
@@ -171,6 +173,17 @@ JOURNAL_CHUNK = 64 * 1024
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
+def commit_bytes(episodes: int, writer: str) -> int:
+    """The most a COMMIT record of ``episodes`` entries takes, with its writer's WRITER
+    record (written the first time a journal generation sees that writer)."""
+    return record_bytes(6 + 3 * episodes) + _writer_bytes(writer)
+
+
+@functools.lru_cache(maxsize=1024)
+def _writer_bytes(writer: str) -> int:
+    return HEAD.size + len(writer_body(0, writer))
+
+
 def reserve_bytes(evicted: int, pin: Pin | None = None) -> int:
     """The size of a RESERVE record evicting ``evicted`` ranges, pinned with ``pin``."""
     fields = 4 + 2 * evicted
@@ -220,6 +233,8 @@ class Journal:
         self._leases: LeaseTable | None = None  # put in every snapshot (track)
         self._pins: PinTable | None = None  # the same
         self._iterate_seed: int | None = None
+        #: Writers' codes in this generation (a snapshot starts a new one, and new codes).
+        self._writers: dict[str, int] = {}
 
     # -- what else a resume keeps ---------------------------------------------------------
 
@@ -357,6 +372,7 @@ class Journal:
         self._pwrite(encode_record(EPOCH, [epoch]), 0)
         self._offset = _EPOCH_BYTES
         self.epoch, self.records = epoch, 0
+        self._writers = {}
 
     def needs_snapshot(self, num_episodes: int) -> bool:
         return self._fd is not None and self.records >= max(self.snapshot_every, 2 * num_episodes)
@@ -484,12 +500,20 @@ class Journal:
         rows_committed: int,
         episodes_committed: int,
         tables: int = 0,
+        commit_time: float = 0.0,
+        writer: str = "",
     ) -> None:
-        """A commit; ``tables``: the mask of the tables its episodes go into where only some
-        (``Container.members_mask``; 0: every table, and no field)."""
+        """A commit: its episodes, the mask of the tables they go into
+        (``Container.members_mask``; 0: every table), its time and its ``writer`` (a code,
+        whose WRITER record goes first the first time this generation sees it; room for it:
+        :func:`commit_bytes`; none for ``""``)."""
+        code = self._writers.get(writer, -1) if writer else -1  # -1: none named
+        if code < 0 and writer:
+            code = self._writers[writer] = len(self._writers)
+            self._append_body(writer_body(code, writer))
         flat = [v for ep in episodes for v in ep]
         fields = [rows_committed, episodes_committed, len(episodes), *flat]
-        self._append(COMMIT, [*fields, tables] if tables else fields)
+        self._append(COMMIT, [*fields, tables, time_bits(commit_time), code])
 
     def append_meta(self, ids: list[int], payload: bytes) -> None:
         """What a commit attached to the episodes ``ids`` (``records.meta_payload``)."""
@@ -542,13 +566,15 @@ class Journal:
         except FileNotFoundError:
             data = b""
         replayed, used, diverged = 0, 0, 0
+        writers: dict[int, str] = {}  # the generation's writer codes, as its records say
         stateful = any(t.sampler.draws_change_state for t in container.tables.values())
         records = iter_records(data)
         first = next(records, None)
         if first is not None and first[0] == EPOCH and int(first[1][0]) == state.get("epoch"):
             used = first[2]
             for kind, fields, end in records:
-                if not apply_record(container, counters, kind, fields, leases, pins) and stateful:
+                done = apply_record(container, counters, kind, fields, leases, pins, writers)
+                if not done and stateful:
                     diverged += 1
                 replayed, used = replayed + 1, end
         elif first is not None:  # an older generation: already in the snapshot

@@ -13,29 +13,31 @@ Record format (little endian)::
 Types: ``EPOCH [epoch]`` (first record of every journal generation), ``RESERVE [pointer,
 rows_written, next_reservation, n, (start, stop) * n]`` (the rows a reservation evicted and
 where the ring stands after it), ``COMMIT [rows_committed, episodes_committed, n, (id, start,
-end) * n, tables?]`` (``tables``: for episodes written into only some tables, their mask,
-``Container.members_mask``), ``CLEAR [pointer]``, ``RESTORE [pointer, rows_written, n, (id,
-start, end) * n]`` (an aborted reservation publishing again what it evicted, see
-:meth:`Container.abort`), ``PRIORITY [n, row * n, float64 bits * n, table?]`` (priorities set by
-``update_priorities`` or given to a commit, rows already filtered for staleness; replayed
-through the sampler), ``SAMPLE [call, n, length, strict, handed, refused, (rng * 6)?, table?]``
-(a draw a table handed out, or one refused after it changed the sampler; the generator's six
-words only when a refused draw may have moved it since the last SAMPLE). ``table`` is the
-table's place among the container's (``Container.table_at``), there only for a table other than
-the default one, so a one-table daemon writes what it always did and an old record means the
-default table (the count of fields tells: even for a PRIORITY with it, 7 or 13 for a SAMPLE).
-``LEASE [id, pid, host crc32, expires_us, n, episode id * n]``, ``RENEW [id, expires_us]`` and
-``RELEASE [id]`` (leases, expiries as wall-clock microseconds). ``RESERVE_PINNED`` is a RESERVE
-whose rows are pinned to the local writer copying into them (``pins.py``): the RESERVE fields,
-then ``[id, pid, start time, m, (start, stop) * m, k, length * k]`` (the reservation, its
-writer's process, its ranges, and its episodes' lengths, or ``-k`` for k equal episodes; then
-the tables' mask where only some); ``ABORT [id]`` ends such a pin without a commit (a COMMIT
-whose first episode starts its rows ends it too). ``META [n, id * n, nbytes]`` and msgpack bytes
-follow every COMMIT: what the commit attached to the episodes it published (``{"m": values, "w":
-writer, "t": commit time}``, padded to a whole int64). Any other abort needs no record: it
-changed nothing but what its RESERVE record already holds; nor does a lease's expiry (a resume
-drops it by its wall-clock expiry). A crash in the middle of a write leaves a short or
-CRC-failing last record, which :meth:`Journal.load` ignores (its request was never
+end) * n, tables, time, writer]`` (the last three since episodes have metadata, absent from
+older records: the mask of the tables the episodes go into, ``Container.members_mask``, 0 for
+every table; the commit time's float64 bits; the writer's code in this journal generation, whose
+name a ``WRITER [code, nbytes]`` record of utf-8 bytes gives before its first COMMIT), ``CLEAR
+[pointer]``, ``RESTORE [pointer, rows_written, n, (id, start, end) * n]`` (an aborted
+reservation publishing again what it evicted, see :meth:`Container.abort`), ``PRIORITY [n, row *
+n, float64 bits * n, table?]`` (priorities set by ``update_priorities`` or given to a commit,
+rows already filtered for staleness; replayed through the sampler), ``SAMPLE [call, n, length,
+strict, handed, refused, (rng * 6)?, table?]`` (a draw a table handed out, or one refused after
+it changed the sampler; the generator's six words only when a refused draw may have moved it
+since the last SAMPLE). ``table`` is the table's place among the container's
+(``Container.table_at``), there only for a table other than the default one, so a one-table
+daemon writes what it always did and an old record means the default table (the count of fields
+tells: even for a PRIORITY with it, 7 or 13 for a SAMPLE). ``LEASE [id, pid, host crc32,
+expires_us, n, episode id * n]``, ``RENEW [id, expires_us]`` and ``RELEASE [id]`` (leases,
+expiries as wall-clock microseconds). ``RESERVE_PINNED`` is a RESERVE whose rows are pinned to
+the local writer copying into them (``pins.py``): the RESERVE fields, then ``[id, pid, start
+time, m, (start, stop) * m, k, length * k]`` (the reservation, its writer's process, its ranges,
+and its episodes' lengths, or ``-k`` for k equal episodes; then the tables' mask where only
+some); ``ABORT [id]`` ends such a pin without a commit (a COMMIT whose first episode starts its
+rows ends it too). ``META [n, id * n, nbytes]`` and msgpack bytes follow a COMMIT whose writer
+attached metadata: the values, ``{"m": values}``, padded to a whole int64. Any other abort needs
+no record: it changed nothing but what its RESERVE record already holds; nor does a lease's
+expiry (a resume drops it by its wall-clock expiry). A crash in the middle of a write leaves a
+short or CRC-failing last record, which :meth:`Journal.load` ignores (its request was never
 acknowledged).
 """
 
@@ -58,7 +60,7 @@ Range = tuple[int, int]
 EPOCH, RESERVE, COMMIT, CLEAR, RESTORE, PRIORITY = 0, 1, 2, 3, 4, 5
 SAMPLE, LEASE, RENEW, RELEASE = 6, 7, 8, 9
 RESERVE_PINNED, ABORT = 10, 11
-META = 12
+META, WRITER = 12, 13
 HEAD = struct.Struct("<II")
 #: A SAMPLE's body: its type and six fields, and with the generator's six words.
 SAMPLE_BODY = struct.Struct("<7q")
@@ -88,17 +90,25 @@ def priority_fields(rows: np.ndarray, priority: np.ndarray, table: int = 0) -> n
     return np.concatenate([head, np.asarray(rows, dtype="<i8"), bits, tail])
 
 
-def meta_payload(values: dict[str, Any], writer: str, commit_time: float = 0.0) -> bytes:
-    """A META record's bytes after its int64 fields: what the commit attached. The commit
-    time is the last value, a msgpack float64 (its last 8 bytes: :func:`timed`)."""
-    payload: bytes = msgpack.packb({"m": values, "w": writer, "t": float(commit_time)})
+def meta_payload(values: dict[str, Any]) -> bytes:
+    """A META record's bytes after its int64 fields: the values a commit attached."""
+    payload: bytes = msgpack.packb({"m": values})
     return payload
 
 
-def timed(payload: bytes, commit_time: float) -> bytes:
-    """``payload`` with its commit time set: the room for the record is reserved before the
-    commit, whose time it then carries, without packing it twice."""
-    return payload[:-8] + struct.pack(">d", commit_time)
+def writer_body(code: int, writer: str) -> bytes:
+    """A WRITER record's body: ``[WRITER, code, nbytes]``, then the name padded to 8."""
+    name = writer.encode()
+    return struct.pack("<3q", WRITER, code, len(name)) + name + bytes(-len(name) % 8)
+
+
+def time_bits(seconds: float) -> int:
+    """A commit time as the int64 its float64 bits are (exact, as a COMMIT field)."""
+    bits: int = _INT64.unpack(_FLOAT64.pack(seconds))[0]
+    return bits
+
+
+_INT64, _FLOAT64 = struct.Struct("<q"), struct.Struct("<d")
 
 
 def meta_body(ids: list[int], payload: bytes) -> bytes:
@@ -143,6 +153,7 @@ def apply_record(
     f: np.ndarray,
     leases: dict[int, list[Any]] | None = None,
     pins: dict[int, list[Any]] | None = None,
+    writers: dict[int, str] | None = None,
 ) -> bool:
     """Redo one record on ``container`` through its replay methods, a lease record on
     ``leases`` (id -> ``[id, pid, host crc, expires_us, episode ids]``, as the snapshot keeps
@@ -172,9 +183,16 @@ def apply_record(
             counters["rows_committed"], counters["episodes_committed"] = int(f[0]), int(f[1])
             n = int(f[2])
             episodes = f[3 : 3 + 3 * n].reshape(n, 3).tolist()  # ValueError if cut short
-            mask = int(f[3 + 3 * n]) if f.size == 4 + 3 * n else 0  # into only some tables
-            tables = container.mask_members(mask)
-            container.replay_commit([(i, s, e) for i, s, e in episodes], tables)
+            if f.size not in (3 + 3 * n, 6 + 3 * n):
+                raise ValueError(f"COMMIT record of {f.size} fields for {n} episodes")
+            extra = f[3 + 3 * n :]  # the tables' mask, the time's bits, the writer's code
+            mask = int(extra[0]) if extra.size else 0
+            ids = container.replay_commit(
+                [(i, s, e) for i, s, e in episodes], container.mask_members(mask)
+            )
+            if extra.size:  # who wrote them, and when
+                writer = (writers or {}).get(int(extra[2]))
+                container.replay_meta(ids, {}, writer, float(extra[1:2].view("<f8")[0]))
             if pins and n:  # a pinned reservation's commit: its first episode starts its rows
                 first = episodes[0][1]  # (open reservations never overlap: one at most)
                 for rid in [rid for rid, pin in pins.items() if pin[3][0][0] == first]:
@@ -186,7 +204,14 @@ def apply_record(
             if len(ids) != n or len(payload) < nbytes:
                 raise ValueError(f"META record cut short ({f.size} fields for {n} episodes)")
             saved = msgpack.unpackb(payload[:nbytes])
-            container.replay_meta(ids, saved["m"], saved["w"], saved["t"])
+            container.replay_meta(ids, saved["m"], saved.get("w"), saved.get("t"))
+        elif kind == WRITER:
+            code, nbytes = int(f[0]), int(f[1])
+            name = f[2:].tobytes()
+            if len(name) < nbytes:
+                raise ValueError(f"WRITER record cut short ({len(name)} bytes of {nbytes})")
+            if writers is not None:
+                writers[code] = name[:nbytes].decode()
         elif kind == ABORT:
             pins.pop(int(f[0]), None)
         elif kind == CLEAR:

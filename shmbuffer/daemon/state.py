@@ -296,18 +296,27 @@ class DaemonState:
             self.journal.append_reserve(evicted, c.pointer, c.rows_written, c.next_reservation, pin)
 
     def _journal_commit(
-        self, ids: list[int], bounds: list[tuple[int, int]], meta_payload: bytes, tables: int
+        self,
+        ids: list[int],
+        bounds: list[tuple[int, int]],
+        tables: int,
+        commit_time: float,
+        writer: str,
+        meta_payload: bytes | None,
     ) -> None:
-        """A COMMIT record (into the ``tables`` of a mask, 0: every one), and the META record
-        of what it attached."""
+        """A COMMIT record (into the ``tables`` of a mask, 0: every one; its time and
+        writer), and the META record of what its writer attached, if anything."""
         if self.journal is not None:
             self.journal.append_commit(
                 [(i, s, e) for i, (s, e) in zip(ids, bounds, strict=True)],
                 self.counters.rows_committed,
                 self.counters.episodes_committed,
                 tables,
+                commit_time,
+                writer,
             )
-            self.journal.append_meta(ids, meta_payload)
+            if meta_payload is not None:
+                self.journal.append_meta(ids, meta_payload)
 
     def resume_settings(self) -> dict[str, Any]:
         """What ``start --resume`` needs of a daemon that died before its first write (it has

@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 
 from shmbuffer.daemon.clients import Client
-from shmbuffer.daemon.journal import record_bytes, reserve_bytes
+from shmbuffer.daemon.journal import commit_bytes, record_bytes, reserve_bytes
 from shmbuffer.daemon.pins import Pin
-from shmbuffer.daemon.records import meta_bytes, meta_payload, timed
+from shmbuffer.daemon.records import meta_bytes, meta_payload
 from shmbuffer.daemon.state import DaemonState, Deferred, Frames, Reply
 from shmbuffer.errors import (
     InvalidArgumentError,
@@ -60,21 +60,6 @@ _RESERVE_BYTES = record_bytes(4 + 2 * 2)
 AHEAD_MAX_LIVE = 65_536
 
 
-def _commit_bytes(reservation: Reservation) -> int:
-    return record_bytes(4 + 3 * len(reservation.episodes))  # with a tables mask, at most
-
-
-def _writer(client: Client) -> str:
-    """The ``writer`` an episode's metadata records: its process, ``pid@host``."""
-    return f"{client.pid}@{client.host}"
-
-
-@functools.lru_cache(maxsize=1024)
-def _plain_payload(writer: str) -> bytes:
-    """The META payload of a commit that attaches nothing (its writer's, packed once)."""
-    return meta_payload({}, writer)
-
-
 def wire_priority(value: bytes | float | int | None) -> float | np.ndarray | None:
     """A request's ``priority`` field: f64 bytes (one value per item) or one number."""
     if isinstance(value, bytes):
@@ -98,7 +83,8 @@ class WriteOps(DaemonState):
             owned = [self._owned(client, r) for r in commits]
             metas = self._commit_metas(fields, commits)  # the same
             # Room for every record first, so a full disk refuses them all, not some.
-            self._journal_room(sum(_commit_bytes(r) for r in owned) + _RESERVE_BYTES)
+            room = sum(commit_bytes(len(r.episodes), client.writer) for r in owned)
+            self._journal_room(room + _RESERVE_BYTES)
             committed = [ep for r in commits for ep in self._commit(client, r, meta=metas.get(r))]
         # Reservation 0 says "not now": the writer reserves again, waiting, when its write comes.
         reply: dict[str, Any] = {"reservation": 0, "ranges": []}
@@ -285,13 +271,18 @@ class WriteOps(DaemonState):
         extra = 0 if given is None else len(keeping) * record_bytes(2 + 2 * given.rows.size)
         # A commit the journal cannot hold is refused (out_of_space), never acknowledged: the
         # reservation stays open, so the writer may retry once there is room.
-        writer = _writer(client)
-        payload = meta_payload(meta, writer) if meta else _plain_payload(writer)
-        extra += meta_bytes(len(reservation.episodes), payload)
-        self._journal_room(_commit_bytes(reservation) + extra)
-        ids = self.container.commit(reservation.id, priority)
-        self.meta.attach(ids, meta or {}, writer)  # cannot fail: checked
-        payload = timed(payload, self.meta.last_commit_time)
+        writer = client.writer
+        payload = meta_payload(meta) if meta else None
+        if payload is not None:
+            extra += meta_bytes(len(reservation.episodes), payload)
+        self._journal_room(commit_bytes(len(reservation.episodes), writer) + extra)
+        self.meta.next_writer = writer  # recorded by the commit itself
+        try:
+            ids = self.container.commit(reservation.id, priority)
+        finally:
+            self.meta.next_writer = None  # a refused commit must not hand it to the next
+        if meta:
+            self.meta.attach(ids, meta)  # cannot fail: checked
         self._priorities.pop(reservation_id, None)
         self.pins.pop(reservation_id)  # the COMMIT record of its episodes ends it on replay
         client.reservations.discard(reservation.id)
@@ -299,7 +290,9 @@ class WriteOps(DaemonState):
         client.rows_committed += reservation.num_rows
         self.counters.episodes_committed += reservation.num_episodes  # not the entries
         tables = self.container.members_mask(reservation.members)
-        self._journal_commit(ids, reservation.episodes, payload, tables)  # before the reply
+        self._journal_commit(  # before the reply acknowledges it
+            ids, reservation.episodes, tables, self.meta.last_commit_time, writer, payload
+        )
         if given is not None and self.journal is not None:
             for index in keeping:
                 self.journal.append_priorities(given.rows, given.priority, index)
@@ -365,8 +358,9 @@ class WriteOps(DaemonState):
         # its rows were copied.
         records = len(self._prioritized())
         extra = records * record_bytes(2 + 2 * fields["rows"]) if "priority" in fields else 0
-        extra += meta_bytes(plan.episodes + 1, meta_payload(meta or {}, _writer(client)))
-        self._journal_room(_RESERVE_BYTES + record_bytes(3 + 3 * (plan.episodes + 1)) + extra)
+        if meta:
+            extra += meta_bytes(plan.episodes + 1, meta_payload(meta))
+        self._journal_room(_RESERVE_BYTES + commit_bytes(plan.episodes + 1, client.writer) + extra)
         reservation = self._reserve(client, fields, plan, now, pin=False)
         assert self.segment is not None
         with rows.Progress(functools.partial(self._abort, client, reservation)) as progress:

@@ -537,10 +537,11 @@ class Container:
 
     def replay_commit(
         self, episodes: Sequence[tuple[int, int, int]], tables: Iterable[str] | None = None
-    ) -> None:
+    ) -> list[int]:
         """:meth:`Ring.replay_commit <shmbuffer.ring.ring.Ring.replay_commit>` into
-        ``tables`` (None: every table), as :meth:`commit` took them."""
+        ``tables`` (None: every table), as :meth:`commit` took them; the ids."""
         self.ring.replay_commit(episodes, self.members(tables))
+        return [ep[0] for ep in episodes]
 
     def replay_restore(self, episodes: Sequence[Episode], pointer: int, rows_written: int) -> None:
         self.ring.replay_restore(episodes, pointer, rows_written)

@@ -86,6 +86,9 @@ class EpisodeMeta(RingListener):
         self.declared = declared is not None
         self._kinds: dict[str, str] = check_kinds(declared or {})
         self.last_commit_time = 0.0
+        #: The writer the next commit records for its episodes (the owner sets it just before
+        #: the commit; the commit takes it): cheaper than an attach after it.
+        self.next_writer: str | None = None
         self._where: Where | None = None  # the last filter parsed, reused while it is asked
         #: Counts the changes that make a kept selection stale (a restore, a clear, a load):
         #: one kept across draws (``ring/bounds.py``) starts over when it moved.
@@ -230,6 +233,16 @@ class EpisodeMeta(RingListener):
         self.last_commit_time = now = time.time()  # the daemon journals it with the commit
         for ep in episodes:
             self._live(ep, now)
+        writer, self.next_writer = self.next_writer, None
+        if writer is not None:
+            code = self._code("writer", writer)
+            first, last = episodes[0].id - self._base, episodes[-1].id - self._base
+            if first == last:  # one episode, the usual commit: no slice
+                self._values["writer"][first] = code
+                self._present["writer"][first] = True
+            else:
+                self._values["writer"][first : last + 1] = code
+                self._present["writer"][first : last + 1] = True
 
     def _live(self, ep: Episode, now: float | None = None) -> None:
         i = ep.id - self._base

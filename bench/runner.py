@@ -26,6 +26,7 @@ from bench import (  # noqa: F401  (register the scenarios)
     rollout,
     runs,
     sampling,
+    service_ops,
 )
 from bench.registry import QUICK_WORKER_COUNTS, SCENARIOS, WORKER_COUNTS, Context
 

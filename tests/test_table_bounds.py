@@ -220,3 +220,14 @@ def test_episodes_an_aborted_write_gives_back_are_drawn_again() -> None:
     assert set(drawn_ids(buf, 300).tolist()) == {5}
     container.abort(reservation.id, written=0)  # nothing copied: every eviction comes back
     assert set(drawn_ids(buf, 600).tolist()) == set(range(6))
+
+
+def test_the_lag_distribution_counts_the_tables_own_episodes() -> None:
+    tables = {"replay": {}, "fresh": {"sampler": "uniform", "max_staleness": 9}}
+    buf = Buffer(1000, unit="episode", seed=1, tables=tables)
+    for i in range(6):  # versions 0..5; the even ones into "replay" only
+        into = ["replay"] if i % 2 == 0 else None
+        buf.add_episode(episode(i), meta={"policy_version": i}, tables=into)
+    lags = buf.stats()["tables"]["fresh"]["bounds"]["lags"]
+    assert lags == {"0": 1, "1": 0, "2": 1, "3": 0, "4+": 1, "none": 0}  # versions 5, 3, 1
+    assert set(drawn_ids(buf, 300, table="fresh").tolist()) == {1, 3, 5}

@@ -433,7 +433,7 @@ class BufferService(WriteOps, SampleOps):
                 "holds_writes": self._holds_writes(name),
             }
             if table.bounds is not None:  # its options, the newest version, episodes per lag
-                out[name]["bounds"] = table.bounds.stats()
+                out[name]["bounds"] = table.bounds.stats(table)
         return out
 
     def stalled_writers(self, now: float) -> list[dict[str, Any]]:

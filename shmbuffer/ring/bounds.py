@@ -183,9 +183,10 @@ class TableBounds:
 
     # -- status ------------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, table: Any = None) -> dict[str, Any]:
         """The options, and with staleness the newest policy_version and the live episodes per
-        lag (``"0"`` .. ``"3"``, ``"4+"``; ``"none"``: without a policy_version)."""
+        lag (``"0"`` .. ``"3"``, ``"4+"``; ``"none"``: without a policy_version): those of
+        ``table`` where it holds only some."""
         out: dict[str, Any] = {k: v for k, v in vars(self.bounds).items() if v is not None}
         meta = self.meta
         if meta is None or self._lag is None:
@@ -193,6 +194,8 @@ class TableBounds:
         self._catch_up(meta)
         values, present = meta.column(POLICY_VERSION)
         live = meta.live()
+        if table is not None and not table.holds_all:
+            live = live & table.holding(np.arange(meta.base, meta.base + len(live)))
         out["newest_policy_version"] = self._newest
         lags = {str(lag): 0 for lag in range(LAG_BUCKETS)}
         lags[f"{LAG_BUCKETS}+"] = 0

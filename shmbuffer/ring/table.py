@@ -552,7 +552,7 @@ class Table(TablePriorities, RingListener):
             "priority_updates_stale": self.priority_updates_stale,
         }
         if self.bounds is not None:
-            out["bounds"] = self.bounds.stats()
+            out["bounds"] = self.bounds.stats(self)
         return out
 
 

@@ -205,8 +205,10 @@ def torchrl_prioritized(layout: Layout) -> Iterator[Offer]:
 
     sampler = PrioritizedSampler(max_capacity=layout.size, alpha=0.6, beta=0.4, eps=1e-6)
     storage = _torchrl_storage(layout, sampler)
-    sampler.update_priority(torch.arange(layout.size), torch.from_numpy(layout.priorities))
-    updates = torch.from_numpy(layout.updates)
+    # TorchRL's sum tree is float32, and its update_priority refuses float64 tensors
+    priorities = torch.from_numpy(layout.priorities).to(torch.float32)
+    sampler.update_priority(torch.arange(layout.size), priorities)
+    updates = torch.from_numpy(layout.updates).to(torch.float32)
 
     def sample_update(i: int) -> None:
         index, _ = sampler.sample(storage, 256)

@@ -150,6 +150,8 @@ def test_quick_all_scenarios(tmp_path: Path) -> None:
     assert (out / "sampling.scaling.png").stat().st_size > 0
     for r in rows:
         assert r["seconds"] > 0 and r["rows"] > 0, r
-        assert r["rows_per_s"] > 0 and r["gb_per_s"] > 0, r
+        assert r["rows_per_s"] > 0, r
+        # rows of metadata or of the control plane move no bytes (meta.queries, daemon.service)
+        assert r["gb_per_s"] > 0 if r["bytes"] > 0 else r["gb_per_s"] == 0, r
         assert r["pass"] in ("first", "steady"), r
         assert r["repeats"] == 1 and r["rows_per_s_min"] == r["rows_per_s_max"], r

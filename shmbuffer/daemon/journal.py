@@ -173,26 +173,6 @@ JOURNAL_CHUNK = 64 * 1024
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
-def commit_bytes(episodes: int, writer: str) -> int:
-    """The most a COMMIT record of ``episodes`` entries takes, with its writer's WRITER
-    record (written the first time a journal generation sees that writer)."""
-    return record_bytes(6 + 3 * episodes) + _writer_bytes(writer)
-
-
-@functools.lru_cache(maxsize=1024)
-def _writer_bytes(writer: str) -> int:
-    return HEAD.size + len(writer_body(0, writer))
-
-
-def reserve_bytes(evicted: int, pin: Pin | None = None) -> int:
-    """The size of a RESERVE record evicting ``evicted`` ranges, pinned with ``pin``."""
-    fields = 4 + 2 * evicted
-    if pin is not None:
-        fields += 5 + 2 * len(pin.ranges) + (0 if isinstance(pin.split, int) else len(pin.split))
-        fields += 1 if pin.tables else 0
-    return record_bytes(fields)
-
-
 # -- the journal ------------------------------------------------------------------------------
 
 

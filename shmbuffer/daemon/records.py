@@ -43,6 +43,7 @@ acknowledged).
 
 from __future__ import annotations
 
+import functools
 import struct
 import zlib
 from collections.abc import Iterable, Iterator
@@ -51,6 +52,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from shmbuffer.daemon.pins import Pin
 from shmbuffer.errors import JournalError
 from shmbuffer.registry.intervals import Episode
 from shmbuffer.ring.container import Container, SampleRecord
@@ -125,6 +127,26 @@ def meta_bytes(num_ids: int, payload: bytes) -> int:
 def record_bytes(num_fields: int) -> int:
     """The encoded size of a record with ``num_fields`` fields after its type."""
     return HEAD.size + 8 * (1 + num_fields)
+
+
+def commit_bytes(episodes: int, writer: str) -> int:
+    """The most a COMMIT record of ``episodes`` entries takes, with its writer's WRITER
+    record (written the first time a journal generation sees that writer)."""
+    return record_bytes(6 + 3 * episodes) + _writer_bytes(writer)
+
+
+@functools.lru_cache(maxsize=1024)
+def _writer_bytes(writer: str) -> int:
+    return HEAD.size + len(writer_body(0, writer))
+
+
+def reserve_bytes(evicted: int, pin: Pin | None = None) -> int:
+    """The size of a RESERVE record evicting ``evicted`` ranges, pinned with ``pin``."""
+    fields = 4 + 2 * evicted
+    if pin is not None:
+        fields += 5 + 2 * len(pin.ranges) + (0 if isinstance(pin.split, int) else len(pin.split))
+        fields += 1 if pin.tables else 0
+    return record_bytes(fields)
 
 
 _EPOCH_BYTES = record_bytes(1)

@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 
 from shmbuffer.daemon.clients import Client
-from shmbuffer.daemon.journal import commit_bytes, record_bytes, reserve_bytes
+from shmbuffer.daemon.journal import record_bytes
 from shmbuffer.daemon.pins import Pin
-from shmbuffer.daemon.records import meta_bytes, meta_payload
+from shmbuffer.daemon.records import commit_bytes, meta_bytes, meta_payload, reserve_bytes
 from shmbuffer.daemon.state import DaemonState, Deferred, Frames, Reply
 from shmbuffer.errors import (
     InvalidArgumentError,

@@ -30,6 +30,7 @@ import torch
 from tensordict import TensorDict
 
 from shmbuffer.api.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
+from shmbuffer.api.nstep import check_n_step, n_step_batch
 from shmbuffer.api.passes import Passes, batches
 from shmbuffer.api.reads import (
     Index,
@@ -45,6 +46,7 @@ from shmbuffer.errors import ClosedError
 from shmbuffer.ring.container import Container
 from shmbuffer.ring.members import Members
 from shmbuffer.ring.meta import EpisodeMeta, EpisodeRecords
+from shmbuffer.ring.rowepisodes import RowEpisodes
 from shmbuffer.samplers import LIMITER_OPTIONS, OPTIONS, RateLimiter, Sampler
 from shmbuffer.samplers.base import Priority
 from shmbuffer.storage import rows, streamcopy
@@ -139,6 +141,7 @@ class Buffer:
         self.segment: Segment | LocalSegment | None = None
         self._closed = False
         self._recent = RecentSamples()  # stamps for updates sent back without generation=
+        self._episodes_of: RowEpisodes | None = None  # made by the first n-step sample
         self._meta = self.container.bound_tables(tables, meta)  # from the start if bounds read it
         if schema is not None:
             self._allocate(schema if isinstance(schema, Schema) else Schema.from_spec(schema))
@@ -366,6 +369,9 @@ class Buffer:
         beta: float | None = None,
         where: str | None = None,
         table: str | None = None,
+        n_step: int | None = None,
+        gamma: float = 0.99,
+        n_step_keys: Mapping[str, str | Sequence[str] | None] | None = None,
     ) -> TensorDict | tuple[TensorDict, dict[str, torch.Tensor]]:
         """``batch_size`` rows drawn by the sampler (uniform: from all committed rows, with
         replacement).
@@ -376,14 +382,19 @@ class Buffer:
         weight ``(N * P) ** -beta`` over its largest value, 1 unless prioritized), each
         ``[batch_size]``. ``beta`` overrides the importance exponent for this call. ``where``:
         only from the episodes this filter selects (:meth:`episodes`), as the table draws.
-        ``table``: drawn by that table (``tables=``), not the default one."""
+        ``table``: drawn by that table (``tables=``), not the default one. ``n_step``: n-step
+        returns, with ``gamma`` and ``n_step_keys`` (``docs/sampling.md``, ``api/nstep.py``)."""
         self._check_open()
         if type(batch_size) is int and batch_size > MAX_SAMPLE:  # named as the caller knows it
             check_sample_size(batch_size, what="batch_size")
+        spec = None if n_step is None else check_n_step(n_step, gamma, n_step_keys, self.schema)
         drawer = self._table if table is None else self.container.table_named(table)
         among = None if where is None else self._metadata().subset(where, drawer)
         drawn = drawer.sample_rows(batch_size, beta=beta, among=among)
         data = self._copy(drawn.rows)
+        if spec is not None and self.segment is not None:
+            self._episodes_of = self._episodes_of or RowEpisodes(self._ring)  # kept from now on
+            n_step_batch(data, drawn.rows, self.segment.columns, self._episodes_of, spec)
         if not return_info:
             return data
         return data, self._info(drawn.rows, drawn.probability, drawn.weight)
@@ -527,18 +538,9 @@ class Buffer:
             **self.container.stats(),
         }
 
-    def _info(
-        self, index: np.ndarray, probability: np.ndarray, weight: np.ndarray
-    ) -> dict[str, torch.Tensor]:
-        assert self.segment is not None
-        generation = self.segment.generations[index]
-        self._recent.remember(index, generation)  # for an update sent back without it
-        return {  # copies: the container's arrays may be shared and read-only
-            "index": torch.tensor(index),
-            "generation": torch.from_numpy(generation),
-            "probability": torch.tensor(probability),
-            "weight": torch.tensor(weight, dtype=torch.float32),
-        }
+    def _info(self, index: np.ndarray, p: np.ndarray, w: np.ndarray) -> dict[str, torch.Tensor]:
+        assert self.segment is not None  # ``p``, ``w``: each row's probability and weight
+        return self._recent.info(index, self.segment.generations[index], p, w)
 
     def _copy(self, physical: np.ndarray) -> TensorDict:
         """The rows, copied out; the container already counted the read."""

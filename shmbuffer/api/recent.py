@@ -16,9 +16,12 @@ between) would leave a row-by-row match to guess which of its samples the update
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 #: Samples remembered: a learner that updates a batch's priorities a few batches late (a
 #: pipeline, ``prefetch``) still has its updates checked.
@@ -49,3 +52,18 @@ class RecentSamples:
             if known.shape == wanted.shape and bool(np.array_equal(known, wanted)):
                 found = stamps
         return found
+
+    def info(
+        self, index: np.ndarray, generation: np.ndarray, probability: np.ndarray, weight: Any
+    ) -> dict[str, torch.Tensor]:
+        """A Buffer's ``info`` of a sample of ``index`` rows whose stamps are ``generation``
+        now, remembered for an update sent back without them."""
+        import torch  # a Buffer's only: a Reader builds its own info
+
+        self.remember(index, generation)
+        return {  # copies: the container's arrays may be shared and read-only
+            "index": torch.tensor(index),
+            "generation": torch.from_numpy(generation),
+            "probability": torch.tensor(probability),
+            "weight": torch.tensor(weight, dtype=torch.float32),
+        }

@@ -139,6 +139,11 @@ class Ring:
         self._listeners: tuple[RingListener, ...] = ()
         #: Which tables hold the episodes written into only some (``ring/members.py``).
         self.membership = Membership()
+        #: Id of the registry entry ending at the ring's last row whose episode goes on in
+        #: entry ``id + 1`` from row 0: a transition chunk written across the end is two
+        #: entries, and a read that follows an episode (n-step returns) must know they are
+        #: one. -1: none known (never after :meth:`load`: a saved state does not say).
+        self.wrap_split = -1
 
     def listen(self, listener: RingListener) -> None:
         """Tell ``listener`` every change from now on, after those registered before it (see
@@ -336,6 +341,9 @@ class Ring:
             raise NotFoundError(f"no open reservation {reservation_id}")
         first = self.registry.add_run(reservation.episodes)
         episodes = [Episode(first + i, s, e) for i, (s, e) in enumerate(reservation.episodes)]
+        if len(episodes) > reservation.num_episodes:  # one straddles the end (_episode_bounds)
+            ends = (ep.id for ep in episodes if ep.end == self.capacity)
+            self.wrap_split = next(ends, self.wrap_split)
         members = reservation.members
         if members is not None:
             self._remember(first, first + len(episodes), members)
@@ -439,6 +447,7 @@ class Ring:
         self.pointer, self.rows_written = pointer, rows_written
         self.next_reservation = next_reservation
         self.travelled = 0
+        self.wrap_split = -1
         for listener in self._listeners:
             listener.on_load()
 

@@ -1,0 +1,65 @@
+"""Which registry entry holds each row of a ring, kept from the ring's notifications: what an
+n-step sample (``shmbuffer/api/nstep.py``) follows from each drawn row to its episode's end."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from shmbuffer.registry.intervals import Episode
+from shmbuffer.ring.listeners import F64, Range, RingListener
+from shmbuffer.ring.members import Members
+from shmbuffer.ring.ring import Ring
+from shmbuffer.samplers.index import EpisodeIndex
+
+__all__ = ["RowEpisodes"]
+
+I64 = npt.NDArray[np.int64]
+
+
+class RowEpisodes(RingListener):
+    """Which registry entry holds each row of ``ring``: an :class:`EpisodeIndex` kept up to
+    date from the ring's notifications (registered by the constructor)."""
+
+    def __init__(self, ring: Ring) -> None:
+        self.ring = ring
+        self.index = EpisodeIndex(ring.capacity)
+        self.index.add(ring.registry)
+        ring.listen(self)
+
+    def on_commit(
+        self,
+        episodes: Sequence[Episode],
+        ranges: Sequence[Range],
+        priority: F64 | None,
+        members: Members = None,
+    ) -> None:
+        self.index.add(episodes)
+
+    def on_evict(self, start: int, stop: int, evicted: Sequence[Episode], rows: int) -> None:
+        self.index.apply(self.index.removals(start, stop, self.ring.registry))
+
+    def on_restore(self, episodes: Sequence[Episode], rows: int) -> None:
+        self.index.restore(episodes)
+
+    def on_clear(self, rows: int) -> None:
+        self.index.clear()
+
+    def on_load(self) -> None:
+        self.index.clear()
+        self.index.add(self.ring.registry)
+
+    def rows_left(self, rows: I64) -> I64:
+        """For each live row, the rows of its episode from it on (itself included), through
+        the ring's end into row 0 where the ring says the entry there goes on."""
+        index, capacity = self.index, self.ring.capacity
+        ends = index.end_of_row[rows].astype(np.int64)
+        left: I64 = ends - rows
+        split = self.ring.wrap_split
+        if split >= 0 and int(index.id_by_end[capacity]) == split and index.end_of_row[0] > 0:
+            after = int(index.end_of_row[0])  # the entry at row 0: the split's second part?
+            if int(index.start_by_end[after]) == 0 and int(index.id_by_end[after]) == split + 1:
+                left = np.where(ends == capacity, left + after, left)
+        return left

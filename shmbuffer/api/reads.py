@@ -75,6 +75,14 @@ Mask = npt.NDArray[np.bool_]
 Index: TypeAlias = "int | np.integer[Any] | slice | Sequence[int] | np.ndarray | torch.Tensor"
 
 
+def check_where(text: Any, name: str = "where") -> str:
+    """A metadata filter (or order key) as a daemon takes it: a str, which the daemon parses
+    (InvalidArgumentError naming ``name`` for anything else)."""
+    if not isinstance(text, str):
+        raise InvalidArgumentError(f"{name} must be a str, got {text!r}")
+    return text
+
+
 def as_integer(value: Any, name: str) -> int:
     """``value`` (an int, a numpy integer, a 0-d integer tensor; never a bool) as a Python
     int, else TypeError naming it."""

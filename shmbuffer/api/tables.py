@@ -12,7 +12,7 @@ them).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +90,32 @@ class Bounds:
         if self.staleness_weights is not None:
             return len(self.staleness_weights) - 1
         return self.max_staleness
+
+
+def checked_tables(tables: Iterable[str] | None, names: Iterable[str]) -> list[str] | None:
+    """The tables a write goes into, among the tables ``names``: each once, in order; None
+    for None or every table. InvalidArgumentError naming the tables there are for a name
+    that is none of them, a str given for a list, or no table at all (the rows would be in
+    no table). The same words from a Buffer (``Container.members``) and a Writer."""
+    if tables is None:
+        return None
+    known = list(names)
+    listed = ", ".join(known)
+    if isinstance(tables, str) or not isinstance(tables, Iterable):
+        raise InvalidArgumentError(
+            f"tables must be a list of table names, got {tables!r}; the tables are {listed}"
+        )
+    given = list(tables)
+    for name in given:
+        if not isinstance(name, str) or name not in known:
+            raise InvalidArgumentError(f"tables: no table named {name!r}; the tables are {listed}")
+    if not given:
+        raise InvalidArgumentError(
+            f"tables: an empty list puts the rows in no table; name one of {listed} (or give "
+            "None: every table)"
+        )
+    chosen = list(dict.fromkeys(given))
+    return None if len(chosen) == len(known) else chosen
 
 
 def table_options(

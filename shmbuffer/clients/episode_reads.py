@@ -18,12 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shmbuffer.api.reads import check_episode_args
+from shmbuffer.api.reads import check_episode_args, check_where
 from shmbuffer.clients.leased import ClientLease, EpisodeViews
 from shmbuffer.clients.readerstate import ReaderState
 from shmbuffer.clients.ticker import Ticker
 from shmbuffer.errors import (
-    InvalidArgumentError,
     NotFoundError,
     ShmBufferError,
     UnknownClientError,
@@ -70,11 +69,7 @@ class EpisodeReads(ReaderState):
         ``max_payload_bytes / 16`` rows (2**27 by default); more is refused by the daemon.
         """
         n = check_episode_args(n)  # the rows are the daemon's to count: it knows the lengths
-        filtered: dict[str, Any] = {}
-        if where is not None:
-            if not isinstance(where, str):
-                raise InvalidArgumentError(f"where must be a str, got {where!r}")
-            filtered["where"] = where
+        filtered = {} if where is None else {"where": check_where(where)}
         self._ready()
         target = self._out_target(out)  # checked before anything is drawn, if possible
         if self.remote:

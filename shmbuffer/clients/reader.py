@@ -38,6 +38,7 @@ from shmbuffer.api.reads import (
     check_sample_args,
     check_slice_args,
     check_update_args,
+    check_where,
     expand_slices,
     mask_slices,
     slice_mask,
@@ -77,13 +78,6 @@ _INFO = ("index", "generation", "probability", "weight")
 #: How a query's columns arrive as numpy arrays, by kind (a missing value filled, masked).
 _DTYPE = {"int": np.int64, "float": np.float64, "bool": np.bool_}
 _FILL: dict[str | None, Any] = {"int": 0, "float": 0.0, "bool": False, "str": ""}
-
-
-def check_where(text: Any, name: str = "where") -> str:
-    """A filter (or order key) as the daemon takes it: a str (the daemon parses it)."""
-    if not isinstance(text, str):
-        raise InvalidArgumentError(f"{name} must be a str, got {text!r}")
-    return text
 
 
 def _decode_item(name: str, data: bytes) -> np.ndarray:

@@ -25,10 +25,10 @@ from typing import Any
 
 from shmbuffer.api.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
 from shmbuffer.api.metadata import check_values
+from shmbuffer.api.tables import checked_tables
 from shmbuffer.api.writeplan import plan_write, vector_episode, write_priority
 from shmbuffer.clients.connection import Connection
 from shmbuffer.clients.pipeline import WritePipeline, compact
-from shmbuffer.errors import InvalidArgumentError
 from shmbuffer.samplers import SAMPLERS
 from shmbuffer.storage.schema import Schema
 from shmbuffer.storage.segment import Segment
@@ -227,22 +227,9 @@ class Writer:
             )
 
     def _checked_tables(self, tables: Sequence[str] | None) -> list[str] | None:
-        """The tables a write goes into as the daemon takes them: None for None or every
-        table; InvalidArgumentError naming the daemon's tables for a name none of them has,
-        a str for the list, or none at all (the rows would be in no table)."""
-        if tables is None:
-            return None
-        names = self._table_names
-        if isinstance(tables, str) or not all(isinstance(t, str) for t in tables):
-            raise InvalidArgumentError(
-                f"tables must be a list of table names, got {tables!r}; the tables are "
-                + ", ".join(names)
-            )
-        unknown = [t for t in tables if t not in names]
-        if unknown or not tables:
-            what = f"no table named {unknown[0]!r}" if unknown else "an empty list: no table"
-            raise InvalidArgumentError(f"tables: {what}; the tables are {', '.join(names)}")
-        return None if set(tables) == set(names) else list(dict.fromkeys(tables))
+        """The tables a write goes into as the daemon takes them (None: every table), checked
+        against the daemon's tables with a Buffer's words (``api/tables.checked_tables``)."""
+        return checked_tables(tables, self._table_names)
 
     def _checked_meta(self, meta: Meta) -> dict[str, Any] | None:
         """``meta`` as plain scalars, checked against the kinds the daemon declared or this

@@ -226,7 +226,7 @@ def apply_record(
             if len(ids) != n or len(payload) < nbytes:
                 raise ValueError(f"META record cut short ({f.size} fields for {n} episodes)")
             saved = msgpack.unpackb(payload[:nbytes])
-            container.replay_meta(ids, saved["m"], saved.get("w"), saved.get("t"))
+            container.replay_meta(ids, saved["m"], None, None)
         elif kind == WRITER:
             code, nbytes = int(f[0]), int(f[1])
             name = f[2:].tobytes()

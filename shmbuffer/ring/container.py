@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shmbuffer.api.reads import as_invalid_argument
-from shmbuffer.api.tables import table_bounds
+from shmbuffer.api.tables import checked_tables, table_bounds
 from shmbuffer.errors import InvalidArgumentError, NotFoundError
 from shmbuffer.registry.intervals import Episode, EpisodeRegistry
 from shmbuffer.ring import persistence
@@ -209,26 +209,8 @@ class Container:
         """The tables a write goes into, as the ring records them (``ring/members.py``):
         None for None or every table. InvalidArgumentError naming the tables there are for a
         name that is none of them, a str given for a list, or no table at all."""
-        if tables is None:
-            return None
-        if isinstance(tables, str) or not isinstance(tables, Iterable):
-            raise InvalidArgumentError(
-                f"tables must be a list of table names, got {tables!r}; the tables are "
-                + ", ".join(self.tables)
-            )
-        names = list(tables)
-        for name in names:
-            if not isinstance(name, str) or name not in self.tables:
-                raise InvalidArgumentError(
-                    f"tables: no table named {name!r}; the tables are {', '.join(self.tables)}"
-                )
-        if not names:
-            raise InvalidArgumentError(
-                f"tables: an empty list puts the rows in no table; name one of "
-                f"{', '.join(self.tables)} (or give None: every table)"
-            )
-        members = frozenset(names)
-        return None if len(members) == len(self.tables) else members
+        checked = checked_tables(tables, self.tables)
+        return None if checked is None else frozenset(checked)
 
     def members_mask(self, members: Members) -> int:
         """``members`` as one bit per table, in the tables' order (0: every table): how the

@@ -46,12 +46,12 @@ from shmbuffer.errors import ClosedError
 from shmbuffer.ring.container import Container
 from shmbuffer.ring.members import Members
 from shmbuffer.ring.meta import EpisodeMeta, EpisodeRecords
-from shmbuffer.ring.rowepisodes import RowEpisodes
 from shmbuffer.samplers import LIMITER_OPTIONS, OPTIONS, RateLimiter, Sampler
 from shmbuffer.samplers.base import Priority
 from shmbuffer.storage import rows, streamcopy
 from shmbuffer.storage.schema import Schema, to_host
 from shmbuffer.storage.segment import LocalSegment, Segment
+from shmbuffer.storage.stamps import stamp_reservation
 from shmbuffer.wire.protocol import MAX_SAMPLE, check_sample_size
 
 #: Scalars to attach to an episode (``{"return": 12.5, "env_id": "e3"}``), or None.
@@ -141,7 +141,6 @@ class Buffer:
         self.segment: Segment | LocalSegment | None = None
         self._closed = False
         self._recent = RecentSamples()  # stamps for updates sent back without generation=
-        self._episodes_of: RowEpisodes | None = None  # made by the first n-step sample
         self._meta = self.container.bound_tables(tables, meta)  # from the start if bounds read it
         if schema is not None:
             self._allocate(schema if isinstance(schema, Schema) else Schema.from_spec(schema))
@@ -301,9 +300,7 @@ class Buffer:
                 raise
             segment = self.segment
             assert segment is not None
-        generations = segment.generations
-        for start, stop in reservation.ranges:  # what update_priorities' staleness check reads
-            generations[start:stop] += 1
+        stamp_reservation(segment.generations, reservation.ranges)  # storage/stamps.py
         # Validation decided every cast, so only an interrupt or a device error fails the copy:
         # what the reservation evicted comes back wherever the copy had not reached.
         # (try/except, not rows.Progress's ``with``: an abort bound per write cost ~0.5 us.)
@@ -393,8 +390,8 @@ class Buffer:
         drawn = drawer.sample_rows(batch_size, beta=beta, among=among)
         data = self._copy(drawn.rows)
         if spec is not None and self.segment is not None:
-            self._episodes_of = self._episodes_of or RowEpisodes(self._ring)  # kept from now on
-            n_step_batch(data, drawn.rows, self.segment.columns, self._episodes_of, spec)
+            _, left = self.container.extent(drawn.rows)
+            n_step_batch(data, drawn.rows, self.segment.columns, left, spec)
         if not return_info:
             return data
         return data, self._info(drawn.rows, drawn.probability, drawn.weight)

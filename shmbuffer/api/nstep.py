@@ -17,8 +17,8 @@ ring's end is two registry entries; :attr:`Ring.wrap_split <shmbuffer.ring.ring.
 says which, and the window follows it from the last row to row 0.
 
 Which entry holds each drawn row is an :class:`~shmbuffer.samplers.index.EpisodeIndex` kept
-by :class:`~shmbuffer.ring.rowepisodes.RowEpisodes`, a ring listener made on the first n-step
-sample (O(C) once, then O(k) per k rows written or evicted), so that a draw costs
+by :class:`~shmbuffer.ring.rowepisodes.RowEpisodes`, a ring listener made on the first read
+that asks (O(C) once, then O(k) per k rows written or evicted), so that a draw costs
 O(batch * n) vectorised numpy and no search.
 """
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -36,7 +36,7 @@ from tensordict import TensorDict
 from shmbuffer.errors import InvalidArgumentError
 from shmbuffer.storage.schema import Key, Schema, as_key, key_str
 
-__all__ = ["DEFAULT_KEYS", "NStep", "RowsLeft", "check_n_step", "n_step_batch"]
+__all__ = ["DEFAULT_KEYS", "NStep", "check_n_step", "n_step_batch"]
 
 I64 = npt.NDArray[np.int64]
 
@@ -105,27 +105,19 @@ def check_n_step(
     return NStep(int(n_step), float(gamma), reward, terminated, found["truncated"], next_obs)
 
 
-class RowsLeft(Protocol):
-    """Who knows each row's episode (:class:`~shmbuffer.ring.rowepisodes.RowEpisodes`)."""
-
-    def rows_left(self, rows: I64) -> I64:
-        """For each live row, the rows of its episode from it on, itself included."""
-        ...
-
-
 def n_step_batch(
     data: TensorDict,
     rows: I64,
     columns: Mapping[Key, torch.Tensor],
-    episodes: RowsLeft,
+    left: I64,
     spec: NStep,
 ) -> None:
     """Add ``n_step_return`` and ``discount`` to ``data`` (the drawn ``rows``, copied out) and
-    replace its next observation by the one ``m`` steps on (the module docstring); the
-    episodes of the rows are read from ``episodes``."""
+    replace its next observation by the one ``m`` steps on (the module docstring); ``left``:
+    each row's rows of its episode from it on, itself included (``Container.extent``)."""
     capacity = len(columns[spec.reward])
     steps = np.arange(spec.n, dtype=np.int64)
-    window = np.minimum(episodes.rows_left(rows), spec.n)  # [B]
+    window = np.minimum(left, spec.n)  # [B]
     ahead = (rows[:, None] + steps) % capacity  # [B, n]; past the window: masked below
     at = torch.from_numpy(ahead)
     done = _flags(columns[spec.terminated][at], 2)

@@ -82,6 +82,9 @@ class SampleOps(DaemonState):
             drawn = table.sample_rows(n, beta=beta, among=among)
             physical = index = drawn.rows
             reply["rows"] = encode_i64(physical)
+            if fields.get("context", False):  # where each row lies in its episode
+                before, left = c.extent(physical)
+                reply.update(before=encode_i64(before), left=encode_i64(left))
         elif kind == "slices":
             length = fields["length"]  # validation made sure of it
             self._check_sample_size(n * length, fields)

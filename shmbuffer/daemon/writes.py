@@ -45,6 +45,7 @@ from shmbuffer.errors import (
 )
 from shmbuffer.ring.container import Plan, Reservation
 from shmbuffer.storage import rows
+from shmbuffer.storage.stamps import stamp_reservation
 from shmbuffer.wire.protocol import (
     decode_f64,
     episode_split,
@@ -184,8 +185,7 @@ class WriteOps(DaemonState):
             held = Pin(reservation.id, process, reservation.ranges, split or plan.episodes, tables)
             self.pins.add(held)
         self._journal_reserve(evict, held)  # before the reply hands out the rows
-        for start, stop in reservation.ranges:
-            self.generations[start:stop] += 1
+        stamp_reservation(self.generations, reservation.ranges)  # one stamp: storage/stamps.py
         reservation.deadline = now + self.config.reservation_ttl
         client.reservations.add(reservation.id)
         return reservation

@@ -44,6 +44,7 @@ from shmbuffer.ring.members import Members, holds
 from shmbuffer.ring.meta import EpisodeMeta
 from shmbuffer.ring.persistence import decode_state
 from shmbuffer.ring.ring import Plan, Reservation, Ring
+from shmbuffer.ring.rowepisodes import RowEpisodes
 from shmbuffer.ring.table import (
     I64,
     EpisodeSample,
@@ -101,6 +102,16 @@ class Container:
         #: The episodes' metadata, where the owner keeps it (:meth:`keep_meta`): saved and
         #: loaded with the rest, and the journal's META records replayed into it.
         self.meta: EpisodeMeta | None = None
+        #: Each row's episode, kept from the first read that asks where its rows lie in
+        #: their episodes (:meth:`extent`); its listener costs every write.
+        self.row_episodes: RowEpisodes | None = None
+
+    def extent(self, rows: I64) -> tuple[I64, I64]:
+        """For each live row of ``rows``, the rows of its episode before it and from it on
+        (itself included), following a chunk the ring's end split (``ring/rowepisodes.py``)."""
+        if self.row_episodes is None:
+            self.row_episodes = RowEpisodes(self.ring)
+        return self.row_episodes.rows_before(rows), self.row_episodes.rows_left(rows)
 
     def keep_meta(self, declared: Mapping[str, str] | None = None) -> EpisodeMeta:
         """Keep every episode's metadata from now on (``ring/meta.py``), with the names and

@@ -1,5 +1,6 @@
-"""Which registry entry holds each row of a ring, kept from the ring's notifications: what an
-n-step sample (``shmbuffer/api/nstep.py``) follows from each drawn row to its episode's end."""
+"""Which registry entry holds each row of a ring, kept from the ring's notifications: where a
+read that reaches past a drawn row (an n-step return, ``shmbuffer/api/nstep.py``; a frame
+stack) finds the ends of its episode."""
 
 from __future__ import annotations
 
@@ -63,3 +64,23 @@ class RowEpisodes(RingListener):
             if int(index.start_by_end[after]) == 0 and int(index.id_by_end[after]) == split + 1:
                 left = np.where(ends == capacity, left + after, left)
         return left
+
+    def rows_before(self, rows: I64) -> I64:
+        """For each live row, the rows of its episode before it, back through row 0 to the
+        ring's end where the ring says the entry at row 0 goes on from there."""
+        index, capacity = self.index, self.ring.capacity
+        ends = index.end_of_row[rows].astype(np.int64)
+        starts = index.start_by_end[ends].astype(np.int64)
+        before: I64 = rows - starts
+        split = self.ring.wrap_split
+        first = int(index.end_of_row[0])  # the entry at row 0, if any
+        if (
+            split >= 0
+            and first > 0
+            and int(index.id_by_end[first]) == split + 1
+            and int(index.id_by_end[capacity]) == split
+            and int(index.end_of_row[capacity - 1]) == capacity
+        ):
+            tail = capacity - int(index.start_by_end[capacity])
+            before = np.where(ends == first, before + tail, before)
+        return before

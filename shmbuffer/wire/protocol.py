@@ -51,7 +51,7 @@ from shmbuffer.wire.spec import Spec as Spec  # noqa: PLC0414
 from shmbuffer.wire.spec import check_field
 
 #: Versioned separately from the package. Minor bumps add optional fields or ops only.
-PROTOCOL_VERSION = "1.9"
+PROTOCOL_VERSION = "1.10"
 PROTOCOL_MAJOR = int(PROTOCOL_VERSION.split(".", maxsplit=1)[0])
 
 MAX_INT = 2**62
@@ -161,6 +161,9 @@ REQUESTS: dict[str, dict[str, Spec]] = {
         # Since 1.9: draw only from the episodes this metadata filter selects (uniformly, or
         # by priority on a prioritized table).
         "where": _WHERE,
+        # Since 1.10: each drawn row's place in its episode (``before``, ``left`` in the
+        # reply), for reads that reach the rows around it (frame stacks, n-step returns).
+        "context": Spec((bool,), required=False),
     },
     # The live episodes a filter selects, ordered, at most ``limit``, with their metadata
     # (since 1.9).

@@ -169,6 +169,10 @@ REPLIES: dict[str, dict[str, Spec]] = {
         "generation": _BIN,
         "probability": _BIN,
         "weight": _BIN,
+        # with context (since 1.10): per drawn row, the rows of its episode before it and
+        # from it on (itself included), i64
+        "before": _BIN,
+        "left": _BIN,
     },
     "drawn": {"counted": Spec((int,))},
     # since 1.9: episode ids (i64), and per name its kind and values (nil where missing)

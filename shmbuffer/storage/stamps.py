@@ -1,0 +1,31 @@
+"""Generation stamps: one int64 per row, after the columns (``segment.generations``), that
+tell a reader whether a row it copied was handed to a writer meanwhile.
+
+The rule every owner follows when it hands rows to a writer: **one reservation, one stamp**.
+Every row of the reservation gets the same value, one above the largest stamp any of them had.
+So a row's stamp only ever grows (a copy whose rows still carry the stamps seen before it was
+not overwritten during it), and rows that carry the same stamp as a drawn row and lie inside
+its episode as the draw saw it were written together with it: a read that reaches past the
+drawn row (the frames of a stack before it, the steps of an n-step return after it, a later
+goal of the same episode) checks those rows against the drawn row's one stamp, with no stamp
+of their own to be sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["stamp_reservation"]
+
+
+def stamp_reservation(generations: npt.NDArray[np.int64], ranges: Sequence[tuple[int, int]]) -> int:
+    """Give every row of ``ranges`` (a reservation's physical ranges) one new stamp, above the
+    old stamp of each, and return it."""
+    top = max((int(generations[s:e].max()) for s, e in ranges if e > s), default=0)
+    stamp = top + 1
+    for start, stop in ranges:
+        generations[start:stop] = stamp
+    return stamp

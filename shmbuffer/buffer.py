@@ -5,11 +5,9 @@ Writer and Reader share: the same ingestion calls (``extend``, ``add_episode``,
 ``add_transition``, ``end_episode``) and the same reads (``sample``, ``sample_episodes``,
 ``sample_slices``, logical indexing).
 
-With ``name=None`` rows live in private memory; with a name they live in a named shared-memory
-segment another process can attach to (:meth:`shmbuffer.storage.segment.Segment.attach`).
-
-Reads return copies: a caller can keep them while later writes overwrite the ring. Zero-copy
-views with a lease that holds off writers are the daemon Reader's job.
+With ``name=None`` rows live in private memory; with a name, in a named shared-memory segment
+(:meth:`shmbuffer.storage.segment.Segment.attach`). Reads return copies, which a caller can keep
+while later writes overwrite the ring (zero-copy views under a lease are the daemon Reader's).
 
 Sampling goes through the container's sampler and rate limiter, the same code the daemon runs.
 One thing differs: in one process nobody else can insert or sample while a call waits, so a
@@ -46,6 +44,7 @@ from shmbuffer.errors import ClosedError
 from shmbuffer.ring.container import Container
 from shmbuffer.ring.members import Members
 from shmbuffer.ring.meta import EpisodeMeta, EpisodeRecords
+from shmbuffer.ring.packing import Packer, expanded, packer_for
 from shmbuffer.samplers import LIMITER_OPTIONS, OPTIONS, RateLimiter, Sampler
 from shmbuffer.samplers.base import Priority
 from shmbuffer.storage import rows, streamcopy
@@ -89,6 +88,7 @@ class Buffer:
         tables: several tables over the same rows, by name, each with the options above
             (``{"replay": {"sampler": "prioritized"}, "online": {"sampler": "fifo"}}``; the
             first is the default, ``table=`` names another: ``docs/tables.md``).
+        compressed_bytes: the byte store's size for compressed columns (docs/compression.md).
 
     Options left None take the sampler's or limiter's default; one given that the chosen
     sampler or limiter does not take raises InvalidArgumentError naming it.
@@ -119,6 +119,7 @@ class Buffer:
         error_buffer: float | None = None,
         meta: Mapping[str, str] | None = None,
         tables: Mapping[str, Mapping[str, Any]] | None = None,
+        compressed_bytes: int | None = None,
     ) -> None:
         given = locals()  # the keywords of the options the samplers declare, by name
         options = {name: given[name] for name in (*(o.name for o in OPTIONS), *LIMITER_OPTIONS)}
@@ -136,7 +137,8 @@ class Buffer:
             postprocess_fn=postprocess_fn,
         )
         self.name = name
-        self._storage_dir = storage_dir
+        self._storage_dir, self._compressed_bytes = storage_dir, compressed_bytes
+        self._packer: Packer | None = None  # compressed columns (ring/packing.py)
         self._passes = Passes(seed)  # iterate()'s shuffles: every rank's k-th pass agrees
         self.segment: Segment | LocalSegment | None = None
         self._closed = False
@@ -291,7 +293,10 @@ class Buffer:
         if priority is not None:  # checked before anything is evicted, as its table would
             sampler = container.priority_table(into).sampler
             priority = priority_for(priority, plan, self.unit, sampler)
-        reservation = ring.reserve(ring.plan(num_rows, kept, into))
+        packing = None if self._packer is None else self._packer.plan(plan)  # its evictions too
+        reservation = ring.reserve(
+            ring.plan(num_rows, kept, into, packing.evict if packing else None)
+        )
         if segment is None:
             try:
                 self._allocate(schema)
@@ -301,6 +306,8 @@ class Buffer:
             segment = self.segment
             assert segment is not None
         stamp_reservation(segment.generations, reservation.ranges)  # storage/stamps.py
+        if packing is not None:  # the compressed columns' rows hold chunk references
+            leaves = packing.write(reservation, leaves, segment.generations)
         # Validation decided every cast, so only an interrupt or a device error fails the copy:
         # what the reservation evicted comes back wherever the copy had not reached.
         # (try/except, not rows.Progress's ``with``: an abort bound per write cost ~0.5 us.)
@@ -329,6 +336,7 @@ class Buffer:
             self.segment = Segment.create(
                 self.name, schema, self.capacity, storage_dir=self._storage_dir
             )
+        self._packer = packer_for(schema, self._ring, self._compressed_bytes, self.segment)
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -428,16 +436,13 @@ class Buffer:
         list.
 
         ``out``: a preallocated TensorDict (or nested dict of tensors) to copy into, reused
-        across calls, so the copy lands in warm pages instead of fresh ones (for large batches of
-        image rows a clear gain, at the copy limit's speed: ``docs/architecture.md``; small batches
-        gain nothing: the allocator recycles their pages warm anyway).
-        Each schema key needs a contiguous CPU tensor of the column's dtype shaped
-        ``[*lead, *row_shape]`` whose leading dims hold at least the rows drawn: ``[n, L]`` for
-        episodes of ``L`` steps, or ``[n * longest]``; other keys are left alone. The result is
-        then views of ``out`` (its first rows), valid until the next call that reuses it. A
-        key, dtype or shape that does not fit raises InvalidArgumentError naming it before
-        anything is drawn; too few rows raises it after the draw (the episodes drawn count as
-        sampled). ``where`` and ``table`` as for :meth:`sample`."""
+        across calls so the copy lands in warm pages (large image batches gain: see
+        ``docs/architecture.md``). Each schema key needs a contiguous CPU tensor of the column's
+        dtype shaped ``[*lead, *row_shape]`` holding at least the rows drawn (``[n, L]``, or
+        ``[n * longest]``); other keys are left alone. The result is then views of ``out``,
+        valid until the next call that reuses it. A key, dtype or shape that does not fit
+        raises InvalidArgumentError naming it before anything is drawn; too few rows, after
+        the draw. Not for compressed columns. ``where`` and ``table`` as for :meth:`sample`."""
         self._check_open()
         target = None
         if out is not None and self.segment is not None:
@@ -526,14 +531,10 @@ class Buffer:
     def stats(self) -> dict[str, Any]:
         """Sizes, the sampler's and limiter's state, and priority update counts (the default
         table's; with several, each table's under ``"tables"``)."""
-        return {
-            "capacity": self.capacity,
-            "unit": self.unit,
-            "mode": self.mode,
-            "rows": self.num_rows,
-            "episodes": self.num_episodes,
-            **self.container.stats(),
-        }
+        sizes = {"capacity": self.capacity, "unit": self.unit, "mode": self.mode}
+        counts = {"rows": self.num_rows, "episodes": self.num_episodes}
+        packed = {} if self._packer is None else {"compressed": self._packer.stats()}
+        return {**sizes, **counts, **self.container.stats(), **packed}
 
     def _info(self, index: np.ndarray, p: np.ndarray, w: np.ndarray) -> dict[str, torch.Tensor]:
         assert self.segment is not None  # ``p``, ``w``: each row's probability and weight
@@ -543,7 +544,8 @@ class Buffer:
         """The rows, copied out; the container already counted the read."""
         if self.segment is None:  # nothing written yet, so nothing can be selected
             return TensorDict({}, batch_size=[0])
-        return rows.read(self.segment.columns, physical, self.segment.arrays)
+        segment, packer = self.segment, self._packer
+        return expanded(packer, rows.read(segment.columns, physical, segment.arrays))
 
     def _read(self, physical: np.ndarray) -> TensorDict:
         self.container.count_use(physical)  # then the rows copied out, as _copy does
@@ -564,7 +566,8 @@ class Buffer:
             physical = rows.episode_rows(starts, lengths)
             self.container.count_use(physical)
         columns, arrays = self.segment.columns, self.segment.arrays
-        return rows.read_episodes(columns, physical, arrays, lengths, scalar)
+        read = rows.read_episodes(columns, physical, arrays, lengths, scalar)
+        return expanded(self._packer, read)
 
     # -- lifecycle --------------------------------------------------------------------------
 

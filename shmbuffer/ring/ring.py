@@ -177,7 +177,11 @@ class Ring:
     # -- reserving ----------------------------------------------------------------------------
 
     def plan(
-        self, num_rows: int, episodes: int | Sequence[int] = 1, members: Members = None
+        self,
+        num_rows: int,
+        episodes: int | Sequence[int] = 1,
+        members: Members = None,
+        evict_too: Sequence[Range] | None = None,
     ) -> Plan:
         """Decide a reservation of ``num_rows`` for ``episodes`` (a count of equal
         sub-episodes, or their lengths: a writer that batches several small episodes into one
@@ -185,9 +189,12 @@ class Ring:
         anything: its rows, its evictions, the writers it would lap and whether a listener
         holds it back. An owner checks its own rules against it (the daemon: leases on the
         evicted rows) and then hands it to :meth:`reserve`. CapacityError/ValueError for a
-        request that can never fit."""
+        request that can never fit. ``evict_too``: rows of episodes that must go as well (the
+        oldest, whose compressed chunks the write's bytes need: ``ring/packing.py``)."""
         lengths = episode_lengths(num_rows, episodes)
         ranges, evict = self._plan(num_rows)
+        if evict_too:
+            evict = [*evict_too, *evict]
         busy = self.conflicts(evict) if self.reservations else []
         blocked = None
         for listener in self._listeners:

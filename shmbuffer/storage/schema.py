@@ -81,13 +81,33 @@ class Field:
     key: Key
     dtype: torch.dtype
     shape: tuple[int, ...]
+    #: A codec name (``"zstd"``, ``"lz4"``): the column is stored compressed, one chunk per
+    #: episode in a byte store beside the rows, and its rows hold only where their chunk
+    #: lies (``storage/packed.py``). None: stored as it is.
+    compress: str | None = None
+    level: int | None = None
+
+    @property
+    def stored(self) -> Field:
+        """The column the rows hold: this one, or a compressed one's chunk reference (three
+        int64 per row: the chunk's offset and length in the byte store, the row in it)."""
+        return self if self.compress is None else Field(self.key, torch.int64, (3,))
+
+    @property
+    def raw_nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @property
     def row_nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return self.raw_nbytes if self.compress is None else 24
 
     def to_spec(self) -> dict[str, Any]:
-        return {"dtype": dtype_name(self.dtype), "shape": list(self.shape)}
+        spec: dict[str, Any] = {"dtype": dtype_name(self.dtype), "shape": list(self.shape)}
+        if self.compress is not None:
+            spec["compress"] = self.compress
+            if self.level is not None:
+                spec["level"] = self.level
+        return spec
 
 
 def iter_leaves(batch: Mapping[Any, Any], prefix: Key = ()) -> Iterator[tuple[Key, Any]]:
@@ -259,6 +279,28 @@ def _check_fits(key: Key, value: Any, src: torch.dtype, dst: torch.dtype, check:
     )
 
 
+#: The codecs a column may be stored with (``compress = "zstd"`` in a schema) and their
+#: levels' ranges (zstd's, and lz4 frame's compression levels).
+CODECS: dict[str, tuple[int, int]] = {"zstd": (-7, 22), "lz4": (0, 16)}
+
+
+def _compression(key: Key, codec: Any, level: Any) -> tuple[str | None, int | None]:
+    if codec is None:
+        if level is not None:
+            raise SchemaError(f"key {key_str(key)!r}: 'level' without 'compress'")
+        return None, None
+    if codec not in CODECS:
+        raise SchemaError(
+            f"key {key_str(key)!r}: compress={codec!r}, expected one of {sorted(CODECS)}"
+        )
+    lo, hi = CODECS[codec]
+    if level is not None and (type(level) is not int or not lo <= level <= hi):
+        raise SchemaError(
+            f"key {key_str(key)!r}: {codec} level {level!r}, expected an int in {lo}..{hi}"
+        )
+    return codec, level
+
+
 def _can_cast(src: torch.dtype, dst: torch.dtype) -> bool:
     ok = _CAN_CAST.get((src, dst))
     if ok is None:
@@ -359,7 +401,7 @@ class Schema:
                 if not isinstance(value, Mapping):
                     raise SchemaError(f"key {key_str(key)!r}: expected a table, got {value!r}")
                 if "dtype" in value:
-                    extra = set(value) - {"dtype", "shape"}
+                    extra = set(value) - {"dtype", "shape", "compress", "level"}
                     if extra:
                         raise SchemaError(f"key {key_str(key)!r}: unknown fields {sorted(extra)}")
                     shape = value.get("shape", [])
@@ -367,7 +409,9 @@ class Schema:
                         isinstance(s, int) and s >= 0 for s in shape
                     ):
                         raise SchemaError(f"key {key_str(key)!r}: bad shape {shape!r}")
-                    fields.append(Field(key, dtype_from_name(value["dtype"]), tuple(shape)))
+                    codec = _compression(key, value.get("compress"), value.get("level"))
+                    dtype = dtype_from_name(value["dtype"])
+                    fields.append(Field(key, dtype, tuple(shape), *codec))
                 else:
                     walk(value, key)
 

@@ -4,6 +4,8 @@ in rows and in bytes (``ring/packing.py``), and read back decompressed."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,7 @@ from shmbuffer import Buffer
 from shmbuffer.errors import CapacityError, InvalidArgumentError, SchemaError
 from shmbuffer.storage import packed
 from shmbuffer.storage.schema import Schema
+from tests.test_service import Harness
 
 pytest.importorskip("zstandard")
 pytest.importorskip("lz4")
@@ -132,7 +135,7 @@ def test_a_chunk_read_while_overwritten_is_refused() -> None:
         packed.expand(field, decompress, refs, packed.fetch(refs, store), np.dtype(np.uint8))
 
 
-def test_named_buffer_keeps_its_chunks_beside_the_rows(tmp_path: object) -> None:
+def test_named_buffer_keeps_its_chunks_beside_the_rows(tmp_path: Path) -> None:
     options = {"compressed_bytes": 1 << 16, "name": "zrt", "storage_dir": tmp_path}
     with Buffer(30, unit="episode", schema=spec(), **options) as b:  # type: ignore[arg-type]
         write(b, 3, 7)
@@ -185,3 +188,14 @@ def test_refusals() -> None:
         out = {"obs": torch.empty(3, 84, 84, dtype=torch.uint8), "step": torch.empty(3)}
         with pytest.raises(InvalidArgumentError, match="'obs' is stored compressed"):
             b.sample_episodes(1, out=out)
+
+
+def test_a_daemon_refuses_a_compressed_column_by_name(tmp_path: Path) -> None:
+    harness = Harness(str(tmp_path))
+    try:
+        harness.hello(b"w")
+        with pytest.raises(SchemaError, match="'obs' is stored compressed"):
+            harness(b"w", "define_schema", schema=spec())
+        assert harness.service.segment is None
+    finally:
+        harness.close()

@@ -42,6 +42,7 @@ from shmbuffer.ring.meta import EpisodeMeta
 from shmbuffer.ring.publisher import SpansPublisher
 from shmbuffer.ring.table import Table
 from shmbuffer.storage.cuda_segment import check_room, create_segment
+from shmbuffer.storage.packed import refuse_packed
 from shmbuffer.storage.schema import Schema
 from shmbuffer.storage.segment import Segment
 
@@ -161,6 +162,7 @@ class DaemonState:
         return None if self.segment is None else self.segment.schema
 
     def _create_segment(self, schema: Schema) -> None:
+        refuse_packed(schema, "a daemon's buffer")  # their byte store is in process only
         self.segment = create_segment(  # where config.device says (cuda_segment.py)
             self.config.device,
             self.config.name,

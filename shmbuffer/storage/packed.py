@@ -43,6 +43,16 @@ def packed_fields(schema: Schema | None) -> list[Field]:
     return [] if schema is None else [f for f in schema if f.compress is not None]
 
 
+def refuse_packed(schema: Schema, where: str) -> None:
+    """SchemaError naming the compressed columns of ``schema``, which ``where`` cannot hold."""
+    names = [key_str(f.key) for f in packed_fields(schema)]
+    if names:
+        raise SchemaError(
+            f"column {', '.join(map(repr, names))} is stored compressed, which {where} does "
+            "not offer yet: compressed columns are kept by the in-process Buffer"
+        )
+
+
 def codec(field: Field) -> Codec:
     """``(compress, decompress)`` for ``field``'s codec and level; SchemaError naming the
     key and the extra to install when its package is missing."""

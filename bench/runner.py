@@ -17,6 +17,7 @@ from pathlib import Path
 
 from bench import (  # noqa: F401  (register the scenarios)
     cluster,
+    compressed,
     contention,
     core,
     daemon,

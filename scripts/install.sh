@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install shmbuffer and its test tools into ./.venv. torch is pinned first to the CPU build:
-# a bare `torch` requirement would pull a multi-GB CUDA build. EXTRAS (default dev,examples,torchrl,live,fast) picks the extras; add bench for the peers.
+# a bare `torch` requirement would pull a multi-GB CUDA build. EXTRAS (default dev,examples,torchrl,live,fast) picks the extras; add bench for the peers, offline for Parquet and Minari (pyarrow, ~170 MB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"

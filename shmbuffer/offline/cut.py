@@ -59,6 +59,12 @@ class Episode:
         return sum(stop - start for start, stop in self.ranges)
 
 
+class Batch(list[Episode]):
+    """Episodes read together: ``columns`` holds each key's rows for all of them, in order."""
+
+    columns: dict[str, np.ndarray]
+
+
 class CheckpointEpisodes:
     """A complete checkpoint folder's episodes (``path``: the folder, or where a checkpoint
     was written to). CheckpointError for a folder that is not a complete checkpoint of a
@@ -125,7 +131,7 @@ class CheckpointEpisodes:
         """The bytes of every exported row (the progress bar's total)."""
         return sum(ep.length for ep in self.episodes) * self.row_nbytes
 
-    def batches(self, max_bytes: int = BATCH_BYTES) -> Iterator[list[Episode]]:
+    def batches(self, max_bytes: int = BATCH_BYTES) -> Iterator[Batch]:
         """The episodes, about ``max_bytes`` of rows at a time (an episode larger than that
         alone), each with its ``columns`` read; a batch's arrays are dropped by the next."""
         batch: list[Episode] = []
@@ -140,15 +146,18 @@ class CheckpointEpisodes:
         if batch:
             yield self._read(batch)
 
-    def _read(self, batch: list[Episode]) -> list[Episode]:
-        return [
-            Episode(
-                ep.ranges,
-                ep.meta,
-                {key_str(f.key): self.column(i, ep.ranges) for i, f in enumerate(self.schema)},
-            )
-            for ep in batch
-        ]
+    def _read(self, batch: list[Episode]) -> Batch:
+        """``batch`` with its columns read, one array per key for the whole batch (the
+        episodes' columns are views of it)."""
+        ranges = [r for ep in batch for r in ep.ranges]
+        out = Batch()
+        out.columns = {key_str(f.key): self.column(i, ranges) for i, f in enumerate(self.schema)}
+        at = 0
+        for ep in batch:
+            views = {k: v[at : at + ep.length] for k, v in out.columns.items()}
+            out.append(Episode(ep.ranges, ep.meta, views))
+            at += ep.length
+        return out
 
     def column(self, index: int, ranges: list[tuple[int, int]]) -> np.ndarray:
         """Column ``index`` (schema order) of the rows ``ranges``, read from the chunk files

@@ -7,9 +7,12 @@ A dataset is a folder::
 
 Each file has the columns ``episode_index`` (the episode's place in the dataset, from 0),
 ``frame_index`` (the step within its episode, from 0) and one column per flattened key of the
-buffer's schema (``obs.pos``): a scalar key is a plain column, a shaped one nested fixed-size
-lists, one level per dimension, so ``datasets.load_dataset("parquet", data_files=...)`` sees a
-``Sequence`` and the bytes come back unchanged. Files are written uncompressed and without
+buffer's schema (``obs.pos``): a scalar key is a plain column, a vector (one dimension) a
+fixed-size list, which ``datasets.load_dataset("parquet", data_files=...)`` sees as a
+``Sequence``; a key of two dimensions or more (an image) each row's raw bytes
+(``fixed_size_binary``; ``np.frombuffer(row, dtype).reshape(shape)`` with the dtype and shape
+of ``shmbuffer.json``), since Parquet's nested lists cost a level per value. The bytes come
+back unchanged either way. Files are written uncompressed and without
 dictionaries or statistics: an export runs at the disk's speed, and a reader compresses if
 it wants to. Every file is fsynced before ``shmbuffer.json`` is written, last: a folder
 without it is not a dataset.
@@ -30,9 +33,13 @@ from shmbuffer.offline.cut import Episode, array_dtype
 from shmbuffer.storage.schema import Schema, key_str
 
 META_FILE = "shmbuffer.json"
+#: Keys of this many dimensions or more (images) are stored as each row's raw bytes: Parquet
+#: writes a nested list with a repetition level per value, 4x the bytes and 10x slower for
+#: u8[4,84,84] rows than the bytes as they are (``docs/offline.md``).
 DATA = "data"
 FORMAT = "shmbuffer-parquet"
 VERSION = 1
+RAW_FROM_DIMS = 2
 
 
 def _pyarrow() -> Any:
@@ -47,8 +54,17 @@ def _pyarrow() -> Any:
 
 
 def _column(pa: Any, values: np.ndarray) -> Any:
-    """An arrow column of ``values`` (rows first): nested fixed-size lists for the shape."""
-    flat = pa.array(np.ascontiguousarray(values).reshape(-1))
+    """An arrow column of ``values`` (rows first): a plain column for scalars, fixed-size
+    lists for one dimension, each row's raw bytes for more (:data:`RAW_FROM_DIMS`)."""
+    values = np.ascontiguousarray(values)
+    if values.ndim - 1 >= RAW_FROM_DIMS:
+        width = (
+            values[0].nbytes if len(values) else int(np.prod(values.shape[1:])) * values.itemsize
+        )
+        return pa.FixedSizeBinaryArray.from_buffers(
+            pa.binary(width), len(values), [None, pa.py_buffer(values)]
+        )
+    flat = pa.array(values.reshape(-1))
     for size in reversed(values.shape[1:]):
         flat = pa.FixedSizeListArray.from_arrays(flat, size)
     return flat
@@ -57,6 +73,12 @@ def _column(pa: Any, values: np.ndarray) -> Any:
 def _array(column: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
     """A column read back as an array of ``shape`` rows of ``dtype``."""
     column = column.combine_chunks() if hasattr(column, "combine_chunks") else column
+    if len(shape) >= RAW_FROM_DIMS:
+        width = column.type.byte_width
+        raw = np.frombuffer(
+            column.buffers()[1], np.uint8, count=len(column) * width, offset=column.offset * width
+        )
+        return raw.view(dtype).reshape(-1, *shape)
     for _ in shape:
         column = column.flatten()
     values = column.to_numpy(zero_copy_only=False)
@@ -87,7 +109,9 @@ class ParquetWriter:
         columns = {"episode_index": pa.array(index), "frame_index": pa.array(frame)}
         for f in self.schema:
             key = key_str(f.key)
-            joined = np.concatenate([ep.columns[key] for ep in batch])
+            joined = getattr(batch, "columns", {}).get(key)  # a Batch read in one piece
+            if joined is None:
+                joined = np.concatenate([ep.columns[key] for ep in batch])
             columns[key] = _column(pa, joined)
         table = pa.table(columns)
         name = f"{DATA}/chunk-{len(self.files):06d}.parquet"

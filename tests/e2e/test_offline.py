@@ -133,7 +133,8 @@ def test_round_trip_keeps_bytes_boundaries_and_metadata(
 
 def test_parquet_layout_is_what_datasets_loads(daemon, e2e_env, tmp_path):
     """One file per batch of episodes under data/, episode_index and frame_index, a column
-    per flattened key with its shape as nested lists; the schema and metadata beside."""
+    per flattened key (a vector as a list, an image as its bytes); the schema and metadata
+    beside."""
     pq = pytest.importorskip("pyarrow.parquet")
     source = daemon(capacity=CAPACITY, unit="transition")
     with Writer(source.name, timeout=10) as writer:
@@ -153,8 +154,8 @@ def test_parquet_layout_is_what_datasets_loads(daemon, e2e_env, tmp_path):
     rows = table.slice(LENGTHS[0], 2).to_pylist()  # the second episode's first two steps
     assert [r["episode_index"] for r in rows] == [1, 1]
     assert [r["frame_index"] for r in rows] == [0, 1]
-    image = np.asarray(rows[1]["image"], dtype=np.uint8)
-    assert image.shape == (2, 4, 4)
+    assert rows[1]["obs"] == episode(1)[0]["obs"][1].tolist()  # a vector: a list
+    image = np.frombuffer(rows[1]["image"], np.uint8).reshape(2, 4, 4)  # an image: its bytes
     assert image.tobytes() == episode(1)[0]["image"][1].tobytes()
 
 

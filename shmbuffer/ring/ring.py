@@ -142,7 +142,8 @@ class Ring:
         #: Id of the registry entry ending at the ring's last row whose episode goes on in
         #: entry ``id + 1`` from row 0: a transition chunk written across the end is two
         #: entries, and a read that follows an episode (n-step returns) must know they are
-        #: one. -1: none known (never after :meth:`load`: a saved state does not say).
+        #: one. -1: none known (:meth:`load` forgets it; a saved state carries it:
+        #: ``persistence.py``).
         self.wrap_split = -1
 
     def listen(self, listener: RingListener) -> None:

@@ -74,20 +74,46 @@ def as_key(key: str | Key) -> Key:
     return tuple(key.split(".")) if isinstance(key, str) else tuple(key)
 
 
+#: What a stack column shows before its episode's first frame (``docs/frames.md``).
+PADS = ("repeat", "zero")
+
+
 @dataclass(frozen=True)
 class Field:
-    """One leaf column: its key, element dtype and the shape of one row."""
+    """One leaf column: its key, element dtype and the shape of one row. ``stack`` > 1: a
+    frame stack, one frame (``shape``) stored per row and ``[stack, *shape]`` read, the
+    frames before the episode's start ``pad``-ded (``api/frames.py``)."""
 
     key: Key
     dtype: torch.dtype
     shape: tuple[int, ...]
+    stack: int = 1
+    pad: str = "repeat"
 
     @property
     def row_nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
     def to_spec(self) -> dict[str, Any]:
-        return {"dtype": dtype_name(self.dtype), "shape": list(self.shape)}
+        spec: dict[str, Any] = {"dtype": dtype_name(self.dtype), "shape": list(self.shape)}
+        if self.stack > 1:
+            spec.update(stack=self.stack, pad=self.pad)
+        return spec
+
+
+def _field_from_spec(key: Key, value: Mapping[str, Any]) -> Field:
+    extra = set(value) - {"dtype", "shape", "stack", "pad"}
+    if extra:
+        raise SchemaError(f"key {key_str(key)!r}: unknown fields {sorted(extra)}")
+    shape = value.get("shape", [])
+    if not isinstance(shape, list | tuple) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise SchemaError(f"key {key_str(key)!r}: bad shape {shape!r}")
+    stack, pad = value.get("stack", 1), value.get("pad", "repeat")
+    if type(stack) is not int or stack < 1:
+        raise SchemaError(f"key {key_str(key)!r}: stack must be an int >= 1, got {stack!r}")
+    if pad not in PADS:
+        raise SchemaError(f"key {key_str(key)!r}: pad must be one of {list(PADS)}, got {pad!r}")
+    return Field(key, dtype_from_name(value["dtype"]), tuple(shape), stack, pad)
 
 
 def iter_leaves(batch: Mapping[Any, Any], prefix: Key = ()) -> Iterator[tuple[Key, Any]]:
@@ -293,13 +319,25 @@ def _shape_of(value: Any) -> tuple[int, ...]:
 
 
 class Schema:
-    """An immutable, ordered set of fields; equality is by value."""
+    """An immutable, ordered set of fields; equality is by value.
 
-    def __init__(self, fields: Iterable[Field]) -> None:
+    ``next_of``: keys that store nothing of their own, each the next observation of a stored
+    field (``{("next", "obs"): ("obs",)}``): read from the row after (``docs/frames.md``)."""
+
+    def __init__(self, fields: Iterable[Field], next_of: Mapping[Key, Key] | None = None) -> None:
         ordered = sorted(fields, key=lambda f: f.key)
         keys = [f.key for f in ordered]
         if len(set(keys)) != len(keys):
             raise SchemaError(f"duplicate keys in schema: {[key_str(k) for k in keys]}")
+        self.next_of: dict[Key, Key] = dict(sorted((next_of or {}).items()))
+        for key, of in self.next_of.items():
+            if of not in keys:
+                raise SchemaError(
+                    f"key {key_str(key)!r}: next_of {key_str(of)!r} names no stored column "
+                    f"(keys: {[key_str(k) for k in keys]})"
+                )
+            if key in keys or key in self.next_of.values():
+                raise SchemaError(f"key {key_str(key)!r}: next_of a column, and a column too")
         for field in ordered:
             if not field.key or any(not part for part in field.key):
                 raise SchemaError(f"empty key component in {field.key!r}")
@@ -352,33 +390,47 @@ class Schema:
         Dotted names (``"next.obs"``) and nested tables are both accepted.
         """
         fields: list[Field] = []
+        next_of: dict[Key, Key] = {}
 
         def walk(node: Mapping[str, Any], prefix: Key) -> None:
             for name, value in node.items():
                 key = (*prefix, *as_key(name))
                 if not isinstance(value, Mapping):
                     raise SchemaError(f"key {key_str(key)!r}: expected a table, got {value!r}")
-                if "dtype" in value:
-                    extra = set(value) - {"dtype", "shape"}
-                    if extra:
-                        raise SchemaError(f"key {key_str(key)!r}: unknown fields {sorted(extra)}")
-                    shape = value.get("shape", [])
-                    if not isinstance(shape, list | tuple) or not all(
-                        isinstance(s, int) and s >= 0 for s in shape
-                    ):
-                        raise SchemaError(f"key {key_str(key)!r}: bad shape {shape!r}")
-                    fields.append(Field(key, dtype_from_name(value["dtype"]), tuple(shape)))
+                if "next_of" in value:
+                    if set(value) != {"next_of"} or not isinstance(value["next_of"], str):
+                        raise SchemaError(
+                            f"key {key_str(key)!r}: a next_of column is "
+                            f'{{next_of = "<key>"}} alone, got {dict(value)!r}'
+                        )
+                    next_of[key] = as_key(value["next_of"])
+                elif "dtype" in value:
+                    fields.append(_field_from_spec(key, value))
                 else:
                     walk(value, key)
 
         walk(spec, ())
         if not fields:
             raise SchemaError("an empty schema spec")
-        return cls(fields)
+        return cls(fields, next_of)
 
     def to_spec(self) -> dict[str, Any]:
         """The JSON/msgpack-able form, flat with dotted keys; inverse of :meth:`from_spec`."""
-        return {key_str(f.key): f.to_spec() for f in self.fields}
+        spec = {key_str(f.key): f.to_spec() for f in self.fields}
+        spec.update({key_str(k): {"next_of": key_str(of)} for k, of in self.next_of.items()})
+        return spec
+
+    @property
+    def has_frames(self) -> bool:
+        """Whether a column is a frame stack or a next_of: writes and reads then go through
+        ``api/frames.py``."""
+        return bool(self.next_of) or any(f.stack > 1 for f in self.fields)
+
+    @property
+    def tail(self) -> int:
+        """Rows each episode is written with after its last step: one (its last next
+        observation) with a next_of column, else none."""
+        return 1 if self.next_of else 0
 
     # -- queries --------------------------------------------------------------------------
 
@@ -395,14 +447,23 @@ class Schema:
         return self._by_key[as_key(key)]
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Schema) and self.fields == other.fields
+        return (
+            isinstance(other, Schema)
+            and self.fields == other.fields
+            and self.next_of == other.next_of
+        )
 
     def __hash__(self) -> int:
         return hash(self.fields)
 
     def __repr__(self) -> str:
-        inner = ", ".join(f"{key_str(f.key)}: {dtype_name(f.dtype)}{list(f.shape)}" for f in self)
-        return f"Schema({inner})"
+        inner = ", ".join(
+            f"{key_str(f.key)}: {dtype_name(f.dtype)}{list(f.shape)}"
+            + (f" stack={f.stack}" if f.stack > 1 else "")
+            for f in self
+        )
+        nexts = "".join(f", {key_str(k)}: next_of {key_str(o)}" for k, o in self.next_of.items())
+        return f"Schema({inner}{nexts})"
 
     @property
     def row_nbytes(self) -> int:

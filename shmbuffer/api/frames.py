@@ -135,7 +135,7 @@ def _check_stacks(
         want = frames[np.where(inside, source, first)]
         if pad == "zero":
             want[~inside] = 0
-        bad = (stacks[:, k - 1 - j] != want).reshape(len(rows), -1).any(axis=1)
+        bad = _differ(stacks[:, k - 1 - j], want)
         if bad.any():
             row = int(np.flatnonzero(bad)[0])
             raise SchemaError(
@@ -148,6 +148,13 @@ def _check_stacks(
                 )
                 + " (a stack restarts at each episode, and at each write's first row)"
             )
+
+
+def _differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per row, whether ``a`` and ``b`` differ anywhere."""
+    if not len(a):
+        return np.zeros(0, bool)
+    return np.asarray((a != b).reshape(len(a), -1).any(axis=1))
 
 
 def _checked_next(
@@ -172,7 +179,7 @@ def _checked_next(
         )
     inner = np.ones(len(frames), bool)
     inner[ends] = False  # a segment's last step: its next frame is the tail row's
-    bad = (nxt[:-1] != frames[1:]).reshape(len(frames) - 1, -1).any(axis=1) & inner[:-1]
+    bad = _differ(nxt[:-1], frames[1:]) & inner[:-1]
     if bad.any():
         row = int(np.flatnonzero(bad)[0])
         raise SchemaError(

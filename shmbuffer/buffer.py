@@ -28,6 +28,7 @@ import torch
 from tensordict import TensorDict
 
 from shmbuffer.api.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
+from shmbuffer.api.framegather import read_frames
 from shmbuffer.api.nstep import check_n_step, n_step_batch
 from shmbuffer.api.passes import Passes, batches
 from shmbuffer.api.reads import (
@@ -282,10 +283,9 @@ class Buffer:
         # A lazy schema is fixed by the first batch accepted, never by one refused (a bad
         # batch, priority, or more rows than a fixed buffer holds): rows are reserved first.
         # ``into``: the tables the rows go into (Container.members; None: every one).
-        segment = self.segment
-        ring = self._ring
+        segment, ring = self.segment, self._ring
         fixed = None if segment is None else segment.schema
-        plan = plan_write(fixed, batch, num_sub_episodes, ring.capacity, ring.mode)
+        plan = plan_write(fixed, batch, num_sub_episodes, ring.capacity, ring.mode, ring.unit)
         if plan is None:
             return []
         schema, leaves, first_row, num_rows, kept, _ = plan
@@ -330,6 +330,7 @@ class Buffer:
 
     def _allocate(self, schema: Schema) -> None:
         streamcopy.warm(schema.row_nbytes)  # large rows: writes stream (streamcopy.py)
+        self._ring.tail = schema.tail  # a next_of column's tail rows (api/frames.py)
         if self.name is None:
             self.segment = LocalSegment(schema, self.capacity)
         else:
@@ -400,9 +401,8 @@ class Buffer:
         if spec is not None and self.segment is not None:
             _, left = self.container.extent(drawn.rows)
             n_step_batch(data, drawn.rows, self.segment.columns, left, spec)
-        if not return_info:
-            return data
-        return data, self._info(drawn.rows, drawn.probability, drawn.weight)
+        info = self._info(drawn.rows, drawn.probability, drawn.weight) if return_info else None
+        return data if info is None else (data, info)
 
     def update_priorities(
         self,
@@ -481,9 +481,8 @@ class Buffer:
         data = self._copy(drawn.rows).reshape(n, length)
         if drawn.mask is not None:
             mask_slices(data, drawn.mask)
-        if not return_info:
-            return data
-        return data, self._info(drawn.starts, drawn.probability, drawn.weight)
+        info = self._info(drawn.starts, drawn.probability, drawn.weight) if return_info else None
+        return data if info is None else (data, info)
 
     def iterate(
         self,
@@ -542,10 +541,11 @@ class Buffer:
 
     def _copy(self, physical: np.ndarray) -> TensorDict:
         """The rows, copied out; the container already counted the read."""
-        if self.segment is None:  # nothing written yet, so nothing can be selected
+        if (segment := self.segment) is None:  # nothing written yet, so nothing is selected
             return TensorDict({}, batch_size=[0])
-        segment, packer = self.segment, self._packer
-        return expanded(packer, rows.read(segment.columns, physical, segment.arrays))
+        if segment.schema.has_frames:  # stacks from one frame a row (api/framegather.py)
+            return read_frames(segment.schema, segment.arrays, physical, self.container)
+        return expanded(self._packer, rows.read(segment.columns, physical, segment.arrays))
 
     def _read(self, physical: np.ndarray) -> TensorDict:
         self.container.count_use(physical)  # then the rows copied out, as _copy does

@@ -44,6 +44,7 @@ from shmbuffer.api.reads import (
     slice_mask,
 )
 from shmbuffer.clients.episode_reads import EpisodeReads
+from shmbuffer.clients.framereads import sample_frames
 from shmbuffer.clients.leased import ClientLease, EpisodeViews
 from shmbuffer.clients.readerstate import CONSUMING_SAMPLERS
 from shmbuffer.errors import InvalidArgumentError, ShmBufferError, TornReadError
@@ -150,6 +151,10 @@ class Reader(EpisodeReads):
         episodes this metadata filter selects (:meth:`episodes`), drawn by the daemon."""
         n = check_sample_args(batch_size, beta)
         fields = self._fields("rows", n, return_info, beta, where)
+        if self.schema is None:
+            self._ready()  # attached once there is a schema: its stacks decide the path
+        if self.schema is not None and self.schema.has_frames:
+            return sample_frames(self, fields, return_info)  # clients/framereads.py
         drawn = None if where is not None else self._draw_locally(n)
         if drawn is not None:
             return self._sample_drawn(drawn, fields, return_info)

@@ -135,6 +135,8 @@ class DaemonState:
         #: ``security.admin_refusal``; None: the role is enough, as on the ipc socket).
         self.admin_refused: str | None = None
         self.segment = segment
+        if segment is not None:  # a next_of column's tail rows (api/frames.py)
+            self.container.ring.tail = segment.schema.tail
         self.journal: Journal | None = None  # metadata log for --resume; see journal.py
         #: The live runs published for readers' own draws (``ring/publisher.py``); None
         #: before the segment, on a GPU, and, on a segment taken over, until the state is.
@@ -186,6 +188,7 @@ class DaemonState:
             **segment_access(self.config.group),  # owner-only, or 0660 for --group
         )
         self.generations = self.segment.generations
+        self.container.ring.tail = schema.tail  # before any reservation (api/frames.py)
         try:
             self.publish_spans()
             self._start_journal()

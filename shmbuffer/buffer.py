@@ -30,6 +30,7 @@ import torch
 from tensordict import TensorDict
 
 from shmbuffer.api.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
+from shmbuffer.api.her import check_her, her_batch
 from shmbuffer.api.nstep import check_n_step, n_step_batch
 from shmbuffer.api.passes import Passes, batches
 from shmbuffer.api.reads import (
@@ -280,8 +281,7 @@ class Buffer:
         # A lazy schema is fixed by the first batch accepted, never by one refused (a bad
         # batch, priority, or more rows than a fixed buffer holds): rows are reserved first.
         # ``into``: the tables the rows go into (Container.members; None: every one).
-        segment = self.segment
-        ring = self._ring
+        segment, ring = self.segment, self._ring
         fixed = None if segment is None else segment.schema
         plan = plan_write(fixed, batch, num_sub_episodes, ring.capacity, ring.mode)
         if plan is None:
@@ -369,6 +369,7 @@ class Buffer:
         n_step: int | None = None,
         gamma: float = 0.99,
         n_step_keys: Mapping[str, str | Sequence[str] | None] | None = None,
+        her: Mapping[str, Any] | None = None,
     ) -> TensorDict | tuple[TensorDict, dict[str, torch.Tensor]]:
         """``batch_size`` rows drawn by the sampler (uniform: from all committed rows, with
         replacement).
@@ -380,11 +381,12 @@ class Buffer:
         ``[batch_size]``. ``beta`` overrides the importance exponent for this call. ``where``:
         only from the episodes this filter selects (:meth:`episodes`), as the table draws.
         ``table``: drawn by that table (``tables=``), not the default one. ``n_step``: n-step
-        returns, with ``gamma`` and ``n_step_keys`` (``docs/sampling.md``, ``api/nstep.py``)."""
+        returns, with ``gamma``, ``n_step_keys``; ``her``: goals relabelled (docs/sampling.md)."""
         self._check_open()
         if type(batch_size) is int and batch_size > MAX_SAMPLE:  # named as the caller knows it
             check_sample_size(batch_size, what="batch_size")
         spec = None if n_step is None else check_n_step(n_step, gamma, n_step_keys, self.schema)
+        relabel = None if her is None else check_her(her, self.schema, n_step)
         drawer = self._table if table is None else self.container.table_named(table)
         among = None if where is None else self._metadata().subset(where, drawer)
         drawn = drawer.sample_rows(batch_size, beta=beta, among=among)
@@ -392,6 +394,7 @@ class Buffer:
         if spec is not None and self.segment is not None:
             _, left = self.container.extent(drawn.rows)
             n_step_batch(data, drawn.rows, self.segment.columns, left, spec)
+        her_batch(data, drawn.rows, self.segment, self.container.extent, relabel)
         if not return_info:
             return data
         return data, self._info(drawn.rows, drawn.probability, drawn.weight)

@@ -1,20 +1,16 @@
 """The in-process buffer: the whole engine in one process, no daemon.
 
 ``Buffer`` is what a single-process user reaches for, and the reference semantics the daemon's
-Writer and Reader share: the same ingestion calls (``extend``, ``add_episode``,
-``add_transition``, ``end_episode``) and the same reads (``sample``, ``sample_episodes``,
-``sample_slices``, logical indexing).
+Writer and Reader share (``extend``, ``add_episode``, ``add_transition``, ``end_episode``;
+``sample``, ``sample_episodes``, ``sample_slices``, logical indexing).
 
-With ``name=None`` rows live in private memory; with a name, in a named shared-memory segment
-(:meth:`shmbuffer.storage.segment.Segment.attach`). Reads return copies, which a caller can keep
-while later writes overwrite the ring (zero-copy views under a lease are the daemon Reader's).
+Rows live in private memory, or with a name in a named shared-memory segment. Reads return
+copies a caller can keep while writes go on (zero-copy views under a lease are a Reader's).
 
-Sampling goes through the container's sampler and rate limiter, the same code the daemon runs.
-One thing differs: in one process nobody else can insert or sample while a call waits, so a
-request the rate limiter refuses, and a write that would overwrite rows a FIFO sampler with
-``max_times_sampled`` has not handed out yet, raise :class:`~shmbuffer.errors.WaitTimeoutError`
-at once (naming the limiter and its counts, or the rows) instead of waiting; nothing changed
-then. Sample (consume) first, or write less, and call again.
+Sampling runs the daemon's code (the container's samplers and limiters). One thing differs: in
+one process nobody else can insert or sample while a call waits, so what the daemon would hold
+back (a request its limiter refuses; a write over rows a FIFO table has not handed out) raises
+:class:`~shmbuffer.errors.WaitTimeoutError` at once, naming why; nothing changed then.
 """
 
 from __future__ import annotations
@@ -29,6 +25,7 @@ from tensordict import TensorDict
 
 from shmbuffer.api.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
 from shmbuffer.api.framegather import read_frames
+from shmbuffer.api.her import check_her, her_batch
 from shmbuffer.api.nstep import check_n_step, n_step_batch
 from shmbuffer.api.passes import Passes, batches
 from shmbuffer.api.reads import (
@@ -378,6 +375,7 @@ class Buffer:
         n_step: int | None = None,
         gamma: float = 0.99,
         n_step_keys: Mapping[str, str | Sequence[str] | None] | None = None,
+        her: Mapping[str, Any] | None = None,
     ) -> TensorDict | tuple[TensorDict, dict[str, torch.Tensor]]:
         """``batch_size`` rows drawn by the sampler (uniform: from all committed rows, with
         replacement).
@@ -389,11 +387,12 @@ class Buffer:
         ``[batch_size]``. ``beta`` overrides the importance exponent for this call. ``where``:
         only from the episodes this filter selects (:meth:`episodes`), as the table draws.
         ``table``: drawn by that table (``tables=``), not the default one. ``n_step``: n-step
-        returns, with ``gamma`` and ``n_step_keys`` (``docs/sampling.md``, ``api/nstep.py``)."""
+        returns, with ``gamma``, ``n_step_keys``; ``her``: goals relabelled (docs/sampling.md)."""
         self._check_open()
         if type(batch_size) is int and batch_size > MAX_SAMPLE:  # named as the caller knows it
             check_sample_size(batch_size, what="batch_size")
         spec = None if n_step is None else check_n_step(n_step, gamma, n_step_keys, self.schema)
+        relabel = None if her is None else check_her(her, self.schema, n_step)
         drawer = self._table if table is None else self.container.table_named(table)
         among = None if where is None else self._metadata().subset(where, drawer)
         drawn = drawer.sample_rows(batch_size, beta=beta, among=among)
@@ -401,6 +400,7 @@ class Buffer:
         if spec is not None and self.segment is not None:
             _, left = self.container.extent(drawn.rows)
             n_step_batch(data, drawn.rows, self.segment.columns, left, spec)
+        her_batch(data, drawn.rows, self.segment, self.container.extent, relabel)
         info = self._info(drawn.rows, drawn.probability, drawn.weight) if return_info else None
         return data if info is None else (data, info)
 

@@ -45,6 +45,7 @@ from shmbuffer.api.reads import (
 )
 from shmbuffer.clients.episode_reads import EpisodeReads
 from shmbuffer.clients.framereads import sample_frames
+from shmbuffer.clients.her_reads import sample_her
 from shmbuffer.clients.leased import ClientLease, EpisodeViews
 from shmbuffer.clients.readerstate import CONSUMING_SAMPLERS
 from shmbuffer.errors import InvalidArgumentError, ShmBufferError, TornReadError
@@ -138,6 +139,7 @@ class Reader(EpisodeReads):
         return_info: bool = False,
         beta: float | None = None,
         where: str | None = None,
+        her: dict[str, Any] | None = None,
     ) -> TensorDict | tuple[TensorDict, dict[str, torch.Tensor]]:
         """``batch_size`` transitions drawn by the daemon's sampler (a copy).
 
@@ -148,8 +150,12 @@ class Reader(EpisodeReads):
         ``[batch_size]``. ``beta`` overrides the importance exponent for this call. A FIFO or
         consume-once sampler (and the rate limiter) may hold the call in the daemon for up to
         ``sample_timeout`` seconds, then WaitTimeoutError. ``where``: rows only of the
-        episodes this metadata filter selects (:meth:`episodes`), drawn by the daemon."""
+        episodes this metadata filter selects (:meth:`episodes`), drawn by the daemon. ``her``:
+        a share of the rows relabelled with goals achieved in their episodes, drawn by the
+        daemon (``docs/sampling.md``, :mod:`shmbuffer.clients.her_reads`)."""
         n = check_sample_args(batch_size, beta)
+        if her is not None:
+            return sample_her(self, n, her, return_info, beta, where)
         fields = self._fields("rows", n, return_info, beta, where)
         if self.schema is None:
             self._ready()  # attached once there is a schema: its stacks decide the path

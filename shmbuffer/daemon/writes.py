@@ -45,7 +45,7 @@ from shmbuffer.errors import (
 )
 from shmbuffer.ring.container import Plan, Reservation
 from shmbuffer.storage import rows
-from shmbuffer.storage.stamps import stamp_reservation
+from shmbuffer.storage.stamps import restamp_restored, stamp_reservation
 from shmbuffer.wire.protocol import (
     decode_f64,
     episode_split,
@@ -336,6 +336,8 @@ class WriteOps(DaemonState):
         c = self.container
         before = (c.pointer, c.rows_written)
         restored = c.abort(reservation.id, written)
+        if restored:  # each episode's rows one stamp again (storage/stamps.py)
+            restamp_restored(self.generations, [(e.start, e.end) for e in restored], c.ring.tail)
         if (restored or before != (c.pointer, c.rows_written)) and self.journal is not None:
             self.journal.append_restore(restored, c.pointer, c.rows_written)
 

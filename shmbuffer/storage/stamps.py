@@ -9,6 +9,11 @@ its episode as the draw saw it were written together with it: a read that reache
 drawn row (the frames of a stack before it, the steps of an n-step return after it, a later
 goal of the same episode) checks those rows against the drawn row's one stamp, with no stamp
 of their own to be sent.
+
+An aborted reservation that touched nothing publishes again the episodes it evicted; the part
+of such an episode it had stamped moved, the rest did not. :func:`restamp_restored` gives each
+such episode (its tail row too) one stamp again, its largest: the rows' bytes did not change,
+and a reader holding an older stamp of them only copies them again.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["stamp_reservation"]
+__all__ = ["restamp_restored", "stamp_reservation"]
 
 
 def stamp_reservation(generations: npt.NDArray[np.int64], ranges: Sequence[tuple[int, int]]) -> int:
@@ -29,3 +34,14 @@ def stamp_reservation(generations: npt.NDArray[np.int64], ranges: Sequence[tuple
     for start, stop in ranges:
         generations[start:stop] = stamp
     return stamp
+
+
+def restamp_restored(
+    generations: npt.NDArray[np.int64], episodes: Sequence[tuple[int, int]], tail: int = 0
+) -> None:
+    """One stamp again for each episode ``(start, end)`` an abort published again, and its
+    ``tail`` rows after it (where the ring's end wraps them to row 0)."""
+    capacity = len(generations)
+    for start, end in episodes:
+        rows = np.arange(start, end + tail) % capacity
+        generations[rows] = generations[rows].max()

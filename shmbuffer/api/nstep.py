@@ -36,7 +36,7 @@ from tensordict import TensorDict
 from shmbuffer.errors import InvalidArgumentError
 from shmbuffer.storage.schema import Key, Schema, as_key, key_str
 
-__all__ = ["DEFAULT_KEYS", "NStep", "check_n_step", "n_step_batch"]
+__all__ = ["DEFAULT_KEYS", "NStep", "check_n_step", "n_step_batch", "n_step_values"]
 
 I64 = npt.NDArray[np.int64]
 
@@ -111,10 +111,33 @@ def n_step_batch(
     columns: Mapping[Key, torch.Tensor],
     left: I64,
     spec: NStep,
-) -> None:
+) -> I64:
     """Add ``n_step_return`` and ``discount`` to ``data`` (the drawn ``rows``, copied out) and
-    replace its next observation by the one ``m`` steps on (the module docstring); ``left``:
-    each row's rows of its episode from it on, itself included (``Container.extent``)."""
+    replace its next observation by the one ``m`` steps on (:func:`n_step_values`); returns
+    the rows read that the values depend on, as :func:`n_step_values` does."""
+    values, reach = n_step_values(rows, columns, left, spec)
+    for key, value in values.items():
+        data.set(key, value)
+    return reach
+
+
+def n_step_values(
+    rows: I64,
+    columns: Mapping[Key, torch.Tensor],
+    left: I64,
+    spec: NStep,
+) -> tuple[dict[Key, torch.Tensor], I64]:
+    """The ``n_step_return``, ``discount`` and next observation (under ``spec.next_obs``) of
+    each drawn row of ``rows`` (the module docstring), read from the ring's ``columns``;
+    ``left``: each row's rows of its episode from it on, itself included
+    (``Container.extent``). The one computation every front end makes: the in-process Buffer
+    over its own columns, a Reader over the shared ones.
+
+    Also returns ``reach``, ``[B, n]``: the rows whose values the result was computed from
+    (row ``t + k`` for ``k < m``; the drawn row itself in the places after). A reader whose
+    columns writers may overwrite checks that each still carries its drawn row's stamp after
+    this copy: then all of them were written with it and none was touched since
+    (``storage/stamps.py``); rows read past ``m`` change nothing and are not named."""
     capacity = len(columns[spec.reward])
     steps = np.arange(spec.n, dtype=np.int64)
     window = np.minimum(left, spec.n)  # [B]
@@ -127,7 +150,8 @@ def n_step_batch(
     # m: up to and including the first step that ends the episode, else the whole window
     ended = done & inside
     m = np.where(ended.any(axis=1), ended.argmax(axis=1) + 1, window)
-    used = torch.from_numpy(steps < m[:, None])  # [B, n]
+    within = steps < m[:, None]  # [B, n]
+    used = torch.from_numpy(within)
     reward = columns[spec.reward][at]  # [B, n, *reward's row shape]
     dtype = reward.dtype if reward.is_floating_point() else torch.float32
     powers = torch.tensor([spec.gamma**k for k in range(spec.n)], dtype=torch.float64)
@@ -139,9 +163,13 @@ def n_step_batch(
     discount = np.where(terminated, 0.0, np.power(spec.gamma, m.astype(np.float64)))
     # shaped as the return, so that ``return + discount * value`` never broadcasts [B] by [B, 1]
     shaped = torch.from_numpy(discount).to(dtype).reshape(len(rows), *trailing)
-    data.set("n_step_return", returns)
-    data.set("discount", shaped.expand_as(returns).clone())
-    data.set(spec.next_obs, columns[spec.next_obs][last])
+    values: dict[Key, torch.Tensor] = {
+        ("n_step_return",): returns,
+        ("discount",): shaped.expand_as(returns).clone(),
+        spec.next_obs: columns[spec.next_obs][last],
+    }
+    reach: I64 = np.where(within, ahead, rows[:, None])
+    return values, reach
 
 
 def _flags(values: torch.Tensor, lead: int) -> npt.NDArray[np.bool_]:

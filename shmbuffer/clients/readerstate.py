@@ -85,7 +85,18 @@ def consumes(buffer: dict[str, Any]) -> bool:
 
 
 #: The per-item arrays of a sample's reply, which :func:`split_reply` cuts into batches.
-_ITEM_ARRAYS = ("rows", "starts", "lengths", "gens", "index", "generation", "probability", "weight")
+_ITEM_ARRAYS = (
+    "rows",
+    "starts",
+    "lengths",
+    "gens",
+    "index",
+    "generation",
+    "probability",
+    "weight",
+    "before",  # with a sample's context (since 1.10), as "left"
+    "left",
+)
 #: Calls that fetch one batch at a time after a prefetched batch had rows overwritten before
 #: its copy (a ring that writers lap within a few batches): those would be redrawn, one round
 #: trip each. With a writer lapping an image ring several times a second, learners with

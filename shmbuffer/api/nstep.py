@@ -19,7 +19,10 @@ says which, and the window follows it from the last row to row 0.
 Which entry holds each drawn row is an :class:`~shmbuffer.samplers.index.EpisodeIndex` kept
 by :class:`~shmbuffer.ring.rowepisodes.RowEpisodes`, a ring listener made on the first read
 that asks (O(C) once, then O(k) per k rows written or evicted), so that a draw costs
-O(batch * n) vectorised numpy and no search.
+O(batch * n) vectorised numpy and no search. A daemon's Reader makes the same computation
+(:func:`n_step_values`) over the shared rows, with each row's place in its episode from the
+daemon, and checks the rows it read against the drawn row's stamp
+(:mod:`shmbuffer.clients.nstep_reads`).
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ import torch
 from tensordict import TensorDict
 
 from shmbuffer.errors import InvalidArgumentError
+from shmbuffer.storage.rows import gather_columns
 from shmbuffer.storage.schema import Key, Schema, as_key, key_str
 
 __all__ = ["DEFAULT_KEYS", "NStep", "check_n_step", "n_step_batch", "n_step_values"]
@@ -145,34 +146,41 @@ def n_step_values(
     steps = np.arange(spec.n, dtype=np.int64)
     window = np.minimum(left, spec.n)  # [B]
     ahead = (rows[:, None] + steps) % capacity  # [B, n]; past the window: masked below
-    at = torch.from_numpy(ahead)
-    done = _flags(columns[spec.terminated][at], 2)
+    done = _flags(_take(columns[spec.terminated], ahead), 2)
     if spec.truncated is not None:
-        done |= _flags(columns[spec.truncated][at], 2)
+        done |= _flags(_take(columns[spec.truncated], ahead), 2)
     inside = steps < window[:, None]
     # m: up to and including the first step that ends the episode, else the whole window
     ended = done & inside
     m = np.where(ended.any(axis=1), ended.argmax(axis=1) + 1, window)
     within = steps < m[:, None]  # [B, n]
     used = torch.from_numpy(within)
-    reward = columns[spec.reward][at]  # [B, n, *reward's row shape]
+    reward = _take(columns[spec.reward], ahead)  # [B, n, *reward's row shape]
     dtype = reward.dtype if reward.is_floating_point() else torch.float32
     powers = torch.tensor([spec.gamma**k for k in range(spec.n)], dtype=torch.float64)
     trailing = [1] * (reward.dim() - 2)
     weights = (powers * used).reshape(*used.shape, *trailing)
     returns = (reward.double() * weights).sum(dim=1).to(dtype)
-    last = torch.from_numpy((rows + m - 1) % capacity)
-    terminated = _flags(columns[spec.terminated][last], 1)
+    last = (rows + m - 1) % capacity
+    terminated = _flags(_take(columns[spec.terminated], last), 1)
     discount = np.where(terminated, 0.0, np.power(spec.gamma, m.astype(np.float64)))
     # shaped as the return, so that ``return + discount * value`` never broadcasts [B] by [B, 1]
     shaped = torch.from_numpy(discount).to(dtype).reshape(len(rows), *trailing)
     values: dict[Key, torch.Tensor] = {
         ("n_step_return",): returns,
         ("discount",): shaped.expand_as(returns).clone(),
-        spec.next_obs: columns[spec.next_obs][last],
+        spec.next_obs: _take(columns[spec.next_obs], last),
     }
     reach: I64 = np.where(within, ahead, rows[:, None])
     return values, reach
+
+
+def _take(column: torch.Tensor, index: I64) -> torch.Tensor:
+    """``column``'s rows at ``index`` (any shape), copied by the one row copier
+    (``storage/rows.py``: numpy's ``take``, large rows streamed; torch's indexing copied 256
+    image rows several times slower)."""
+    got = gather_columns({("rows",): column}, index.reshape(-1))[("rows",)]
+    return got.reshape(*index.shape, *column.shape[1:])
 
 
 def _flags(values: torch.Tensor, lead: int) -> npt.NDArray[np.bool_]:

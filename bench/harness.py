@@ -180,6 +180,7 @@ def running_daemon(
     unit: str,
     spec: Spec | None = None,
     forked: bool | None = None,
+    schema_json: dict[str, Any] | None = None,
 ) -> Iterator[str]:
     """A daemon serving a fresh buffer; yields its name once it is ready. ``forked``: from
     the preloaded forkserver rather than a subprocess (default :data:`FORK_DAEMONS`).
@@ -198,10 +199,10 @@ def running_daemon(
     argv = ["--log-level", "WARNING", "start"]
     argv += ["--name", name, "--capacity", str(capacity), "--unit", unit]
     argv += ["--storage-dir", storage_dir]
-    if spec is not None:
+    if spec is not None or schema_json is not None:  # schema_json: as the user's file says it
         path = os.path.join(storage_dir, f"{name}.schema.json")
         with open(path, "w") as f:
-            json.dump(schema(spec), f)
+            json.dump(schema(spec) if spec is not None else schema_json, f)
         argv += ["--schema", path]
     log_path = os.path.join(storage_dir, f"{name}.log")
     proc: subprocess.Popen[bytes] | _Forked

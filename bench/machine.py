@@ -21,7 +21,9 @@ from typing import Any, NamedTuple
 #: whose scenarios shared the machine with more than that many busy cores of other
 #: processes, does not write the README (unless forced).
 LOAD_PER_CORE = 0.5
-PACKAGES = ("shmbuffer", "numpy", "numba", "torch", "tensordict", "torchrl", "cpprb", "pyzmq")
+PACKAGES = (
+    "shmbuffer", "numpy", "numba", "torch", "tensordict", "torchrl", "cpprb", "pyzmq", "ale-py",
+)  # fmt: skip
 
 
 def cores() -> int:

@@ -38,6 +38,7 @@ class Context:
     shm_dir: str | None = None
     max_op_seconds: float = 5.0  # an op stops after the call that crosses this (calls reported)
     create_gb: float = 4.0  # size of the buffer core.create makes (GB, 1e9 bytes)
+    atari_transitions: int = 100_000  # images.atari's buffer (--atari-transitions)
     notes: list[str] = field(default_factory=list)
     #: The runner repeats each scenario ``repeat`` times; ``rep`` is the one running (a
     #: scenario may rotate its implementations' order by it, so none always runs first).

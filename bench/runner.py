@@ -16,7 +16,9 @@ import tempfile
 from pathlib import Path
 
 from bench import (  # noqa: F401  (register the scenarios)
+    atari,
     cluster,
+    compressed,
     contention,
     core,
     daemon,
@@ -124,6 +126,13 @@ def main(argv: list[str] | None = None) -> int:
         help="GB (1e9 B) of the buffer core.create makes, default 4; for the 10 GB target: "
         "`python -m bench core.create --create-gb 10 --repeat 1`, with nothing else big running",
     )
+    parser.add_argument(
+        "--atari-transitions",
+        type=int,
+        default=100_000,
+        help="transitions images.atari stores, default 100,000; for the 1M figure: "
+        "`python -m bench images.atari --atari-transitions 1000000 --repeat 1` (~7 GB each)",
+    )
     args = parser.parse_args(argv)
     if args.out is None:
         args.out = Path("docs/bench" if args.readme else "bench/results")
@@ -133,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--max-op-seconds must be positive, got {args.max_op_seconds:g}")
     if args.create_gb <= 0:
         parser.error(f"--create-gb must be positive, got {args.create_gb:g}")
+    if args.atari_transitions < 1:
+        parser.error(f"--atari-transitions must be positive, got {args.atari_transitions}")
 
     if args.list:
         for name, fn in SCENARIOS.items():
@@ -180,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         tmpdir=args.tmpdir,
         max_op_seconds=args.max_op_seconds,
         create_gb=args.create_gb,
+        atari_transitions=args.atari_transitions,
         workers=args.workers,
         shm_dir=args.shm_dir,
     )

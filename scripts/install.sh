@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Install shmbuffer and its test tools into ./.venv. torch is pinned first to the CPU build:
-# a bare `torch` requirement would pull a multi-GB CUDA build. EXTRAS (default dev,examples,torchrl,live,fast) picks the extras; add bench for the peers.
+# a bare `torch` requirement would pull a multi-GB CUDA build. EXTRAS (default dev,examples,torchrl,live,fast,compress,offline) picks the extras; add bench for the peers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
-EXTRAS="${EXTRAS:-dev,examples,torchrl,live,fast}"
+EXTRAS="${EXTRAS:-dev,examples,torchrl,live,fast,compress,offline}"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"

@@ -1,22 +1,16 @@
 """The in-process buffer: the whole engine in one process, no daemon.
 
 ``Buffer`` is what a single-process user reaches for, and the reference semantics the daemon's
-Writer and Reader share: the same ingestion calls (``extend``, ``add_episode``,
-``add_transition``, ``end_episode``) and the same reads (``sample``, ``sample_episodes``,
-``sample_slices``, logical indexing).
+Writer and Reader share (``extend``, ``add_episode``, ``add_transition``, ``end_episode``;
+``sample``, ``sample_episodes``, ``sample_slices``, logical indexing).
 
-With ``name=None`` rows live in private memory; with a name they live in a named shared-memory
-segment another process can attach to (:meth:`shmbuffer.storage.segment.Segment.attach`).
+Rows live in private memory, or with a name in a named shared-memory segment. Reads return
+copies a caller can keep while writes go on (zero-copy views under a lease are a Reader's).
 
-Reads return copies: a caller can keep them while later writes overwrite the ring. Zero-copy
-views with a lease that holds off writers are the daemon Reader's job.
-
-Sampling goes through the container's sampler and rate limiter, the same code the daemon runs.
-One thing differs: in one process nobody else can insert or sample while a call waits, so a
-request the rate limiter refuses, and a write that would overwrite rows a FIFO sampler with
-``max_times_sampled`` has not handed out yet, raise :class:`~shmbuffer.errors.WaitTimeoutError`
-at once (naming the limiter and its counts, or the rows) instead of waiting; nothing changed
-then. Sample (consume) first, or write less, and call again.
+Sampling runs the daemon's code (the container's samplers and limiters). One thing differs: in
+one process nobody else can insert or sample while a call waits, so what the daemon would hold
+back (a request its limiter refuses; a write over rows a FIFO table has not handed out) raises
+:class:`~shmbuffer.errors.WaitTimeoutError` at once, naming why; nothing changed then.
 """
 
 from __future__ import annotations
@@ -30,6 +24,8 @@ import torch
 from tensordict import TensorDict
 
 from shmbuffer.api.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
+from shmbuffer.api.framegather import read_frames
+from shmbuffer.api.her import check_her, her_batch
 from shmbuffer.api.nstep import check_n_step, n_step_batch
 from shmbuffer.api.passes import Passes, batches
 from shmbuffer.api.reads import (
@@ -46,6 +42,7 @@ from shmbuffer.errors import ClosedError
 from shmbuffer.ring.container import Container
 from shmbuffer.ring.members import Members
 from shmbuffer.ring.meta import EpisodeMeta, EpisodeRecords
+from shmbuffer.ring.packing import Packer, expanded, packer_for
 from shmbuffer.samplers import LIMITER_OPTIONS, OPTIONS, RateLimiter, Sampler
 from shmbuffer.samplers.base import Priority
 from shmbuffer.storage import rows, streamcopy
@@ -89,6 +86,7 @@ class Buffer:
         tables: several tables over the same rows, by name, each with the options above
             (``{"replay": {"sampler": "prioritized"}, "online": {"sampler": "fifo"}}``; the
             first is the default, ``table=`` names another: ``docs/tables.md``).
+        compressed_bytes: the byte store's size for compressed columns (docs/compression.md).
 
     Options left None take the sampler's or limiter's default; one given that the chosen
     sampler or limiter does not take raises InvalidArgumentError naming it.
@@ -119,6 +117,7 @@ class Buffer:
         error_buffer: float | None = None,
         meta: Mapping[str, str] | None = None,
         tables: Mapping[str, Mapping[str, Any]] | None = None,
+        compressed_bytes: int | None = None,
     ) -> None:
         given = locals()  # the keywords of the options the samplers declare, by name
         options = {name: given[name] for name in (*(o.name for o in OPTIONS), *LIMITER_OPTIONS)}
@@ -136,7 +135,8 @@ class Buffer:
             postprocess_fn=postprocess_fn,
         )
         self.name = name
-        self._storage_dir = storage_dir
+        self._storage_dir, self._compressed_bytes = storage_dir, compressed_bytes
+        self._packer: Packer | None = None  # compressed columns (ring/packing.py)
         self._passes = Passes(seed)  # iterate()'s shuffles: every rank's k-th pass agrees
         self.segment: Segment | LocalSegment | None = None
         self._closed = False
@@ -280,10 +280,9 @@ class Buffer:
         # A lazy schema is fixed by the first batch accepted, never by one refused (a bad
         # batch, priority, or more rows than a fixed buffer holds): rows are reserved first.
         # ``into``: the tables the rows go into (Container.members; None: every one).
-        segment = self.segment
-        ring = self._ring
+        segment, ring = self.segment, self._ring
         fixed = None if segment is None else segment.schema
-        plan = plan_write(fixed, batch, num_sub_episodes, ring.capacity, ring.mode)
+        plan = plan_write(fixed, batch, num_sub_episodes, ring.capacity, ring.mode, ring.unit)
         if plan is None:
             return []
         schema, leaves, first_row, num_rows, kept, _ = plan
@@ -291,7 +290,10 @@ class Buffer:
         if priority is not None:  # checked before anything is evicted, as its table would
             sampler = container.priority_table(into).sampler
             priority = priority_for(priority, plan, self.unit, sampler)
-        reservation = ring.reserve(ring.plan(num_rows, kept, into))
+        packing = None if self._packer is None else self._packer.plan(plan)  # its evictions too
+        reservation = ring.reserve(
+            ring.plan(num_rows, kept, into, packing.evict if packing else None)
+        )
         if segment is None:
             try:
                 self._allocate(schema)
@@ -301,6 +303,8 @@ class Buffer:
             segment = self.segment
             assert segment is not None
         stamp_reservation(segment.generations, reservation.ranges)  # storage/stamps.py
+        if packing is not None:  # the compressed columns' rows hold chunk references
+            leaves = packing.write(reservation, leaves, segment.generations)
         # Validation decided every cast, so only an interrupt or a device error fails the copy:
         # what the reservation evicted comes back wherever the copy had not reached.
         # (try/except, not rows.Progress's ``with``: an abort bound per write cost ~0.5 us.)
@@ -323,12 +327,14 @@ class Buffer:
 
     def _allocate(self, schema: Schema) -> None:
         streamcopy.warm(schema.row_nbytes)  # large rows: writes stream (streamcopy.py)
+        self._ring.tail = schema.tail  # a next_of column's tail rows (api/frames.py)
         if self.name is None:
             self.segment = LocalSegment(schema, self.capacity)
         else:
             self.segment = Segment.create(
                 self.name, schema, self.capacity, storage_dir=self._storage_dir
             )
+        self._packer = packer_for(schema, self._ring, self._compressed_bytes, self.segment)
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -369,6 +375,7 @@ class Buffer:
         n_step: int | None = None,
         gamma: float = 0.99,
         n_step_keys: Mapping[str, str | Sequence[str] | None] | None = None,
+        her: Mapping[str, Any] | None = None,
     ) -> TensorDict | tuple[TensorDict, dict[str, torch.Tensor]]:
         """``batch_size`` rows drawn by the sampler (uniform: from all committed rows, with
         replacement).
@@ -380,11 +387,12 @@ class Buffer:
         ``[batch_size]``. ``beta`` overrides the importance exponent for this call. ``where``:
         only from the episodes this filter selects (:meth:`episodes`), as the table draws.
         ``table``: drawn by that table (``tables=``), not the default one. ``n_step``: n-step
-        returns, with ``gamma`` and ``n_step_keys`` (``docs/sampling.md``, ``api/nstep.py``)."""
+        returns, with ``gamma``, ``n_step_keys``; ``her``: goals relabelled (docs/sampling.md)."""
         self._check_open()
         if type(batch_size) is int and batch_size > MAX_SAMPLE:  # named as the caller knows it
             check_sample_size(batch_size, what="batch_size")
         spec = None if n_step is None else check_n_step(n_step, gamma, n_step_keys, self.schema)
+        relabel = None if her is None else check_her(her, self.schema, n_step)
         drawer = self._table if table is None else self.container.table_named(table)
         among = None if where is None else self._metadata().subset(where, drawer)
         drawn = drawer.sample_rows(batch_size, beta=beta, among=among)
@@ -392,9 +400,9 @@ class Buffer:
         if spec is not None and self.segment is not None:
             _, left = self.container.extent(drawn.rows)
             n_step_batch(data, drawn.rows, self.segment.columns, left, spec)
-        if not return_info:
-            return data
-        return data, self._info(drawn.rows, drawn.probability, drawn.weight)
+        her_batch(data, drawn.rows, self.segment, self.container.extent, relabel)
+        info = self._info(drawn.rows, drawn.probability, drawn.weight) if return_info else None
+        return data if info is None else (data, info)
 
     def update_priorities(
         self,
@@ -428,16 +436,13 @@ class Buffer:
         list.
 
         ``out``: a preallocated TensorDict (or nested dict of tensors) to copy into, reused
-        across calls, so the copy lands in warm pages instead of fresh ones (for large batches of
-        image rows a clear gain, at the copy limit's speed: ``docs/architecture.md``; small batches
-        gain nothing: the allocator recycles their pages warm anyway).
-        Each schema key needs a contiguous CPU tensor of the column's dtype shaped
-        ``[*lead, *row_shape]`` whose leading dims hold at least the rows drawn: ``[n, L]`` for
-        episodes of ``L`` steps, or ``[n * longest]``; other keys are left alone. The result is
-        then views of ``out`` (its first rows), valid until the next call that reuses it. A
-        key, dtype or shape that does not fit raises InvalidArgumentError naming it before
-        anything is drawn; too few rows raises it after the draw (the episodes drawn count as
-        sampled). ``where`` and ``table`` as for :meth:`sample`."""
+        across calls so the copy lands in warm pages (large image batches gain: see
+        ``docs/architecture.md``). Each schema key needs a contiguous CPU tensor of the column's
+        dtype shaped ``[*lead, *row_shape]`` holding at least the rows drawn (``[n, L]``, or
+        ``[n * longest]``); other keys are left alone. The result is then views of ``out``,
+        valid until the next call that reuses it. A key, dtype or shape that does not fit
+        raises InvalidArgumentError naming it before anything is drawn; too few rows, after
+        the draw. Not for compressed columns. ``where`` and ``table`` as for :meth:`sample`."""
         self._check_open()
         target = None
         if out is not None and self.segment is not None:
@@ -476,9 +481,8 @@ class Buffer:
         data = self._copy(drawn.rows).reshape(n, length)
         if drawn.mask is not None:
             mask_slices(data, drawn.mask)
-        if not return_info:
-            return data
-        return data, self._info(drawn.starts, drawn.probability, drawn.weight)
+        info = self._info(drawn.starts, drawn.probability, drawn.weight) if return_info else None
+        return data if info is None else (data, info)
 
     def iterate(
         self,
@@ -526,14 +530,10 @@ class Buffer:
     def stats(self) -> dict[str, Any]:
         """Sizes, the sampler's and limiter's state, and priority update counts (the default
         table's; with several, each table's under ``"tables"``)."""
-        return {
-            "capacity": self.capacity,
-            "unit": self.unit,
-            "mode": self.mode,
-            "rows": self.num_rows,
-            "episodes": self.num_episodes,
-            **self.container.stats(),
-        }
+        sizes = {"capacity": self.capacity, "unit": self.unit, "mode": self.mode}
+        counts = {"rows": self.num_rows, "episodes": self.num_episodes}
+        packed = {} if self._packer is None else {"compressed": self._packer.stats()}
+        return {**sizes, **counts, **self.container.stats(), **packed}
 
     def _info(self, index: np.ndarray, p: np.ndarray, w: np.ndarray) -> dict[str, torch.Tensor]:
         assert self.segment is not None  # ``p``, ``w``: each row's probability and weight
@@ -541,9 +541,11 @@ class Buffer:
 
     def _copy(self, physical: np.ndarray) -> TensorDict:
         """The rows, copied out; the container already counted the read."""
-        if self.segment is None:  # nothing written yet, so nothing can be selected
+        if (segment := self.segment) is None:  # nothing written yet, so nothing is selected
             return TensorDict({}, batch_size=[0])
-        return rows.read(self.segment.columns, physical, self.segment.arrays)
+        if segment.schema.has_frames:  # stacks from one frame a row (api/framegather.py)
+            return read_frames(segment.schema, segment.arrays, physical, self.container)
+        return expanded(self._packer, rows.read(segment.columns, physical, segment.arrays))
 
     def _read(self, physical: np.ndarray) -> TensorDict:
         self.container.count_use(physical)  # then the rows copied out, as _copy does
@@ -564,7 +566,8 @@ class Buffer:
             physical = rows.episode_rows(starts, lengths)
             self.container.count_use(physical)
         columns, arrays = self.segment.columns, self.segment.arrays
-        return rows.read_episodes(columns, physical, arrays, lengths, scalar)
+        read = rows.read_episodes(columns, physical, arrays, lengths, scalar)
+        return expanded(self._packer, read)
 
     # -- lifecycle --------------------------------------------------------------------------
 

@@ -253,6 +253,19 @@ def test_sac_pendulum_runs_end_to_end(folders: tuple[Path, Path], tmp_path: Path
     assert all(-16.3 * 200 <= float(row[2]) <= 0 for row in rows), rows
 
 
+@pytest.mark.timeout(SHORT_MINUTES * 60 + SHUTDOWN_S + 30)
+def test_her_bitflip_learns_what_random_play_never_reaches(folders: tuple[Path, Path]) -> None:
+    """``her_bitflip.py``: DQN sampling with ``her=`` through the daemon; random play reaches
+    a random 8-bit goal within 8 flips a few percent of the time, the learner stops at 0.8."""
+    run = run_example(
+        "her_bitflip.py", folders, "--bits", "8", "--target", "0.8", minutes=SHORT_MINUTES
+    )
+    last = run.stdout.rstrip("\n").splitlines()[-1]
+    match = re.match(r"^final success rate \(last 100 greedy episodes\): (\S+)$", last)
+    assert match, run.describe()
+    assert float(match[1]) >= 0.5, run.describe()
+
+
 def test_ctrl_c_stops_workers_and_daemon(folders: tuple[Path, Path]) -> None:
     """SIGINT to the example's process group (what Ctrl-C in a terminal sends): it still prints
     its figures, its workers and its daemon are gone, and nothing is left on disk."""

@@ -12,7 +12,10 @@ From the bottom up:
 - the front ends: ``buffer.py`` in process and ``weights.py``; ``daemon/`` and ``clients/``,
   which never import each other; ``torchrl/`` and ``cluster/`` over the clients (a cluster
   runs daemons as ``shmbuffer-daemon start`` subprocesses, never by importing them);
-- ``cli/``, above both sides, and the package root, which only hands names on, lazily.
+- ``offline/`` (datasets in and out: reads checkpoints, asks a daemon for one, loads a dataset
+  into a daemon's service), over both sides;
+- ``cli/``, above both sides and ``offline/``, and the package root, which only hands names
+  on, lazily.
 
 ``shmbuffer.protocol`` and ``shmbuffer.segment`` are public import paths kept as thin
 re-exports of ``wire/`` and ``storage/``; nothing inside the package imports through them.
@@ -45,8 +48,9 @@ BELOW: dict[str, set[str]] = {
     "clients": _CORE | {"front"},
     "torchrl": _CORE | {"front", "clients"},
     "cluster": _CORE | {"clients"},
-    "cli": _CORE | {"front", "daemon", "clients"},
-    "root": _CORE | {"front", "daemon", "clients", "torchrl", "cluster", "cli"},
+    "offline": _CORE | {"daemon", "clients"},
+    "cli": _CORE | {"front", "daemon", "clients", "offline"},
+    "root": _CORE | {"front", "daemon", "clients", "torchrl", "cluster", "offline", "cli"},
 }
 
 

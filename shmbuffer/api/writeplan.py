@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from shmbuffer.api.frames import frame_write
 from shmbuffer.errors import CapacityError, InvalidArgumentError, SchemaError
 from shmbuffer.samplers.base import Sampler, check_priority
 from shmbuffer.samplers.declare import declared
@@ -38,12 +39,21 @@ class WritePlan(NamedTuple):
     leaves: dict[Any, Any]
     first_row: int
     num_rows: int
-    episodes: int
+    #: A count of equal (sub-)episodes, or their lengths (a write laid out by
+    #: ``api/frames.py``: its segments, each with its tail row).
+    episodes: int | list[int]
     given: int
+
+    @property
+    def kept(self) -> int:
+        """How many (sub-)episodes it stores."""
+        return len(self.episodes) if isinstance(self.episodes, list) else self.episodes
 
     @property
     def lengths(self) -> list[int]:
         """The length of each (sub-)episode stored."""
+        if isinstance(self.episodes, list):
+            return self.episodes
         return [self.num_rows // self.episodes] * self.episodes
 
 
@@ -51,18 +61,34 @@ _new_tuple = tuple.__new__
 
 
 def plan_write(
-    schema: Schema | None, batch: Mapping[str, Any], num_sub: int, capacity: int, mode: str
+    schema: Schema | None,
+    batch: Mapping[str, Any],
+    num_sub: int,
+    capacity: int,
+    mode: str,
+    unit: str = "transition",
 ) -> WritePlan | None:
     """Validate ``batch`` against ``schema`` (None: a lazy schema, taken from this batch;
     nothing is written if it does not fit, or holds more rows than a fixed buffer) and decide
     what to store, or None for an empty batch. Called before a lazy schema is fixed, so only a
-    batch that passed every check defines it."""
+    batch that passed every check defines it. A schema with frame stacks or next_of columns
+    lays the rows out first (``api/frames.py``)."""
     if schema is None:
         schema = Schema.from_batch(batch)
+    episodes: int | list[int] = num_sub
+    if schema.has_frames:
+        batch, episodes = frame_write(schema, batch, num_sub, unit)
     (num_rows,), leaves = schema.validate(batch)
     if num_rows == 0:
         warnings.warn("ignoring a write of zero rows", RuntimeWarning, stacklevel=4)
         return None
+    if isinstance(episodes, list):  # tail rows laid in: kept whole or refused
+        if num_rows > capacity:
+            raise CapacityError(
+                f"{num_rows} rows (with one tail row per episode) do not fit a buffer of "
+                f"capacity {capacity}; write fewer steps at a time"
+            )
+        return _new_tuple(WritePlan, (schema, leaves, 0, num_rows, episodes, num_sub))
     if num_rows > capacity and mode == "fixed":  # can never fit: refused before anything
         raise CapacityError(f"{num_rows} rows do not fit a buffer of capacity {capacity}")
     first_row, kept = 0, num_sub
@@ -117,7 +143,12 @@ def write_priority(
         if np.ndim(value) == 0:
             return float(check_priority(value, 1, most=most)[0])
         if unit == "episode":
-            return check_priority(value, plan.given, most=most)[plan.given - plan.episodes :]
+            return check_priority(value, plan.given, most=most)[plan.given - plan.kept :]
+        if isinstance(plan.episodes, list) and plan.schema.tail:
+            raise InvalidArgumentError(
+                "a write with a next_of column takes one priority for all its rows (or none), "
+                "not one per row: its tail rows hold no step"
+            )
         total = plan.first_row + plan.num_rows
         return check_priority(value, total, most=most)[plan.first_row :]
     except (TypeError, ValueError) as exc:

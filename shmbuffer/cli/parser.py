@@ -25,6 +25,7 @@ from typing import Any
 
 from shmbuffer.cli.admin import cmd_checkpoint, cmd_configure, cmd_status, cmd_stop
 from shmbuffer.cli.episodes import cmd_episodes
+from shmbuffer.cli.offline import cmd_export
 from shmbuffer.cli.start import cmd_start, run_daemon
 from shmbuffer.errors import ShmBufferError
 from shmbuffer.samplers import OPTIONS, RATE_LIMITERS, SAMPLERS, Option, takers
@@ -36,6 +37,7 @@ __all__ = [
     "cmd_cleanup",
     "cmd_configure",
     "cmd_demo",
+    "cmd_export",
     "cmd_keygen",
     "cmd_start",
     "cmd_status",
@@ -256,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-attach the segment and registry a dead daemon of this name left behind",
     )
     recover.add_argument("--restore", metavar="DIR", help="start from the checkpoint in DIR")
+    recover.add_argument(
+        "--import",
+        dest="import_from",
+        metavar="parquet:DIR|minari:ID",
+        help="start with a dataset's episodes (its schema and metadata too; docs/offline.md)",
+    )
     start.set_defaults(func=cmd_start)
 
     keygen = sub.add_parser("keygen", help="write a CURVE keypair (NAME.key, NAME.key_secret)")
@@ -269,6 +277,21 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--to", required=True, help="folder (on the daemon's machine)")
     ckpt.add_argument("--timeout", type=_seconds, default=600.0)
     ckpt.set_defaults(func=cmd_checkpoint)
+
+    export = sub.add_parser(
+        "export", help="write a buffer's episodes to Parquet or Minari (docs/offline.md)"
+    )
+    export.add_argument("--name", default=None, help="a running daemon's buffer (a live cut)")
+    export.add_argument("--checkpoint", metavar="DIR", help="or a checkpoint folder")
+    export.add_argument("--to", required=True, metavar="parquet:DIR|minari:ID")
+    export.add_argument(
+        "--spool",
+        metavar="DIR",
+        help="where the live cut is written first (default: beside "
+        "the segment where there is room, else beside the destination)",
+    )
+    export.add_argument("--timeout", type=_seconds, default=600.0)
+    export.set_defaults(func=cmd_export)
 
     configure = sub.add_parser("configure", help="change a running daemon's rate limiter (admin)")
     configure.add_argument("--name", default="default", help="buffer name, or an endpoint")

@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shmbuffer import runtime
 from shmbuffer.daemon import security
@@ -30,6 +30,7 @@ from shmbuffer.wire.protocol import PROTOCOL_VERSION
 if TYPE_CHECKING:
     from shmbuffer.daemon.config import DaemonConfig
     from shmbuffer.daemon.metrics import MetricsServer
+    from shmbuffer.daemon.service import BufferService
 
 log = logging.getLogger("shmbuffer.daemon")
 
@@ -50,13 +51,17 @@ def cmd_start(args: argparse.Namespace) -> int:
             raise ConfigError(f"--table {flag!r}: a table named {name!r} was given already")
         tables[name] = options
 
+    schema = load_schema_file(args.schema) if args.schema else None
+    import_from = getattr(args, "import_from", None)
+    if import_from is not None:  # the schema is the dataset's
+        schema = _import_schema(import_from, schema)
     config = DaemonConfig.load(
         args.config,
         name=args.name,
         capacity=args.capacity,
         unit=args.unit,
         mode=args.mode,
-        schema=load_schema_file(args.schema) if args.schema else None,
+        schema=schema,
         meta=None if args.meta is None else dict(args.meta),
         endpoint=args.endpoint,
         storage_dir=args.storage_dir,
@@ -93,7 +98,23 @@ def cmd_start(args: argparse.Namespace) -> int:
         config = adopt_settings(config, args, args.restore)
     if args.detach:
         return _detach(args, config)
-    return run_daemon(config, keep=args.keep, resume=args.resume, restore=args.restore)
+    return run_daemon(
+        config, keep=args.keep, resume=args.resume, restore=args.restore, import_from=import_from
+    )
+
+
+def _import_schema(spec: str, given: dict[str, Any] | None) -> dict[str, Any]:
+    """The schema of the dataset ``spec`` names; ConfigError where ``--schema`` differs."""
+    from shmbuffer.offline.load import open_dataset
+    from shmbuffer.storage.schema import Schema
+
+    schema = open_dataset(spec).schema
+    if given is not None and Schema.from_spec(given) != schema:
+        raise ConfigError(
+            f"--schema {given} differs from the schema of --import {spec}: {schema}; leave "
+            "--schema out (the dataset's is taken)"
+        )
+    return schema.to_spec()
 
 
 def _claim_name(config: DaemonConfig, keep_segment: bool = False) -> None:
@@ -128,17 +149,21 @@ def _claim_name(config: DaemonConfig, keep_segment: bool = False) -> None:
 
 
 def run_daemon(
-    config: DaemonConfig, keep: bool = False, resume: bool = False, restore: str | None = None
+    config: DaemonConfig,
+    keep: bool = False,
+    resume: bool = False,
+    restore: str | None = None,
+    import_from: str | None = None,
 ) -> int:
     """Serve ``config`` in this process until stopped; with ``metrics_port``, Prometheus
     metrics too (listening first: a busy port fails before a segment is allocated)."""
     if config.metrics_port is None:
-        return _serve(config, keep, resume, restore, None)
+        return _serve(config, keep, resume, restore, None, import_from)
     from shmbuffer.daemon.metrics import serve_metrics
 
     metrics = serve_metrics(config.metrics_host, config.metrics_port)
     try:
-        return _serve(config, keep, resume, restore, metrics)
+        return _serve(config, keep, resume, restore, metrics, import_from)
     finally:
         metrics.close()
 
@@ -149,6 +174,7 @@ def _serve(
     resume: bool,
     restore: str | None,
     metrics: MetricsServer | None,
+    import_from: str | None = None,
 ) -> int:
     from shmbuffer.daemon.server import Server
     from shmbuffer.daemon.service import BufferService
@@ -167,6 +193,8 @@ def _serve(
             service = recovery.restore_service(config, restore)
     else:
         service = BufferService(config)
+    if import_from is not None:
+        _load(service, config, import_from)
     server = Server(service, config.resolved_endpoint, metrics.metrics if metrics else None)
     server.install_signal_handlers()
     info = {
@@ -215,6 +243,31 @@ def _serve(
         (runtime_dir() / f"{config.name}.pid").unlink(missing_ok=True)
         log.info("stopped%s", " (segment kept)" if keep else "")
     return 0
+
+
+def _load(service: BufferService, config: DaemonConfig, spec: str) -> None:
+    """Write the dataset ``spec`` names into ``service`` before it serves anyone; a failure
+    removes the fresh segment (nothing was served from it)."""
+    from shmbuffer.offline.load import load_into, open_dataset
+
+    try:
+        done = load_into(service, open_dataset(spec), f"--import {spec}")
+    except BaseException:
+        if service.journal is not None:
+            service.journal.close()
+        if service.segment is not None:
+            service.segment.close()
+        from shmbuffer.storage.segment import Segment
+
+        Segment.unlink(config.name, config.storage_dir)
+        raise
+    log.info(
+        "imported %d episodes (%d rows) from %s in %.2fs",
+        done["episodes"],
+        done["rows"],
+        spec,
+        done["seconds"],
+    )
 
 
 def _write_private(path: os.PathLike[str], data: bytes) -> None:

@@ -14,7 +14,8 @@ return mixing two writes.
 Refused, before anything is drawn: a remote reader (its rows come as payload frames of the
 drawn rows only; the rows after them would have to cross the socket too, and the daemon knows
 nothing of a learner's targets), and a buffer on a GPU (not yet: its gathers run on a side
-stream that the window's copy would have to join before the stamp check).
+stream that the window's copy would have to join before the stamp check), and a buffer with
+frame stacks (not yet: the next observation ``m`` steps on would be a stack built there).
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ def n_step_spec(
         raise InvalidArgumentError(
             f"n_step: not yet for a buffer on {segment.device} (its gathers run on a side "
             "stream the window's copy does not join); sample without n_step"
+        )
+    if reader.schema is not None and reader.schema.has_frames:
+        raise InvalidArgumentError(
+            "n_step: not yet for a buffer with frame stacks (the next observation m steps on "
+            "would be a stack built at that row); sample without n_step"
         )
     if reader.schema is not None:
         spec = check_n_step(n_step, gamma, keys, reader.schema)

@@ -242,13 +242,15 @@ class WritePipeline:
         leaves: dict[Any, Any],
         first_row: int,
         num_rows: int,
-        num_sub: int,
+        num_sub: int | list[int],
         priority: float | bytes | None = None,
         meta: dict[str, Any] | None = None,
         tables: list[str] | None = None,
     ) -> None:
         assert self.schema is not None
         extra: dict[str, Any] = {} if priority is None else {"priority": priority}
+        # episodes of their own lengths: a write laid out with tail rows (api/frames.py)
+        split = {"lengths": num_sub} if isinstance(num_sub, list) else {"episodes": num_sub}
         if meta:
             extra["meta"] = meta
         if tables is not None:
@@ -263,11 +265,11 @@ class WritePipeline:
             frames,
             timeout=self.reserve_timeout + self.conn.timeout,
             rows=num_rows,
-            episodes=num_sub,
             timeout_ms=int(self.reserve_timeout * 1000),
+            **split,
             **extra,
         )
-        self._count((num_rows, num_sub))
+        self._count((num_rows, num_sub if isinstance(num_sub, int) else len(num_sub)))
 
     # -- reserving ahead (shmbuffer/clients/ahead.py) ------------------------------------------
 

@@ -44,6 +44,8 @@ from shmbuffer.api.reads import (
     slice_mask,
 )
 from shmbuffer.clients.episode_reads import EpisodeReads
+from shmbuffer.clients.framereads import sample_frames
+from shmbuffer.clients.her_reads import sample_her
 from shmbuffer.clients.leased import ClientLease, EpisodeViews
 from shmbuffer.clients.nstep_reads import Follow, n_step_spec, window_follow
 from shmbuffer.clients.readerstate import CONSUMING_SAMPLERS
@@ -138,6 +140,7 @@ class Reader(EpisodeReads):
         return_info: bool = False,
         beta: float | None = None,
         where: str | None = None,
+        her: dict[str, Any] | None = None,
         n_step: int | None = None,
         gamma: float = 0.99,
         n_step_keys: Mapping[str, str | Sequence[str] | None] | None = None,
@@ -151,14 +154,26 @@ class Reader(EpisodeReads):
         ``[batch_size]``. ``beta`` overrides the importance exponent for this call. A FIFO or
         consume-once sampler (and the rate limiter) may hold the call in the daemon for up to
         ``sample_timeout`` seconds, then WaitTimeoutError. ``where``: rows only of the
-        episodes this metadata filter selects (:meth:`episodes`), drawn by the daemon.
-        ``n_step``: n-step returns, with ``gamma`` and ``n_step_keys``, as
-        :meth:`Buffer.sample` (``docs/sampling.md``); drawn by the daemon, which says where
-        each row lies in its episode, the rows after it checked against its stamp
+        episodes this metadata filter selects (:meth:`episodes`), drawn by the daemon. ``her``:
+        a share of the rows relabelled with goals achieved in their episodes, drawn by the
+        daemon (``docs/sampling.md``, :mod:`shmbuffer.clients.her_reads`). ``n_step``: n-step
+        returns, with ``gamma`` and ``n_step_keys``, as :meth:`Buffer.sample`
+        (``docs/sampling.md``); drawn by the daemon, which says where each row lies in its
+        episode, the rows after it checked against its stamp
         (:mod:`shmbuffer.clients.nstep_reads`)."""
         n = check_sample_args(batch_size, beta)
+        if her is not None:
+            if n_step is not None:  # refused as Buffer.sample refuses it, in its words
+                from shmbuffer.api.her import check_her
+
+                check_her(her, None, n_step)
+            return sample_her(self, n, her, return_info, beta, where)
         spec = None if n_step is None else n_step_spec(self, n_step, gamma, n_step_keys)
         fields = self._fields("rows", n, return_info, beta, where)
+        if self.schema is None:
+            self._ready()  # attached once there is a schema: its stacks decide the path
+        if self.schema is not None and self.schema.has_frames:  # n_step refused there
+            return sample_frames(self, fields, return_info)  # clients/framereads.py
         if spec is not None:
             fields["context"] = True
         drawn = None if where is not None or spec is not None else self._draw_locally(n)

@@ -86,16 +86,8 @@ def consumes(buffer: dict[str, Any]) -> bool:
 
 #: The per-item arrays of a sample's reply, which :func:`split_reply` cuts into batches.
 _ITEM_ARRAYS = (
-    "rows",
-    "starts",
-    "lengths",
-    "gens",
-    "index",
-    "generation",
-    "probability",
-    "weight",
-    "before",  # with a sample's context (since 1.10), as "left"
-    "left",
+    *("rows", "starts", "lengths", "gens", "index", "generation", "probability", "weight"),
+    *("before", "left"),  # a sample's context (since 1.10)
 )
 #: Calls that fetch one batch at a time after a prefetched batch had rows overwritten before
 #: its copy (a ring that writers lap within a few batches): those would be redrawn, one round

@@ -254,7 +254,7 @@ class Writer:
         self._pipe.check_ticker()
         # Refused here, before any copy, if it does not fit the schema; and a lazy schema is
         # defined only by a batch that passed every check the Writer can make.
-        plan = plan_write(self.schema, batch, num_sub_episodes, self.capacity, self.mode)
+        plan = plan_write(self.schema, batch, num_sub_episodes, self.capacity, self.mode, self.unit)
         if plan is None:
             return
         schema, leaves, first_row, num_rows, kept, _ = plan

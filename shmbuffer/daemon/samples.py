@@ -65,6 +65,11 @@ class SampleOps(DaemonState):
         in the in-process Buffer; every size limit is checked before the draw, since a
         consume-once sampler hands its items out for good."""
         kind, n, beta = fields["kind"], fields["n"], fields.get("beta")
+        if fields.get("payload") and self.schema is not None and self.schema.has_frames:
+            raise InvalidArgumentError(  # built where the rows are mapped (api/framegather.py)
+                "a remote reader cannot sample a buffer with frame stacks or next_of columns: "
+                "read it through a local Reader, which builds the stacks from the shared rows"
+            )
         c = self.container
         where = fields.get("where")
         among = None if where is None else self.meta.subset(where, table)

@@ -42,6 +42,7 @@ from shmbuffer.ring.meta import EpisodeMeta
 from shmbuffer.ring.publisher import SpansPublisher
 from shmbuffer.ring.table import Table
 from shmbuffer.storage.cuda_segment import check_room, create_segment
+from shmbuffer.storage.packed import refuse_packed
 from shmbuffer.storage.schema import Schema
 from shmbuffer.storage.segment import Segment
 
@@ -134,6 +135,8 @@ class DaemonState:
         #: ``security.admin_refusal``; None: the role is enough, as on the ipc socket).
         self.admin_refused: str | None = None
         self.segment = segment
+        if segment is not None:  # a next_of column's tail rows (api/frames.py)
+            self.container.ring.tail = segment.schema.tail
         self.journal: Journal | None = None  # metadata log for --resume; see journal.py
         #: The live runs published for readers' own draws (``ring/publisher.py``); None
         #: before the segment, on a GPU, and, on a segment taken over, until the state is.
@@ -161,6 +164,7 @@ class DaemonState:
         return None if self.segment is None else self.segment.schema
 
     def _create_segment(self, schema: Schema) -> None:
+        refuse_packed(schema, "a daemon's buffer")  # their byte store is in process only
         self.segment = create_segment(  # where config.device says (cuda_segment.py)
             self.config.device,
             self.config.name,
@@ -184,6 +188,7 @@ class DaemonState:
             **segment_access(self.config.group),  # owner-only, or 0660 for --group
         )
         self.generations = self.segment.generations
+        self.container.ring.tail = schema.tail  # before any reservation (api/frames.py)
         try:
             self.publish_spans()
             self._start_journal()

@@ -46,6 +46,9 @@ def state_of(ring: Ring, tables: Mapping[str, Table]) -> dict[str, Any]:
         "rows_written": ring.rows_written,
         "next_reservation": ring.next_reservation,
         "registry": ring.registry.to_state(),
+        # the entry that ends at the ring's end and goes on at row 0 (one episode written
+        # across the wrap), which a reader of the saved rows must join again
+        "wrap_split": ring.wrap_split,
         # which tables hold the live episodes written into only some (ring/members.py)
         "members": (
             ring.membership.state([ep.id for ep in ring.registry]) if len(ring.membership) else []
@@ -131,6 +134,7 @@ def load_state(ring: Ring, tables: Mapping[str, Table], state: Mapping[str, Any]
         operator.index(state["next_reservation"]),
         state.get("members"),
     )  # every table starts over from the registry: counters, sampler, limiter counts
+    ring.wrap_split = operator.index(state.get("wrap_split", -1))  # absent: saved before it was
     for name, entry in saved.items():
         load_table(tables[name], entry)
 

@@ -119,10 +119,16 @@ class Ring:
     ``unit``: ``"transition"`` or ``"episode"``.
     """
 
-    def __init__(self, capacity: int, *, mode: str = "circular", unit: str = "transition") -> None:
+    def __init__(
+        self, capacity: int, *, mode: str = "circular", unit: str = "transition", tail: int = 0
+    ) -> None:
         if not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
         self.capacity = capacity
+        #: Rows each episode (each entry of ``lengths``) is reserved with after its last step
+        #: and registered without: a next_of column's last next frame (``api/frames.py``).
+        #: Set from the schema before the first reservation.
+        self.tail = tail
         self.mode = check_choice("mode", mode, MODES)
         self.unit = check_choice("unit", unit, UNITS)
         self.registry = EpisodeRegistry(capacity)
@@ -142,7 +148,8 @@ class Ring:
         #: Id of the registry entry ending at the ring's last row whose episode goes on in
         #: entry ``id + 1`` from row 0: a transition chunk written across the end is two
         #: entries, and a read that follows an episode (n-step returns) must know they are
-        #: one. -1: none known (never after :meth:`load`: a saved state does not say).
+        #: one. -1: none known (:meth:`load` forgets it; a saved state carries it:
+        #: ``persistence.py``).
         self.wrap_split = -1
 
     def listen(self, listener: RingListener) -> None:
@@ -177,7 +184,11 @@ class Ring:
     # -- reserving ----------------------------------------------------------------------------
 
     def plan(
-        self, num_rows: int, episodes: int | Sequence[int] = 1, members: Members = None
+        self,
+        num_rows: int,
+        episodes: int | Sequence[int] = 1,
+        members: Members = None,
+        evict_too: Sequence[Range] | None = None,
     ) -> Plan:
         """Decide a reservation of ``num_rows`` for ``episodes`` (a count of equal
         sub-episodes, or their lengths: a writer that batches several small episodes into one
@@ -185,9 +196,17 @@ class Ring:
         anything: its rows, its evictions, the writers it would lap and whether a listener
         holds it back. An owner checks its own rules against it (the daemon: leases on the
         evicted rows) and then hands it to :meth:`reserve`. CapacityError/ValueError for a
-        request that can never fit."""
+        request that can never fit. ``evict_too``: rows of episodes that must go as well (the
+        oldest, whose compressed chunks the write's bytes need: ``ring/packing.py``)."""
         lengths = episode_lengths(num_rows, episodes)
+        if self.tail and min(lengths) <= self.tail:
+            raise ValueError(
+                f"each episode needs more than its {self.tail} tail row(s) (the last next "
+                f"observation a next_of column keeps), got lengths {lengths[:8]}"
+            )
         ranges, evict = self._plan(num_rows)
+        if evict_too:
+            evict = [*evict_too, *evict]
         busy = self.conflicts(evict) if self.reservations else []
         blocked = None
         for listener in self._listeners:
@@ -241,7 +260,7 @@ class Ring:
         reservation = Reservation(
             self.next_reservation,
             ranges,
-            _episode_bounds(ranges, plan.lengths),
+            _episode_bounds(ranges, plan.lengths, self.tail),
             owner,
             evicted,
             trimmed=trimmed,
@@ -284,7 +303,7 @@ class Ring:
         reservation = Reservation(
             reservation_id,
             held,
-            _episode_bounds(held, lengths),
+            _episode_bounds(held, lengths, self.tail),
             before=(self.pointer, self.rows_written, self.travelled),
             travelled=self.travelled,
             members=members,
@@ -532,23 +551,29 @@ def _ring(start: int, length: int, capacity: int) -> list[Range]:
     return [(start, capacity), (0, start + length - capacity)]
 
 
-def _episode_bounds(ranges: list[Range], lengths: list[int]) -> list[Range]:
+def _episode_bounds(ranges: list[Range], lengths: list[int], tail: int = 0) -> list[Range]:
     """Physical bounds of episodes of ``lengths`` rows laid over ``ranges`` in order; an
-    episode that straddles the wrap of a transition chunk becomes two entries. O(E + R)."""
-    if len(lengths) == 1:  # one episode (a chunk of transitions): one entry per range
-        return list(ranges)
-    if len(ranges) == 1:  # no wrap (the usual case): the running ends, shifted
-        return list(itertools.pairwise(itertools.accumulate(lengths, initial=ranges[0][0])))
+    episode that straddles the wrap of a transition chunk becomes two entries. The last
+    ``tail`` rows of each are left out (rows written after an episode that no entry covers:
+    its last next observation, ``api/frames.py``). O(E + R)."""
+    if not tail:
+        if len(lengths) == 1:  # one episode (a chunk of transitions): one entry per range
+            return list(ranges)
+        if len(ranges) == 1:  # no wrap (the usual case): the running ends, shifted
+            return list(itertools.pairwise(itertools.accumulate(lengths, initial=ranges[0][0])))
     bounds: list[Range] = []
     parts = iter(ranges)
     row, stop = next(parts)
     for length in lengths:
-        left = length
+        left, keep = length, length - tail
         while left:
             if row == stop:
                 row, stop = next(parts)
             take = min(left, stop - row)
-            bounds.append((row, row + take))
+            kept = min(take, keep)
+            if kept > 0:
+                bounds.append((row, row + kept))
+            keep -= take
             row += take
             left -= take
     return bounds

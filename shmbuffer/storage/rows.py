@@ -278,6 +278,11 @@ def out_arrays(schema: Schema, out: Any, what: str = "out") -> OutArrays:
     held: int | None = None
     for field in schema:
         key, name, row_shape = field.key, key_str(field.key), field.shape
+        if field.compress is not None:  # its rows are chunk references, not values
+            raise InvalidArgumentError(
+                f"{what}: column {name!r} is stored compressed; its rows are decompressed "
+                f"into new tensors, never into {what} (nor read as views): leave {what} out"
+            )
         tensor = _leaf(out, key)
         if not isinstance(tensor, torch.Tensor):
             got = "nothing" if tensor is None else type(tensor).__name__

@@ -18,76 +18,39 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from shmbuffer.errors import SchemaError
+from shmbuffer.storage.fields import (
+    CODECS,
+    PADS,
+    Field,
+    Key,
+    as_key,
+    dtype_from_name,
+    dtype_name,
+    field_from_spec,
+    key_str,
+)
 from shmbuffer.storage.indices import to_host as to_host  # noqa: PLC0414
 
-Key = tuple[str, ...]
-
-_DTYPES: dict[str, torch.dtype] = {
-    name: dt
-    for name, dt in {
-        "bool": torch.bool,
-        "uint8": torch.uint8,
-        "int8": torch.int8,
-        "int16": torch.int16,
-        "int32": torch.int32,
-        "int64": torch.int64,
-        "float16": torch.float16,
-        "bfloat16": torch.bfloat16,
-        "float32": torch.float32,
-        "float64": torch.float64,
-        "complex64": torch.complex64,
-        "complex128": torch.complex128,
-    }.items()
-}
-_DTYPE_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in _DTYPES.items()}
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    if not isinstance(name, str):
-        raise SchemaError(f"dtype must be a name like 'float32', got {name!r}")
-    try:
-        return _DTYPES[name.removeprefix("torch.")]
-    except KeyError:
-        raise SchemaError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        raise SchemaError(f"unsupported dtype {dtype}") from None
-
-
-def key_str(key: Key) -> str:
-    """The dotted spelling of a (possibly nested) key, used in messages and manifests."""
-    return ".".join(key)
-
-
-def as_key(key: str | Key) -> Key:
-    return tuple(key.split(".")) if isinstance(key, str) else tuple(key)
-
-
-@dataclass(frozen=True)
-class Field:
-    """One leaf column: its key, element dtype and the shape of one row."""
-
-    key: Key
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def row_nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    def to_spec(self) -> dict[str, Any]:
-        return {"dtype": dtype_name(self.dtype), "shape": list(self.shape)}
+# A column's words are defined with it (storage/fields.py) and said from here as well.
+__all__ = [
+    "CODECS",
+    "PADS",
+    "Field",
+    "Key",
+    "Schema",
+    "as_key",
+    "dtype_from_name",
+    "dtype_name",
+    "iter_leaves",
+    "key_str",
+    "to_host",
+]
 
 
 def iter_leaves(batch: Mapping[Any, Any], prefix: Key = ()) -> Iterator[tuple[Key, Any]]:
@@ -293,13 +256,25 @@ def _shape_of(value: Any) -> tuple[int, ...]:
 
 
 class Schema:
-    """An immutable, ordered set of fields; equality is by value."""
+    """An immutable, ordered set of fields; equality is by value.
 
-    def __init__(self, fields: Iterable[Field]) -> None:
+    ``next_of``: keys that store nothing of their own, each the next observation of a stored
+    field (``{("next", "obs"): ("obs",)}``): read from the row after (``docs/frames.md``)."""
+
+    def __init__(self, fields: Iterable[Field], next_of: Mapping[Key, Key] | None = None) -> None:
         ordered = sorted(fields, key=lambda f: f.key)
         keys = [f.key for f in ordered]
         if len(set(keys)) != len(keys):
             raise SchemaError(f"duplicate keys in schema: {[key_str(k) for k in keys]}")
+        self.next_of: dict[Key, Key] = dict(sorted((next_of or {}).items()))
+        for key, of in self.next_of.items():
+            if of not in keys:
+                raise SchemaError(
+                    f"key {key_str(key)!r}: next_of {key_str(of)!r} names no stored column "
+                    f"(keys: {[key_str(k) for k in keys]})"
+                )
+            if key in keys or key in self.next_of.values():
+                raise SchemaError(f"key {key_str(key)!r}: next_of a column, and a column too")
         for field in ordered:
             if not field.key or any(not part for part in field.key):
                 raise SchemaError(f"empty key component in {field.key!r}")
@@ -352,33 +327,47 @@ class Schema:
         Dotted names (``"next.obs"``) and nested tables are both accepted.
         """
         fields: list[Field] = []
+        next_of: dict[Key, Key] = {}
 
         def walk(node: Mapping[str, Any], prefix: Key) -> None:
             for name, value in node.items():
                 key = (*prefix, *as_key(name))
                 if not isinstance(value, Mapping):
                     raise SchemaError(f"key {key_str(key)!r}: expected a table, got {value!r}")
-                if "dtype" in value:
-                    extra = set(value) - {"dtype", "shape"}
-                    if extra:
-                        raise SchemaError(f"key {key_str(key)!r}: unknown fields {sorted(extra)}")
-                    shape = value.get("shape", [])
-                    if not isinstance(shape, list | tuple) or not all(
-                        isinstance(s, int) and s >= 0 for s in shape
-                    ):
-                        raise SchemaError(f"key {key_str(key)!r}: bad shape {shape!r}")
-                    fields.append(Field(key, dtype_from_name(value["dtype"]), tuple(shape)))
+                if "next_of" in value:
+                    if set(value) != {"next_of"} or not isinstance(value["next_of"], str):
+                        raise SchemaError(
+                            f"key {key_str(key)!r}: a next_of column is "
+                            f'{{next_of = "<key>"}} alone, got {dict(value)!r}'
+                        )
+                    next_of[key] = as_key(value["next_of"])
+                elif "dtype" in value:
+                    fields.append(field_from_spec(key, value))
                 else:
                     walk(value, key)
 
         walk(spec, ())
         if not fields:
             raise SchemaError("an empty schema spec")
-        return cls(fields)
+        return cls(fields, next_of)
 
     def to_spec(self) -> dict[str, Any]:
         """The JSON/msgpack-able form, flat with dotted keys; inverse of :meth:`from_spec`."""
-        return {key_str(f.key): f.to_spec() for f in self.fields}
+        spec = {key_str(f.key): f.to_spec() for f in self.fields}
+        spec.update({key_str(k): {"next_of": key_str(of)} for k, of in self.next_of.items()})
+        return spec
+
+    @property
+    def has_frames(self) -> bool:
+        """Whether a column is a frame stack or a next_of: writes and reads then go through
+        ``api/frames.py``."""
+        return bool(self.next_of) or any(f.stack > 1 for f in self.fields)
+
+    @property
+    def tail(self) -> int:
+        """Rows each episode is written with after its last step: one (its last next
+        observation) with a next_of column, else none."""
+        return 1 if self.next_of else 0
 
     # -- queries --------------------------------------------------------------------------
 
@@ -395,14 +384,23 @@ class Schema:
         return self._by_key[as_key(key)]
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Schema) and self.fields == other.fields
+        return (
+            isinstance(other, Schema)
+            and self.fields == other.fields
+            and self.next_of == other.next_of
+        )
 
     def __hash__(self) -> int:
         return hash(self.fields)
 
     def __repr__(self) -> str:
-        inner = ", ".join(f"{key_str(f.key)}: {dtype_name(f.dtype)}{list(f.shape)}" for f in self)
-        return f"Schema({inner})"
+        inner = ", ".join(
+            f"{key_str(f.key)}: {dtype_name(f.dtype)}{list(f.shape)}"
+            + (f" stack={f.stack}" if f.stack > 1 else "")
+            for f in self
+        )
+        nexts = "".join(f", {key_str(k)}: next_of {key_str(o)}" for k, o in self.next_of.items())
+        return f"Schema({inner}{nexts})"
 
     @property
     def row_nbytes(self) -> int:

@@ -138,7 +138,8 @@ def _views(
     columns: dict[Key, torch.Tensor] = {}
     arrays: dict[Key, np.ndarray] = {}
     nested: Nested = {}
-    for field in schema:
+    for given in schema:
+        field = given.stored  # a compressed column's rows hold chunk references
         shape = (capacity, *field.shape)
         t = make(field, shape, int(np.prod(shape, dtype=np.int64)))
         columns[field.key] = t

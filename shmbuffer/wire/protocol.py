@@ -137,6 +137,9 @@ REQUESTS: dict[str, dict[str, Spec]] = {
     "write": {
         "rows": _int(1),
         "episodes": _int(1, required=False),
+        # Lengths of the episodes the rows hold, when they differ (since 1.10): a write with
+        # a next_of column's tail rows (docs/frames.md).
+        "lengths": Spec((list,), required=False),
         "timeout_ms": _TIMEOUT,
         "priority": _PRIORITY,
         "meta": _META,  # since 1.9

@@ -7,6 +7,7 @@ a consume-once sampler's items are refused before anything is drawn."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -187,3 +188,35 @@ def test_a_remote_reader_is_refused_naming_why(daemon: Any) -> None:
         with pytest.raises(InvalidArgumentError, match=r"remote reader .* rows after them"):
             reader.sample(2, n_step=3)
         assert len(reader.sample(2)) == 2
+
+
+def test_with_her_or_frame_stacks_it_is_refused_before_the_draw(
+    daemon: Any, tmp_path: Path
+) -> None:
+    schema = tmp_path / "schema.toml"
+    schema.write_text(
+        'obs = { dtype = "int64", shape = [2], stack = 3 }\n'
+        '"next.obs" = { next_of = "obs" }\n'
+        'reward = { dtype = "float32", shape = [] }\n'
+        'terminated = { dtype = "bool", shape = [] }\n'
+    )
+    d = daemon(capacity=32, unit="transition", args=["--schema", str(schema)])
+    frames = np.stack([np.arange(5), np.zeros(5, np.int64)], 1)
+    with Writer(d.name, timeout=5.0) as writer:
+        writer.add_episode(
+            {
+                "obs": frames[:-1],
+                "next": {"obs": frames[1:]},
+                "reward": np.ones(4, np.float32),
+                "terminated": np.arange(4) == 3,
+            }
+        )
+        writer.flush()
+    keys = {"truncated": None}
+    with Reader(d.name) as reader:
+        with pytest.raises(InvalidArgumentError, match="frame stacks"):
+            reader.sample(2, n_step=3, n_step_keys=keys)
+        her = {"goal_key": "obs", "achieved_key": "obs", "reward_fn": lambda a, g: a}
+        with pytest.raises(InvalidArgumentError, match="her and n_step cannot be combined"):
+            reader.sample(2, n_step=3, n_step_keys=keys, her=her)
+        assert reader.sample(2)["obs"].shape == (2, 3, 2)

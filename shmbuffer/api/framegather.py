@@ -11,7 +11,9 @@ write checks them all against the drawn row's stamp after the copy (one reservat
 stamp: ``storage/stamps.py``), else the item is torn.
 
 Vectorised: one index computation for all rows and one ``take`` of ``[B * K]`` rows per
-column, no Python loop over rows.
+column, no Python loop over rows. A stack column with a next_of column is one ``take`` of
+``[B * (K + 1)]`` rows: the stack and the next stack are views of it (they share frames, so
+they share memory: a copy made to write into one leaves the other alone).
 """
 
 from __future__ import annotations
@@ -55,12 +57,27 @@ def gather_frames(
     limit = np.minimum(np.asarray(before, np.int64), k)  # rows of its entry in reach
     reach = _reach(schema, arrays, t, limit, capacity, stop_at_done)
     out: dict[Key, torch.Tensor] = {}
+    shared: dict[Key, torch.Tensor] = {}  # a stack's K + 1 frames, its next stack's too
     for field in schema.fields:
-        out[field.key] = _frames(arrays[field.key], field.dtype, t, reach, field.stack, field.pad)
+        if field.stack > 1 and field.key in schema.next_of.values():
+            # The stack at t and the one at t + 1 share K - 1 frames: one gather of the K + 1
+            # rows, both stacks views of it (padding agrees: min(j, reach) + 1 = min(j + 1,
+            # reach + 1)), a third fewer bytes gathered than two stacks.
+            window = _frames(
+                arrays[field.key], field.dtype, t + 1, reach + 1, field.stack + 1, field.pad
+            )
+            shared[field.key] = window
+            out[field.key] = window[:, :-1]
+        else:
+            out[field.key] = _frames(
+                arrays[field.key], field.dtype, t, reach, field.stack, field.pad
+            )
     for key, of in schema.next_of.items():
         field = schema[of]
-        nxt = _frames(arrays[of], field.dtype, t + 1, reach + 1, field.stack, field.pad)
-        out[key] = nxt
+        if of in shared:
+            out[key] = shared[of][:, 1:]
+        else:
+            out[key] = _frames(arrays[of], field.dtype, t + 1, reach + 1, field.stack, field.pad)
     # the rows read: its entry's within reach (done flags too), itself, and the next one
     read = (t[:, None] - np.minimum(np.arange(k + 1)[None, :], limit[:, None])) % capacity
     if schema.next_of:

@@ -33,7 +33,7 @@ def sample_frames(reader: Any, fields: dict[str, Any], info: bool) -> Any:
             "frame stacks are built by a Reader that maps the rows (a local one, on the host)"
         )
     fields = {**fields, "context": True}
-    reply, _ = reader._sample(**fields)
+    reply, _ = reader._sample_ahead(**fields)  # the next draw asked for while this one copies
     items = reader._items(reply, info, ())
     physical, gens = decode_i64(reply["rows"]), decode_i64(reply["gens"])
     before = decode_i64(reply["before"])

@@ -225,8 +225,17 @@ class DaemonBuffer(Adapter):
     def sample_slices(self, n: int, length: int) -> Any:
         return self.reader.sample_slices(n, length)
 
+    def sample_n_step(self, n: int) -> Any:
+        """``n`` rows with 3-step returns computed by the Reader (``docs/sampling.md``)."""
+        return self.reader.sample(n, n_step=3, gamma=0.99, n_step_keys=N_STEP_KEYS)
+
     def close(self) -> None:
         self._stack.close()
+
+
+#: The bench's specs end episodes with ``done`` and store no next observation: ``obs`` stands
+#: in for it, so an n-step sample gathers an image row more per item, as it would the next one.
+N_STEP_KEYS = {"terminated": "done", "truncated": None, "next_obs": "obs"}
 
 
 #: Batches a shmbuffer learner's Reader fetches per request (``Reader(prefetch=4)``): with

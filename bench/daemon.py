@@ -158,14 +158,18 @@ def _sample_ops(
         op = "sample-episodes" if k == 32 else f"sample-episodes{k}"
         ops.append((op, episodes_of(k), k * length))
     ops.append(("sample-slices", lambda _: slices(32, 16), 32 * 16))
+    n_step = getattr(adapter, "sample_n_step", None)
+    if n_step is not None:  # sample(256, n_step=3): the Reader's n-step sample
+        ops.append(("sample-nstep3", lambda _: n_step(256), 256))
     return ops
 
 
 @scenario("daemon.sample")
 def sample(ctx: Context) -> list[Row]:
     """A learner samples a daemon holding 50,000 image rows (250 episodes of 200): sample(256),
-    sample_episodes(32) (zero-copy views under a lease), sample_slices(32, 16), and the first
-    and last with ``Reader(prefetch=4)`` (shmbuffer-daemon-prefetch); vs TorchRL
+    sample_episodes(32) (zero-copy views under a lease), sample_slices(32, 16),
+    sample(256, n_step=3) (sample-nstep3), and the first, the third and the last with
+    ``Reader(prefetch=4)`` (shmbuffer-daemon-prefetch); vs TorchRL
     LazyMemmapStorage (RandomSampler, SliceSampler), cpprb ReplayBuffer and np.take. Then
     sample_episodes(32) and (8) on episodes of 50, 200 and 400 steps (same rows): cost per call."""
     name = "daemon.sample"
@@ -231,7 +235,7 @@ def sample(ctx: Context) -> list[Row]:
         return body
 
     out: list[Row] = []
-    main_ops = ("sample", "sample-episodes", "sample-slices", "sample-episodes8")
+    main_ops = ("sample", "sample-episodes", "sample-slices", "sample-episodes8", "sample-nstep3")
     impls: list[type[Adapter]] = [DaemonBuffer, DaemonPrefetch, TorchRLMemmap, Cpprb, CopyLimit]
     kw: dict[str, Any] = {"capacity": capacity, "spec": data.ATARI_SPEC, "unit": "episode"}
     with bench_dirs(ctx) as root:

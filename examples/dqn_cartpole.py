@@ -3,6 +3,12 @@ samples them (prioritized replay; ``--uniform`` for uniform), workers act epsilo
 with the weights the learner publishes.
 
     python examples/dqn_cartpole.py --workers 2 --minutes 10
+    python examples/dqn_cartpole.py --workers 2 --minutes 10 --n-step 3
+
+``--n-step N`` bootstraps from N steps on: the reader's sample carries each row's discounted
+return over the next N steps of its episode, the observation there and its discount, computed
+from the rows in shared memory (docs/sampling.md); the target is
+``n_step_return + discount * Q_target(next_obs)`` for every N, 1 included.
 
 Starts a daemon of its own (and stops it at the end) unless ``--buffer NAME`` names a running
 one (empty, or holding these columns: obs, action, reward, next_obs, terminated, truncated).
@@ -77,6 +83,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--gamma", type=float, default=0.99)
+    parser.add_argument("--n-step", type=int, default=1, help="steps of the return (>= 1)")
     parser.add_argument("--target-update", type=int, default=500, help="updates between syncs")
     parser.add_argument("--learning-starts", type=int, default=1_000, help="env steps")
     parser.add_argument(
@@ -152,20 +159,21 @@ def update(
     opt: torch.optim.Optimizer,
     prioritized: bool,
 ) -> None:
-    """One double-DQN step with the Huber loss; with prioritized replay, importance weights on
-    the loss and the new |TD errors| back to the daemon's sum tree."""
+    """One double-DQN step with the Huber loss on the n-step target; with prioritized replay,
+    importance weights on the loss and the new |TD errors| back to the daemon's sum tree."""
+    # next_obs comes back as the observation n steps on; discount is gamma**m, 0 where the
+    # episode terminated within them (a truncation at 500 steps still bootstraps)
+    n_step = {"n_step": args.n_step, "gamma": args.gamma, "n_step_keys": {"next_obs": "next_obs"}}
     if prioritized:  # TODO: the only path (uniform's return_info has weight 1)
-        batch, info = reader.sample(args.batch_size, return_info=True)  # type: ignore[call-arg]
+        batch, info = reader.sample(args.batch_size, return_info=True, **n_step)  # type: ignore[call-arg]
         weight = info["weight"].float()
     else:
-        batch, info, weight = reader.sample(args.batch_size), None, None
-    obs, next_obs = batch["obs"], batch["next_obs"]
-    action, reward = batch["action"].long(), batch["reward"].float()
-    not_terminal = (~batch["terminated"]).float()  # truncated at 500 steps still bootstraps
+        batch, info, weight = reader.sample(args.batch_size, **n_step), None, None
+    obs, next_obs, action = batch["obs"], batch["next_obs"], batch["action"].long()
     with torch.no_grad():
         best = q(next_obs).argmax(1, keepdim=True)
         bootstrap = target(next_obs).gather(1, best).squeeze(1)
-        y = reward + args.gamma * not_terminal * bootstrap
+        y = batch["n_step_return"].float() + batch["discount"].float() * bootstrap
     pred = q(obs).gather(1, action[:, None]).squeeze(1)
     loss = F.smooth_l1_loss(pred, y, reduction="none")
     loss = (loss * weight).mean() if weight is not None else loss.mean()
@@ -182,6 +190,8 @@ def update(
 
 def main() -> None:
     args = parse_args()
+    if args.n_step < 1:
+        raise SystemExit(f"--n-step must be >= 1, got {args.n_step}")
     torch.set_num_threads(1)  # small batches: intra-op threads cost more than they give
     prioritized = not args.uniform
     # On Ctrl-C train() stops the workers and prints its figures; our daemon stops after.
@@ -192,7 +202,11 @@ def main() -> None:
     sampler = ["--sampler", "prioritized"] if prioritized else []
     replay = "prioritized" if prioritized else "uniform"
     with Daemon.own(unique_name("cartpole-dqn"), args.capacity, "transition", sampler) as daemon:
-        print(f"daemon {daemon.name!r}: {args.capacity:,} rows, {replay} replay", flush=True)
+        returns = f", {args.n_step}-step returns" if args.n_step > 1 else ""
+        print(
+            f"daemon {daemon.name!r}: {args.capacity:,} rows, {replay} replay{returns}",
+            flush=True,
+        )
         with contextlib.suppress(KeyboardInterrupt):
             train(args, daemon, prioritized)
 

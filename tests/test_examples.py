@@ -190,6 +190,19 @@ def test_dqn_learns_above_random_play_through_a_worker_killed(
     check_curve_plot(curve, tmp_path / "curves.png")
 
 
+@pytest.mark.timeout(SHORT_MINUTES * 60 + SHUTDOWN_S + 30)
+def test_dqn_with_3_step_returns_learns_above_random_play(folders: tuple[Path, Path]) -> None:
+    """``--n-step 3``: the learner's Reader computes each sample's 3-step return, discount and
+    next observation from the rows in shared memory, and the target built from them learns."""
+    run = run_example(
+        "dqn_cartpole.py", folders, "--workers", "2", "--n-step", "3", "--target", SHORT_TARGET,
+        minutes=SHORT_MINUTES,
+    )  # fmt: skip
+    assert "3-step returns" in run.stdout.splitlines()[0], run.describe()
+    check_figures(run)
+    assert run.final_return > CLEARLY_ABOVE_RANDOM, run.describe()
+
+
 @pytest.mark.slow  # the DQN short run keeps the examples path in the default run
 @pytest.mark.timeout(SHORT_MINUTES * 60 + SHUTDOWN_S + 30)
 def test_ppo_learns_above_random_play(folders: tuple[Path, Path]) -> None:
@@ -300,7 +313,11 @@ def test_ctrl_c_stops_workers_and_daemon(folders: tuple[Path, Path]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(10 * 60 + SHUTDOWN_S + 30)
-@pytest.mark.parametrize("extra", [[], ["--uniform"]], ids=["default-sampler", "uniform"])
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--uniform"], ["--n-step", "3"]],
+    ids=["default-sampler", "uniform", "3-step"],
+)
 def test_dqn_reaches_195_within_10_minutes(folders: tuple[Path, Path], extra: list[str]) -> None:
     run = run_example("dqn_cartpole.py", folders, "--workers", "2", *extra, minutes=10)
     check_figures(run)

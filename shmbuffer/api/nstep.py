@@ -19,7 +19,10 @@ says which, and the window follows it from the last row to row 0.
 Which entry holds each drawn row is an :class:`~shmbuffer.samplers.index.EpisodeIndex` kept
 by :class:`~shmbuffer.ring.rowepisodes.RowEpisodes`, a ring listener made on the first read
 that asks (O(C) once, then O(k) per k rows written or evicted), so that a draw costs
-O(batch * n) vectorised numpy and no search.
+O(batch * n) vectorised numpy and no search. A daemon's Reader makes the same computation
+(:func:`n_step_values`) over the shared rows, with each row's place in its episode from the
+daemon, and checks the rows it read against the drawn row's stamp
+(:mod:`shmbuffer.clients.nstep_reads`).
 """
 
 from __future__ import annotations
@@ -34,9 +37,10 @@ import torch
 from tensordict import TensorDict
 
 from shmbuffer.errors import InvalidArgumentError
+from shmbuffer.storage.rows import gather_columns
 from shmbuffer.storage.schema import Key, Schema, as_key, key_str
 
-__all__ = ["DEFAULT_KEYS", "NStep", "check_n_step", "n_step_batch"]
+__all__ = ["DEFAULT_KEYS", "NStep", "check_n_step", "n_step_batch", "n_step_values"]
 
 I64 = npt.NDArray[np.int64]
 
@@ -111,37 +115,72 @@ def n_step_batch(
     columns: Mapping[Key, torch.Tensor],
     left: I64,
     spec: NStep,
-) -> None:
+) -> I64:
     """Add ``n_step_return`` and ``discount`` to ``data`` (the drawn ``rows``, copied out) and
-    replace its next observation by the one ``m`` steps on (the module docstring); ``left``:
-    each row's rows of its episode from it on, itself included (``Container.extent``)."""
+    replace its next observation by the one ``m`` steps on (:func:`n_step_values`); returns
+    the rows read that the values depend on, as :func:`n_step_values` does."""
+    values, reach = n_step_values(rows, columns, left, spec)
+    for key, value in values.items():
+        data.set(key, value)
+    return reach
+
+
+def n_step_values(
+    rows: I64,
+    columns: Mapping[Key, torch.Tensor],
+    left: I64,
+    spec: NStep,
+) -> tuple[dict[Key, torch.Tensor], I64]:
+    """The ``n_step_return``, ``discount`` and next observation (under ``spec.next_obs``) of
+    each drawn row of ``rows`` (the module docstring), read from the ring's ``columns``;
+    ``left``: each row's rows of its episode from it on, itself included
+    (``Container.extent``). The one computation every front end makes: the in-process Buffer
+    over its own columns, a Reader over the shared ones.
+
+    Also returns ``reach``, ``[B, n]``: the rows whose values the result was computed from
+    (row ``t + k`` for ``k < m``; the drawn row itself in the places after). A reader whose
+    columns writers may overwrite checks that each still carries its drawn row's stamp after
+    this copy: then all of them were written with it and none was touched since
+    (``storage/stamps.py``); rows read past ``m`` change nothing and are not named."""
     capacity = len(columns[spec.reward])
     steps = np.arange(spec.n, dtype=np.int64)
     window = np.minimum(left, spec.n)  # [B]
     ahead = (rows[:, None] + steps) % capacity  # [B, n]; past the window: masked below
-    at = torch.from_numpy(ahead)
-    done = _flags(columns[spec.terminated][at], 2)
+    done = _flags(_take(columns[spec.terminated], ahead), 2)
     if spec.truncated is not None:
-        done |= _flags(columns[spec.truncated][at], 2)
+        done |= _flags(_take(columns[spec.truncated], ahead), 2)
     inside = steps < window[:, None]
     # m: up to and including the first step that ends the episode, else the whole window
     ended = done & inside
     m = np.where(ended.any(axis=1), ended.argmax(axis=1) + 1, window)
-    used = torch.from_numpy(steps < m[:, None])  # [B, n]
-    reward = columns[spec.reward][at]  # [B, n, *reward's row shape]
+    within = steps < m[:, None]  # [B, n]
+    used = torch.from_numpy(within)
+    reward = _take(columns[spec.reward], ahead)  # [B, n, *reward's row shape]
     dtype = reward.dtype if reward.is_floating_point() else torch.float32
     powers = torch.tensor([spec.gamma**k for k in range(spec.n)], dtype=torch.float64)
     trailing = [1] * (reward.dim() - 2)
     weights = (powers * used).reshape(*used.shape, *trailing)
     returns = (reward.double() * weights).sum(dim=1).to(dtype)
-    last = torch.from_numpy((rows + m - 1) % capacity)
-    terminated = _flags(columns[spec.terminated][last], 1)
+    last = (rows + m - 1) % capacity
+    terminated = _flags(_take(columns[spec.terminated], last), 1)
     discount = np.where(terminated, 0.0, np.power(spec.gamma, m.astype(np.float64)))
     # shaped as the return, so that ``return + discount * value`` never broadcasts [B] by [B, 1]
     shaped = torch.from_numpy(discount).to(dtype).reshape(len(rows), *trailing)
-    data.set("n_step_return", returns)
-    data.set("discount", shaped.expand_as(returns).clone())
-    data.set(spec.next_obs, columns[spec.next_obs][last])
+    values: dict[Key, torch.Tensor] = {
+        ("n_step_return",): returns,
+        ("discount",): shaped.expand_as(returns).clone(),
+        spec.next_obs: _take(columns[spec.next_obs], last),
+    }
+    reach: I64 = np.where(within, ahead, rows[:, None])
+    return values, reach
+
+
+def _take(column: torch.Tensor, index: I64) -> torch.Tensor:
+    """``column``'s rows at ``index`` (any shape), copied by the one row copier
+    (``storage/rows.py``: numpy's ``take``, large rows streamed; torch's indexing copied 256
+    image rows several times slower)."""
+    got = gather_columns({("rows",): column}, index.reshape(-1))[("rows",)]
+    return got.reshape(*index.shape, *column.shape[1:])
 
 
 def _flags(values: torch.Tensor, lead: int) -> npt.NDArray[np.bool_]:

@@ -26,7 +26,7 @@ leases. Every name importers used from here is still here.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,6 +47,7 @@ from shmbuffer.clients.episode_reads import EpisodeReads
 from shmbuffer.clients.framereads import sample_frames
 from shmbuffer.clients.her_reads import sample_her
 from shmbuffer.clients.leased import ClientLease, EpisodeViews
+from shmbuffer.clients.nstep_reads import Follow, n_step_spec, window_follow
 from shmbuffer.clients.readerstate import CONSUMING_SAMPLERS
 from shmbuffer.errors import InvalidArgumentError, ShmBufferError, TornReadError
 from shmbuffer.wire.protocol import (
@@ -140,6 +141,9 @@ class Reader(EpisodeReads):
         beta: float | None = None,
         where: str | None = None,
         her: dict[str, Any] | None = None,
+        n_step: int | None = None,
+        gamma: float = 0.99,
+        n_step_keys: Mapping[str, str | Sequence[str] | None] | None = None,
     ) -> TensorDict | tuple[TensorDict, dict[str, torch.Tensor]]:
         """``batch_size`` transitions drawn by the daemon's sampler (a copy).
 
@@ -152,16 +156,27 @@ class Reader(EpisodeReads):
         ``sample_timeout`` seconds, then WaitTimeoutError. ``where``: rows only of the
         episodes this metadata filter selects (:meth:`episodes`), drawn by the daemon. ``her``:
         a share of the rows relabelled with goals achieved in their episodes, drawn by the
-        daemon (``docs/sampling.md``, :mod:`shmbuffer.clients.her_reads`)."""
+        daemon (``docs/sampling.md``, :mod:`shmbuffer.clients.her_reads`). ``n_step``: n-step
+        returns, with ``gamma`` and ``n_step_keys``, as :meth:`Buffer.sample`
+        (``docs/sampling.md``); drawn by the daemon, which says where each row lies in its
+        episode, the rows after it checked against its stamp
+        (:mod:`shmbuffer.clients.nstep_reads`)."""
         n = check_sample_args(batch_size, beta)
         if her is not None:
+            if n_step is not None:  # refused as Buffer.sample refuses it, in its words
+                from shmbuffer.api.her import check_her
+
+                check_her(her, None, n_step)
             return sample_her(self, n, her, return_info, beta, where)
+        spec = None if n_step is None else n_step_spec(self, n_step, gamma, n_step_keys)
         fields = self._fields("rows", n, return_info, beta, where)
         if self.schema is None:
             self._ready()  # attached once there is a schema: its stacks decide the path
-        if self.schema is not None and self.schema.has_frames:
+        if self.schema is not None and self.schema.has_frames:  # n_step refused there
             return sample_frames(self, fields, return_info)  # clients/framereads.py
-        drawn = None if where is not None else self._draw_locally(n)
+        if spec is not None:
+            fields["context"] = True
+        drawn = None if where is not None or spec is not None else self._draw_locally(n)
         if drawn is not None:
             return self._sample_drawn(drawn, fields, return_info)
         reply, frames = self._sample_ahead(**fields)
@@ -173,7 +188,13 @@ class Reader(EpisodeReads):
             leases = [reply["lease"]] if "lease" in reply else []
             try:
                 gens = decode_i64(reply["gens"])
-                data = self._checked_gather(physical, gens, fields, 1, items, leases)
+                follow = None
+                if spec is not None:  # the schema is known now, even if it was not at first
+                    spec = n_step_spec(self, n_step, gamma, n_step_keys)
+                    items["left"] = decode_i64(reply["left"])  # a redraw patches it too
+                    assert self.segment is not None
+                    follow = window_follow(self.segment, physical, items["left"], spec)
+                data = self._checked_gather(physical, gens, fields, 1, items, leases, follow=follow)
             finally:
                 self._release_soon(leases)
         return (data, self._info(items)) if return_info else data
@@ -292,6 +313,7 @@ class Reader(EpisodeReads):
         items: dict[str, Any],
         leases: list[int],
         redraw: Redraw | None = None,
+        follow: Follow | None = None,
     ) -> TensorDict:
         """Gather rows, then redo (with fresh samples) the groups whose stamps moved; the
         per-item ``items`` of the groups redone are patched with the fresh ones (and the
@@ -310,13 +332,19 @@ class Reader(EpisodeReads):
         gather, and a round trip and a lease for each such batch made the daemon, and the
         writers it held back, the bottleneck (``docs/architecture.md``); a redraw of a few
         rows is copied in a fraction of the batch's time, so it is rarely lapped again.
+        ``follow`` (rows only): what the sample reads past each drawn row, copied after it and
+        checked with it, so an item is redone where either moved
+        (:mod:`shmbuffer.clients.nstep_reads`).
         """
         from shmbuffer.storage import rows  # imported by the attach: a lookup
 
         assert self.segment is not None
         stamps = self.segment.generations
         data = rows.gather(self.segment.columns, physical, self.segment.arrays)
-        if not (stamps[physical] != gens).any():  # the usual case, in one comparison
+        reach = None if follow is None else follow(data, np.arange(len(physical)))
+        if not (stamps[physical] != gens).any() and (
+            reach is None or not (stamps[reach] != gens[:, None]).any()
+        ):  # the usual case, in one comparison (two with what it follows)
             return data
         import torch
 
@@ -325,6 +353,8 @@ class Reader(EpisodeReads):
         for attempt in range(MAX_RESAMPLES):
             where = rows.slice_rows(todo * group, group)
             moved = (stamps[physical[where]] != gens[where]).reshape(-1, group).any(axis=1)
+            if reach is not None:
+                moved |= (stamps[reach[todo]] != gens[todo, None]).any(axis=1)
             if not moved.any():
                 return data
             todo = todo[moved]
@@ -354,6 +384,8 @@ class Reader(EpisodeReads):
             data[torch.from_numpy(where)] = rows.gather(
                 self.segment.columns, fresh, self.segment.arrays
             )
+            if reach is not None and follow is not None:
+                reach[todo] = follow(data, todo)
         raise TornReadError(f"rows kept being overwritten through {MAX_RESAMPLES} resamples")
 
     # -- priorities ---------------------------------------------------------------------------

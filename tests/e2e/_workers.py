@@ -544,3 +544,31 @@ def sample_until_starved(
             except WaitTimeoutError:
                 return sampled
             reader.sample_timeout = wait
+
+
+def write_numbered_episodes(name: str, episodes: int, length: int, width: int, say: Any) -> int:
+    """``episodes`` episodes of ``length`` steps, each its own write numbered ``w = 1, 2, ...``
+    so that a reader can tell two writes apart in any row: obs ``w * 1000 + step`` (``width``
+    copies of it: large rows, so that a reader's copy takes long enough to be lapped), reward
+    ``w`` on every step, next.obs ``obs + 0.5``, the last step truncated."""
+    import numpy as np
+
+    from shmbuffer import Writer
+
+    steps = np.arange(length, dtype=np.float32)
+    truncated = np.zeros(length, bool)
+    truncated[-1] = True
+    with Writer(name, timeout=5.0, reserve_timeout=20.0, batch_bytes=0) as writer:
+        for w in range(1, episodes + 1):
+            obs = np.repeat((w * 1000 + steps)[:, None], width, axis=1)
+            writer.add_episode(
+                {
+                    "obs": obs,
+                    "reward": np.full(length, w, np.float32),
+                    "terminated": np.zeros(length, bool),
+                    "truncated": truncated,
+                    "next": {"obs": obs + 0.5},
+                }
+            )
+        writer.flush()
+        return episodes

@@ -6,8 +6,8 @@ writes are checked and refused naming the row."""
 from __future__ import annotations
 
 import numpy as np
-import torch
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from shmbuffer.api.framegather import gather_frames, nest_frames
 from shmbuffer.errors import InvalidArgumentError, TornReadError
 from shmbuffer.wire.protocol import decode_f64, decode_i64
 
@@ -27,6 +26,9 @@ def sample_frames(reader: Any, fields: dict[str, Any], info: bool) -> Any:
     """``fields``' rows (a ``sample`` of kind rows) with their stacks, for ``reader`` (the
     Reader calling, typed loosely: it imports this): a TensorDict, or with ``info`` the
     batch and its info, as ``Reader.sample`` returns them."""
+    # here, not at module level: a Reader's modules import no torch until it attaches
+    from shmbuffer.api.framegather import gather_frames, nest_frames
+
     schema, segment = reader.schema, reader.segment
     if reader.remote or schema is None or segment is None or not segment.arrays:
         raise InvalidArgumentError(

@@ -304,9 +304,9 @@ class Reader(EpisodeReads):
 
         assert self.segment is not None
         stamps = self.segment.generations
-        data = rows.gather(self.segment.columns, physical, self.segment.arrays)
+        data = self._gather(physical)  # with compressed columns' chunks: clients/packed_io
         if not (stamps[physical] != gens).any():  # the usual case, in one comparison
-            return data
+            return self._expanded(data)
         import torch
 
         self._went_stale()
@@ -315,7 +315,7 @@ class Reader(EpisodeReads):
             where = rows.slice_rows(todo * group, group)
             moved = (stamps[physical[where]] != gens[where]).reshape(-1, group).any(axis=1)
             if not moved.any():
-                return data
+                return self._expanded(data)
             todo = todo[moved]
             self.resamples += len(todo)
             mine = redraw(len(todo)) if redraw is not None and attempt < LOCAL_REDRAWS else None
@@ -340,9 +340,7 @@ class Reader(EpisodeReads):
                 fresh_gens = decode_i64(reply["gens"])
             where = rows.slice_rows(todo * group, group)
             physical[where], gens[where] = fresh, fresh_gens
-            data[torch.from_numpy(where)] = rows.gather(
-                self.segment.columns, fresh, self.segment.arrays
-            )
+            data[torch.from_numpy(where)] = self._gather(fresh, where)
         raise TornReadError(f"rows kept being overwritten through {MAX_RESAMPLES} resamples")
 
     # -- priorities ---------------------------------------------------------------------------
@@ -488,6 +486,8 @@ class Reader(EpisodeReads):
     def stats(self) -> dict[str, Any]:
         self._report_draws()  # what this reader drew itself, counted before the figures
         stats: dict[str, Any] = self.conn.call("stats")["stats"]
+        if self.packed is not None and "compressed" in stats:  # this reader's own cost
+            stats["compressed"].update(self.packed.stats())
         return stats
 
     def __len__(self) -> int:

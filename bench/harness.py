@@ -180,6 +180,7 @@ def running_daemon(
     unit: str,
     spec: Spec | None = None,
     forked: bool | None = None,
+    args: tuple[str, ...] = (),
 ) -> Iterator[str]:
     """A daemon serving a fresh buffer; yields its name once it is ready. ``forked``: from
     the preloaded forkserver rather than a subprocess (default :data:`FORK_DAEMONS`).
@@ -197,7 +198,7 @@ def running_daemon(
     name = f"bench-{os.getpid()}-{next(_names)}"
     argv = ["--log-level", "WARNING", "start"]
     argv += ["--name", name, "--capacity", str(capacity), "--unit", unit]
-    argv += ["--storage-dir", storage_dir]
+    argv += ["--storage-dir", storage_dir, *args]  # args: more start flags
     if spec is not None:
         path = os.path.join(storage_dir, f"{name}.schema.json")
         with open(path, "w") as f:

@@ -21,11 +21,10 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict
 
 from shmbuffer.api.writeplan import WritePlan
 from shmbuffer.errors import CapacityError, InvalidArgumentError
@@ -36,6 +35,9 @@ from shmbuffer.ring.ring import Reservation, Ring, episode_lengths
 from shmbuffer.storage import packed
 from shmbuffer.storage.rows import as_numpy, numpy_dtype
 from shmbuffer.storage.schema import Field, Key, Schema, key_str
+
+if TYPE_CHECKING:  # the daemon plans bytes with ByteRing and never imports tensordict
+    from tensordict import TensorDict
 
 #: An episode's chunks in the store: (first byte, end byte, raw bytes, end row).
 Chunk = tuple[int, int, int, int]

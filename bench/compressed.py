@@ -10,6 +10,10 @@ distinct episode drawn (a chunk is an episode), so it falls as episodes get shor
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import tempfile
 import time
 from typing import Any
 
@@ -38,66 +42,150 @@ def frames(episode: int, length: int) -> np.ndarray:
     return obs
 
 
-def _filled(codec: str | None, rows: int) -> Any:
-    from shmbuffer import Buffer
+def breakout(steps: int, seed: int = 0) -> list[np.ndarray] | None:
+    """Each Breakout episode's frames (a random policy, frameskip 4, grayscale cut to 84x84
+    by nearest pixels), about ``steps`` in all; None where ale-py or gymnasium is missing."""
+    try:
+        import ale_py
+        import gymnasium as gym
+    except ImportError:
+        return None
+    gym.register_envs(ale_py)
+    env = gym.make("ALE/Breakout-v5", obs_type="grayscale", frameskip=4)
+    rows = (np.arange(84) * 210 // 84).astype(np.intp)
+    cols = (np.arange(84) * 160 // 84).astype(np.intp)
+    rng = np.random.default_rng(seed)
+    episodes: list[np.ndarray] = []
+    total = 0
+    try:
+        while total < steps:
+            obs, _ = env.reset(seed=int(rng.integers(1 << 31)))
+            shots, done = [obs[rows][:, cols]], False
+            while not done and total + len(shots) < steps:
+                obs, _, term, trunc, _ = env.step(int(rng.integers(env.action_space.n)))
+                shots.append(obs[rows][:, cols])
+                done = term or trunc
+            episodes.append(np.stack(shots))
+            total += len(shots)
+    finally:
+        env.close()
+    return episodes
 
+
+def _spec(codec: str | None) -> dict[str, Any]:
     column: dict[str, Any] = {"dtype": "uint8", "shape": [84, 84]}
     if codec is not None:
         column["compress"] = codec
-    spec = {"obs": column, "reward": {"dtype": "float32", "shape": []}}
+    return {"obs": column, "reward": {"dtype": "float32", "shape": []}}
+
+
+def _filled(codec: str | None, episodes: list[np.ndarray]) -> Any:
+    from shmbuffer import Buffer
+
+    rows = sum(len(e) for e in episodes)
     extra = {} if codec is None else {"compressed_bytes": rows * 84 * 84 // 4}
-    buffer = Buffer(rows, unit="episode", schema=spec, seed=0, **extra)
-    for episode in range(rows // LENGTH):
-        reward = np.zeros(LENGTH, np.float32)
-        buffer.add_episode({"obs": frames(episode, LENGTH), "reward": reward})
+    buffer = Buffer(rows, unit="episode", schema=_spec(codec), seed=0, **extra)
+    for obs in episodes:
+        buffer.add_episode({"obs": obs, "reward": np.zeros(len(obs), np.float32)})
     return buffer
+
+
+def _median_us(sample: Any, seconds: float) -> tuple[float, int]:
+    sample(BATCH)
+    times = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times) < 3:
+        start = time.perf_counter()
+        sample(BATCH)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) * 1e6, len(times)
+
+
+def _row(impl: str, us: float, calls: int, stored: int, raw: int) -> Row:
+    return make_row(
+        NAME,
+        impl,
+        "sample",
+        rows=BATCH * calls,
+        nbytes=BATCH * 84 * 84 * calls,
+        seconds=us * calls / 1e6,
+        pass_="steady",
+        calls=calls,
+        us_per_call=us,
+        stored_bytes=stored,
+        ratio=raw / stored,
+    )
+
+
+def _in_process(codec: str | None, episodes: list[np.ndarray], seconds: float) -> Row:
+    with _filled(codec, episodes) as buffer:
+        us, calls = _median_us(buffer.sample, seconds)
+        raw = buffer.num_rows * 84 * 84
+        stats = buffer.stats().get("compressed")
+        stored = raw if stats is None else stats["used"] + buffer.num_rows * 24
+    return _row("shmbuffer" if codec is None else f"shmbuffer-{codec}", us, calls, stored, raw)
+
+
+def _through_daemon(
+    ctx: Context, codec: str | None, episodes: list[np.ndarray], seconds: float
+) -> Row:
+    """A daemon filled by a Writer (which compresses) and sampled by a Reader (which
+    decompresses): ``start --schema`` with the column compressed, ``--compressed-bytes``."""
+    from bench.harness import running_daemon
+    from shmbuffer import Reader, Writer
+
+    rows = sum(len(e) for e in episodes)
+    folder = tempfile.mkdtemp(prefix="bench-compressed-", dir=ctx.shm_dir or "/dev/shm")
+    try:
+        path = os.path.join(folder, "schema.json")
+        with open(path, "w") as f:
+            json.dump(_spec(codec), f)
+        args = ("--schema", path)
+        if codec is not None:
+            args += ("--compressed-bytes", str(rows * 84 * 84 // 4))
+        with running_daemon(folder, rows, "episode", args=args) as name:
+            with Writer(name, timeout=30) as w:
+                for obs in episodes:
+                    w.add_episode({"obs": obs, "reward": np.zeros(len(obs), np.float32)})
+            with Reader(name, timeout=30) as r:
+                us, calls = _median_us(r.sample, seconds)
+                stats = r.stats()
+        raw = stats["rows"] * 84 * 84
+        packed = stats.get("compressed")
+        stored = raw if packed is None else packed["used"] + stats["rows"] * 24
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    impl = "shmbuffer-daemon" if codec is None else f"shmbuffer-daemon-{codec}"
+    return _row(impl, us, calls, stored, raw)
 
 
 @scenario(NAME)
 def compressed(ctx: Context) -> list[Row]:
     """``sample(256)`` of u8[84,84] frames stored plain, with zstd (level 3) and with lz4,
-    in process; the stored bytes and the ratio beside each."""
+    in process and through a daemon; the stored bytes and the ratio beside each."""
     rows_total = 2_000 if ctx.quick else 20_000
     seconds = 0.2 if ctx.quick else 2.0
+    episodes = breakout(rows_total)
+    if episodes is None:
+        what = f"recorded-looking synthetic frames in episodes of {LENGTH}"
+        episodes = [frames(e, LENGTH) for e in range(rows_total // LENGTH)]
+    else:
+        what = "real Breakout frames (ale-py, random policy, frameskip 4, 84x84 grayscale)"
     ctx.note(
         NAME,
-        f"in-process Buffer, unit='episode', {rows_total:,} rows of u8[84,84] recorded-looking "
-        f"frames in episodes of {LENGTH}; sample({BATCH}) median over {seconds}s; ratio = raw / "
-        "stored bytes of the column (rows of chunk references included); zstd level 3, lz4 "
+        f"unit='episode', {rows_total:,} rows of u8[84,84] {what}; sample({BATCH}) median over "
+        f"{seconds}s, in process (Buffer) and through a daemon (Writer + Reader); ratio = raw "
+        "/ stored bytes of the column (rows of chunk references included); zstd level 3, lz4 "
         "level 0; the byte store a quarter of the raw frames",
     )
     out: list[Row] = []
     for codec in (None, "zstd", "lz4"):
-        try:
-            buffer = _filled(codec, rows_total)
-        except Exception as exc:  # the optional codec missing: say so, measure the others
-            ctx.note(NAME, f"{codec}: failed ({exc})")
-            continue
-        with buffer:
-            buffer.sample(BATCH)
-            times = []
-            deadline = time.perf_counter() + seconds
-            while time.perf_counter() < deadline or len(times) < 3:
-                start = time.perf_counter()
-                buffer.sample(BATCH)
-                times.append(time.perf_counter() - start)
-            us = float(np.median(times)) * 1e6
-            raw = buffer.num_rows * 84 * 84
-            stats = buffer.stats().get("compressed")
-            stored = raw if stats is None else stats["used"] + buffer.num_rows * 24
-            out.append(
-                make_row(
-                    NAME,
-                    "shmbuffer" if codec is None else f"shmbuffer-{codec}",
-                    "sample",
-                    rows=BATCH * len(times),
-                    nbytes=BATCH * 84 * 84 * len(times),
-                    seconds=us * len(times) / 1e6,
-                    pass_="steady",
-                    calls=len(times),
-                    us_per_call=us,
-                    stored_bytes=stored,
-                    ratio=raw / stored,
-                )
-            )
+        for measure in (_in_process, _through_daemon):
+            try:
+                if measure is _in_process:
+                    out.append(_in_process(codec, episodes, seconds))
+                else:
+                    out.append(_through_daemon(ctx, codec, episodes, seconds))
+            except Exception as exc:  # the optional codec missing: say so, measure the others
+                ctx.note(NAME, f"{codec} ({measure.__name__}): failed ({exc})")
     return out

@@ -181,6 +181,7 @@ def running_daemon(
     spec: Spec | None = None,
     forked: bool | None = None,
     schema_json: dict[str, Any] | None = None,
+    args: tuple[str, ...] = (),
 ) -> Iterator[str]:
     """A daemon serving a fresh buffer; yields its name once it is ready. ``forked``: from
     the preloaded forkserver rather than a subprocess (default :data:`FORK_DAEMONS`).
@@ -198,7 +199,7 @@ def running_daemon(
     name = f"bench-{os.getpid()}-{next(_names)}"
     argv = ["--log-level", "WARNING", "start"]
     argv += ["--name", name, "--capacity", str(capacity), "--unit", unit]
-    argv += ["--storage-dir", storage_dir]
+    argv += ["--storage-dir", storage_dir, *args]  # args: more start flags
     if spec is not None or schema_json is not None:  # schema_json: as the user's file says it
         path = os.path.join(storage_dir, f"{name}.schema.json")
         with open(path, "w") as f:

@@ -5,15 +5,18 @@ in rows and in bytes (``ring/packing.py``), and read back decompressed."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from shmbuffer import Buffer
+from shmbuffer.daemon.state import Deferred
 from shmbuffer.errors import CapacityError, InvalidArgumentError, SchemaError
 from shmbuffer.storage import packed
 from shmbuffer.storage.schema import Schema
+from shmbuffer.wire.protocol import decode_i64, encode_i64
 from tests.test_service import Harness
 
 pytest.importorskip("zstandard")
@@ -190,12 +193,59 @@ def test_refusals() -> None:
             b.sample_episodes(1, out=out)
 
 
-def test_a_daemon_refuses_a_compressed_column_by_name(tmp_path: Path) -> None:
-    harness = Harness(str(tmp_path))
+def test_a_daemon_needs_episode_unit_and_a_byte_store_for_a_compressed_column(
+    tmp_path: Path,
+) -> None:
+    no_bytes, transitions = {"unit": "episode"}, {"unit": "transition", "compressed_bytes": 99}
+    for config, words in ((no_bytes, "--compressed-bytes"), (transitions, "--unit episode")):
+        harness = Harness(str(tmp_path), **config)
+        try:
+            harness.hello(b"w")
+            with pytest.raises(SchemaError, match=f"'obs' is stored compressed.*{words}"):
+                harness(b"w", "define_schema", schema=spec())
+            assert harness.service.segment is None
+        finally:
+            harness.close()
+
+
+def test_a_daemon_plans_chunks_bytes_with_the_rows(tmp_path: Path) -> None:
+    """A reserve carries its chunks' sizes and gets their offsets; one without them is
+    refused naming the field; a run over the chunks of a writer still copying waits; an abort
+    frees its chunks; bytes evict the oldest episodes with their rows, stamps moved."""
+    harness = Harness(str(tmp_path), unit="episode", capacity=64, compressed_bytes=1000)
     try:
         harness.hello(b"w")
-        with pytest.raises(SchemaError, match="'obs' is stored compressed"):
-            harness(b"w", "define_schema", schema=spec())
-        assert harness.service.segment is None
+        harness(b"w", "define_schema", schema=spec())
+        with pytest.raises(InvalidArgumentError, match="field 'chunks'"):
+            harness(b"w", "reserve", rows=4)
+        with pytest.raises(InvalidArgumentError, match="field 'chunks': 1 sizes, expected 2"):
+            harness(b"w", "reserve", rows=4, episodes=2, chunks=encode_i64(np.array([5])))
+        with pytest.raises(InvalidArgumentError, match="never ahead"):
+            harness(b"w", "reserve", rows=4, ahead=True, chunks=encode_i64(np.array([5])))
+        with pytest.raises(CapacityError, match="compressed bytes"):
+            harness(b"w", "reserve", rows=4, chunks=encode_i64(np.array([1001])))
+
+        def reserve(rows: int, *sizes: int, **extra: Any) -> dict[str, Any]:
+            chunks = encode_i64(np.array(sizes, np.int64))
+            episodes = len(sizes)
+            return harness(b"w", "reserve", rows=rows, episodes=episodes, chunks=chunks, **extra)
+
+        first = reserve(8, 300, 300)
+        assert decode_i64(first["offsets"]).tolist() == [0, 300]
+        with pytest.raises(Deferred, match="still being written"):
+            reserve(4, 500)  # wraps over the chunks of the first, not committed yet
+        second = reserve(4, 300, commit=first["reservation"])
+        assert decode_i64(second["offsets"]).tolist() == [600]
+        stamps = harness.segment.generations[:8].copy()
+        # wraps to byte 0: the first two episodes go for their bytes, their rows too
+        third = reserve(4, 500, commit=second["reservation"])
+        assert decode_i64(third["offsets"]).tolist() == [0]
+        assert (harness.segment.generations[:8] > stamps).all()  # moved before any copy
+        assert harness.service.container.num_episodes == 1
+        harness(b"w", "abort", reservation=third["reservation"], written=0)
+        assert harness.service.container.num_episodes == 1  # nothing comes back
+        stats = harness(b"w", "stats")["stats"]["compressed"]
+        assert stats["used"] == 300 and stats["bytes"] == 1000
+        assert reserve(4, 300)["reservation"]  # the aborted run's bytes are free again
     finally:
         harness.close()

@@ -78,3 +78,16 @@ def test_watch_on_a_terminal_without_rich_names_the_extra(
     assert cli.main(["status", "--name", "nobody", "--watch", "0.5"]) == 1
     err = capsys.readouterr().err
     assert "needs rich" in err and "shmbuffer[live]" in err
+
+
+def test_status_shows_the_compressed_byte_store(tmp_path) -> None:
+    pytest.importorskip("zstandard")
+    harness = Harness(str(tmp_path), unit="episode", compressed_bytes=4096)
+    try:
+        harness.hello(b"w")
+        obs = {"dtype": "uint8", "shape": [4], "compress": "zstd"}
+        harness(b"w", "define_schema", schema={"obs": obs})
+        text = format_status(harness(b"w", "stats")["stats"])
+        assert "compressed  obs (zstd): 0 of 4,096 bytes (fill 0.0%), ratio - raw/stored" in text
+    finally:
+        harness.close()

@@ -238,6 +238,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU buffer page-locked in every reader with CUDA, for full-speed host -> device "
         "copies of its rows",
     )
+    start.add_argument(
+        "--compressed-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help='the byte store of the schema\'s compressed columns (compress = "zstd"), in '
+        "bytes (docs/compression.md)",
+    )
     _add_sampler_flags(start)
     start.add_argument(
         "--table",

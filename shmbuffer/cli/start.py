@@ -84,6 +84,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host,
         device=args.device,
         pin_memory=args.pin_memory,
+        compressed_bytes=args.compressed_bytes,
     )
     if config.device != "cpu" and (args.resume or args.restore):
         flag = "--resume" if args.resume else "--restore"
@@ -96,6 +97,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         from shmbuffer.daemon.recovery import adopt_settings
 
         config = adopt_settings(config, args, args.restore)
+        refuse_packed_state(config, "--resume" if args.resume else "--restore")
     if args.detach:
         return _detach(args, config)
     return run_daemon(
@@ -115,6 +117,23 @@ def _import_schema(spec: str, given: dict[str, Any] | None) -> dict[str, Any]:
             "--schema out (the dataset's is taken)"
         )
     return schema.to_spec()
+
+
+def refuse_packed_state(config: DaemonConfig, flag: str) -> None:
+    """ConfigError for ``flag`` on a buffer with compressed columns: saved states do not
+    record the byte store, and a restore that brings rows back without their chunks would
+    hand out wrong frames (docs/compression.md)."""
+    from shmbuffer.storage.packed import packed_fields
+    from shmbuffer.storage.schema import Schema
+
+    schema = None if config.schema is None else Schema.from_spec(config.schema)
+    names = [".".join(f.key) for f in packed_fields(schema)]
+    if names:
+        raise ConfigError(
+            f"{flag}: column {', '.join(map(repr, names))} is stored compressed, and saved "
+            "states (the journal, checkpoints) do not record its byte store: start the buffer "
+            "afresh (docs/compression.md)"
+        )
 
 
 def _claim_name(config: DaemonConfig, keep_segment: bool = False) -> None:

@@ -35,6 +35,7 @@ def format_status(s: dict[str, Any]) -> str:
             f"capacity    {s['capacity']:,} rows  unit={s['unit']}  mode={s['mode']}",
             f"stored      {s['rows']:,} rows, {s['episodes']:,} episodes  "
             f"fill {100 * s['fill']:.1f}%",
+            *compressed_lines(s),
             f"rates       insert {rate(s['insert_rows_per_s'])} rows/s   "
             f"sample {rate(s['sample_rows_per_s'])} rows/s",
             f"clients     {_clients(s)}",
@@ -47,6 +48,20 @@ def format_status(s: dict[str, Any]) -> str:
             f"schema      {schema}",
         ]
     )
+
+
+def compressed_lines(s: dict[str, Any]) -> list[str]:
+    """The byte store of compressed columns (docs/compression.md): its fill and the ratio of
+    raw bytes to stored ones; none without such columns."""
+    c = s.get("compressed")
+    if not c:
+        return []
+    ratio = "-" if c.get("ratio") is None else f"{c['ratio']:.1f}x"
+    columns = ", ".join(f"{k} ({v})" for k, v in (c.get("columns") or {}).items())
+    return [
+        f"compressed  {columns}: {c['used']:,} of {c['bytes']:,} bytes "
+        f"(fill {100 * c['fill']:.1f}%), ratio {ratio} raw/stored"
+    ]
 
 
 def stalled_writers(s: dict[str, Any]) -> list[str]:

@@ -72,6 +72,8 @@ class EpisodeReads(ReaderState):
         filtered = {} if where is None else {"where": check_where(where)}
         self._ready()
         target = self._out_target(out)  # checked before anything is drawn, if possible
+        if out is not None and self.packed is not None:
+            self.packed.refuse_out()
         if self.remote:
             reply, frames = self._sample(kind="episodes", n=n, **filtered)
             lengths = decode_i64(reply["lengths"])
@@ -99,6 +101,9 @@ class EpisodeReads(ReaderState):
         lengths = decode_i64(reply["lengths"])
         if out is not None:
             yield self._copy_episodes(lease, ids, starts, lengths, out, target)
+            return
+        if self.packed is not None:  # no views of chunks: copies (clients/packed_io.py)
+            yield self._copy_packed(lease, ids, starts, lengths)
             return
         views = EpisodeViews(self.segment.columns, ids, starts, lengths, lease, self.conn)
         try:
@@ -153,6 +158,26 @@ class EpisodeReads(ReaderState):
             self._end_lease(lease, quiet=False)
         offsets = (np.cumsum(lengths) - lengths).astype(np.int64)
         return EpisodeViews(flat, ids, offsets, lengths)
+
+    def _copy_packed(
+        self, lease: ClientLease, ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray
+    ) -> EpisodeViews:
+        """Leased episodes of a buffer with compressed columns, copied (their chunks with
+        them) while the lease holds writers off, decompressed once it was released."""
+        from shmbuffer.storage import rows
+
+        assert self.segment is not None and self.packed is not None
+        try:
+            data = self._gather(rows.episode_rows(starts, lengths))
+        except BaseException:
+            self._end_lease(lease, quiet=True)
+            raise
+        self._end_lease(lease, quiet=False)  # LeaseExpiredError: the copy may be torn
+        data = self.packed.expand(data)
+        offsets = (np.cumsum(lengths) - lengths).astype(np.int64)
+        assert self.schema is not None
+        columns = {f.key: data.get(f.key) for f in self.schema.fields}
+        return EpisodeViews(columns, ids, offsets, lengths)
 
     def _end_lease(self, lease: ClientLease, quiet: bool) -> None:
         """Release the lease; unless ``quiet``, raise LeaseExpiredError if it had lapsed."""

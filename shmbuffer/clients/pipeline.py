@@ -96,6 +96,7 @@ class WritePipeline:
         #: The copy into reserved rows: rows.write, or a DeviceWriter's for a CUDA segment
         #: (pinned staging, host -> device; device -> device for GPU rows).
         self._write_rows: Callable[..., None] = rows.write
+        self._carried: list[Written] = []  # commits a reserve carries (carry_commits)
         self.closed = False
         self.episodes_committed = 0
         self.rows_committed = 0
@@ -228,10 +229,27 @@ class WritePipeline:
                 )
                 offset += n
                 progress.rows = 0
+        self.copied(reservation, (num_rows, len(lengths)), meta)
+
+    def carry_commits(self, fields: dict[str, Any]) -> None:
+        """Put the pending commits into a reserve's ``fields`` (counted once it is answered:
+        :meth:`count`), for a write path of its own (``clients/packed_io.py``)."""
+        previous, self._uncommitted = self._uncommitted, []
+        fields.update(commit_fields([r for r, _, _ in previous], self.metas))
+        self._carried = [w for _, w, _ in previous]
+
+    def count_carried(self) -> None:
+        for written in self._carried:
+            self._count(written)
+        self._carried = []
+
+    def copied(self, reservation: int, written: Written, meta: dict[str, Any] | None) -> None:
+        """A reservation's rows are copied: its commit rides on the next reserve, or goes
+        once it waited ``commit_delay``."""
         self._last_write = time.monotonic()
         if meta:
             self.metas[reservation] = meta
-        self._uncommitted.append((reservation, (num_rows, len(lengths)), self._last_write))
+        self._uncommitted.append((reservation, written, self._last_write))
         if self.commit_delay <= 0:
             self._commit_if_due(now=True)
         else:

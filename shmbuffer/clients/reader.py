@@ -340,12 +340,12 @@ class Reader(EpisodeReads):
 
         assert self.segment is not None
         stamps = self.segment.generations
-        data = rows.gather(self.segment.columns, physical, self.segment.arrays)
+        data = self._gather(physical)  # with compressed columns' chunks: clients/packed_io
         reach = None if follow is None else follow(data, np.arange(len(physical)))
         if not (stamps[physical] != gens).any() and (
             reach is None or not (stamps[reach] != gens[:, None]).any()
         ):  # the usual case, in one comparison (two with what it follows)
-            return data
+            return self._expanded(data)
         import torch
 
         self._went_stale()
@@ -356,7 +356,7 @@ class Reader(EpisodeReads):
             if reach is not None:
                 moved |= (stamps[reach[todo]] != gens[todo, None]).any(axis=1)
             if not moved.any():
-                return data
+                return self._expanded(data)
             todo = todo[moved]
             self.resamples += len(todo)
             mine = redraw(len(todo)) if redraw is not None and attempt < LOCAL_REDRAWS else None
@@ -381,9 +381,7 @@ class Reader(EpisodeReads):
                 fresh_gens = decode_i64(reply["gens"])
             where = rows.slice_rows(todo * group, group)
             physical[where], gens[where] = fresh, fresh_gens
-            data[torch.from_numpy(where)] = rows.gather(
-                self.segment.columns, fresh, self.segment.arrays
-            )
+            data[torch.from_numpy(where)] = self._gather(fresh, where)
             if reach is not None and follow is not None:
                 reach[todo] = follow(data, todo)
         raise TornReadError(f"rows kept being overwritten through {MAX_RESAMPLES} resamples")
@@ -531,6 +529,8 @@ class Reader(EpisodeReads):
     def stats(self) -> dict[str, Any]:
         self._report_draws()  # what this reader drew itself, counted before the figures
         stats: dict[str, Any] = self.conn.call("stats")["stats"]
+        if self.packed is not None and "compressed" in stats:  # this reader's own cost
+            stats["compressed"].update(self.packed.stats())
         return stats
 
     def __len__(self) -> int:

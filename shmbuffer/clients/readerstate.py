@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     import torch
     from tensordict import TensorDict
 
+    from shmbuffer.clients.packed_io import PackedReads
     from shmbuffer.storage.schema import Schema
     from shmbuffer.storage.segment import Segment
 
@@ -221,6 +222,8 @@ class ReaderState:
         if local_draws and not self.remote and own is self.conn.buffer:
             self._local_info = self.conn.buffer.get("local_draws")
         self._draws: LocalDraws | None = None  # this reader's own draws, once attached
+        #: The compressed columns' chunks (None: the schema has none).
+        self.packed: PackedReads | None = None
 
     # -- attaching ----------------------------------------------------------------------------
 
@@ -230,14 +233,21 @@ class ReaderState:
             info = self.conn.call("stats")["stats"]
             if info["schema"] is None:
                 return None
+            from shmbuffer.clients.packed_io import PackedReads, refuse_remote
             from shmbuffer.storage.cuda_segment import attach_segment
+            from shmbuffer.storage.packed import packed_fields
             from shmbuffer.storage.schema import Schema
 
-            self.schema = Schema.from_spec(info["schema"])
+            schema = Schema.from_spec(info["schema"])
+            if self.remote:
+                refuse_remote(schema, "reader")
+            self.schema = schema
             if not self.remote:
                 seg = info["segment"]
                 # a CudaSegment for a --device cuda daemon; page-locked for --pin-memory
                 self.segment = attach_segment(seg["name"], seg["storage_dir"], pin=True)
+                if packed_fields(schema):  # compressed columns: clients/packed_io.py
+                    self.packed = PackedReads(schema, Path(seg["path"]))
                 if self.segment.device == "cpu":  # large rows: gathers stream (rows.py)
                     streamcopy.warm(self.schema.row_nbytes)
                     if self._local_info is not None:
@@ -400,8 +410,30 @@ class ReaderState:
         from shmbuffer.storage import rows as row_copies  # ``rows`` is the argument here
 
         data = row_copies.gather(segment.columns, physical, segment.arrays)
-        # A reservation bumps a row's stamp before its writer may touch the row.
-        return data, segment.generations[physical] != stamps
+        if self.packed is None:
+            # A reservation bumps a row's stamp before its writer may touch the row.
+            return data, segment.generations[physical] != stamps
+        self.packed.begin()
+        self.packed.fetch(data)  # the chunks before the stamps, decompressed after
+        moved = segment.generations[physical] != stamps
+        return self.packed.expand(data, skip=moved), moved
+
+    def _gather(self, physical: np.ndarray, at: np.ndarray | None = None) -> TensorDict:
+        """The rows ``physical`` copied (into the read's places ``at``), and the chunks of
+        their compressed columns with them (:meth:`_expanded` decompresses them once the
+        rows passed their stamp check)."""
+        from shmbuffer.storage import rows
+
+        assert self.segment is not None
+        data = rows.gather(self.segment.columns, physical, self.segment.arrays)
+        if self.packed is not None:
+            if at is None:
+                self.packed.begin()
+            self.packed.fetch(data, at)
+        return data
+
+    def _expanded(self, data: TensorDict) -> TensorDict:
+        return data if self.packed is None else self.packed.expand(data)
 
     def _from_frames(
         self,

@@ -28,8 +28,10 @@ from shmbuffer.api.metadata import check_values
 from shmbuffer.api.tables import checked_tables
 from shmbuffer.api.writeplan import plan_write, vector_episode, write_priority
 from shmbuffer.clients.connection import Connection
+from shmbuffer.clients.packed_io import PackedWrites, refuse_remote, write_packed
 from shmbuffer.clients.pipeline import WritePipeline, compact
 from shmbuffer.samplers import SAMPLERS
+from shmbuffer.storage.packed import packed_fields
 from shmbuffer.storage.schema import Schema
 from shmbuffer.storage.segment import Segment
 
@@ -114,6 +116,7 @@ class Writer:
         kind = SAMPLERS.get(self.sampler)
         self._keeps_priorities = kind is not None and kind.has_priorities
         self.batch_bytes = batch_bytes
+        self._packed: PackedWrites | None = None  # compressed columns' chunks, once known
         #: The daemon's tables (one, "default", before protocol 1.9).
         self._table_names = [t["name"] for t in conn.buffer.get("tables") or []] or ["default"]
         #: The metadata kinds known here (the daemon's at hello, then this writer's own).
@@ -264,6 +267,9 @@ class Writer:
                 priority, plan, self.unit, sampler=self.sampler, keeps=self._keeps_priorities
             )
         one = compact(items)  # refuses too many distinct values before anything is sent
+        if packed_fields(schema):  # compressed columns: clients/packed_io.py
+            self._write_packed(schema, leaves, first_row, plan.lengths, one, meta, tables)
+            return
         if self.remote:  # its rows travel as one payload
             self.conn.check_payload("write", num_rows * schema.row_nbytes)
         pipe = self._pipe
@@ -278,6 +284,29 @@ class Writer:
         else:
             pipe.write_staged()  # what came first is stored first
             pipe.write_local([(leaves, first_row, num_rows)], plan.lengths, one, meta, tables)
+
+    def _write_packed(
+        self,
+        schema: Schema,
+        leaves: dict[Any, Any],
+        first_row: int,
+        lengths: list[int],
+        priority: float | bytes | None,
+        meta: dict[str, Any] | None,
+        tables: list[str] | None,
+    ) -> None:
+        """A write of a buffer with compressed columns: compressed here, then reserved with
+        its chunk sizes and copied (never staged, never reserved ahead)."""
+        if self.remote:
+            refuse_remote(schema, "writer")
+        pipe = self._pipe
+        if self.schema is None:  # SchemaError if another writer defined a different one
+            pipe.adopt(self.conn.call("define_schema", schema=schema.to_spec())["buffer"])
+        if self._packed is None:
+            assert pipe.segment is not None
+            self._packed = PackedWrites(schema, pipe.segment.path)
+        pipe.write_staged()  # what came first is stored first
+        write_packed(pipe, self._packed, leaves, first_row, lengths, priority, meta, tables)
 
     def _gathers(self, num_rows: int) -> bool:
         """Whether a local write of ``num_rows`` is staged, to share a reservation with the

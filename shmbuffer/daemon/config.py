@@ -151,6 +151,9 @@ class DaemonConfig:
     #: ``--pin-memory``: a CPU buffer that every reader with CUDA page-locks in its own
     #: process (``cudaHostRegister``), so host -> device copies of its rows run as DMA.
     pin_memory: bool = False
+    #: ``--compressed-bytes``: the size of the byte store of the schema's compressed columns
+    #: (``bytes.bin`` beside the rows; docs/compression.md). None: the schema has none.
+    compressed_bytes: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -181,6 +184,11 @@ class DaemonConfig:
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        nbytes = self.compressed_bytes
+        if nbytes is not None and (type(nbytes) is not int or nbytes < 1):
+            raise ConfigError(
+                f"compressed_bytes must be a positive integer (bytes), got {nbytes!r}"
+            )
         if self.seed is not None and (type(self.seed) is not int or self.seed < 0):
             raise ConfigError(f"seed must be a non-negative integer, got {self.seed!r}")
         if self.meta is not None:

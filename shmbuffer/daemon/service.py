@@ -412,6 +412,8 @@ class BufferService(WriteOps, SampleOps):
             "priority_updates": container.priority_updates,
             "priority_updates_stale": container.priority_updates_stale,
             "tables": self.table_stats(),
+            # compressed columns' byte store (since 1.10): bytes, used, fill, ratio, columns
+            **({} if self.bytes is None else {"compressed": self.bytes.stats()}),
         }
 
     def table_stats(self) -> dict[str, dict[str, Any]]:

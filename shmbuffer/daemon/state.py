@@ -30,6 +30,7 @@ from shmbuffer.daemon.clients import ClientTable
 from shmbuffer.daemon.config import DaemonConfig
 from shmbuffer.daemon.journal import Journal
 from shmbuffer.daemon.leases import LeaseTable
+from shmbuffer.daemon.packing import DaemonBytes, packed_names
 from shmbuffer.daemon.pins import Pin, PinTable
 from shmbuffer.daemon.processes import Process
 from shmbuffer.daemon.saved_state import container_state
@@ -42,7 +43,7 @@ from shmbuffer.ring.meta import EpisodeMeta
 from shmbuffer.ring.publisher import SpansPublisher
 from shmbuffer.ring.table import Table
 from shmbuffer.storage.cuda_segment import check_room, create_segment
-from shmbuffer.storage.packed import refuse_packed
+from shmbuffer.storage.packed import packed_fields, refuse_packed
 from shmbuffer.storage.schema import Schema
 from shmbuffer.storage.segment import Segment
 
@@ -137,6 +138,8 @@ class DaemonState:
         self.segment = segment
         if segment is not None:  # a next_of column's tail rows (api/frames.py)
             self.container.ring.tail = segment.schema.tail
+        #: The byte store of compressed columns (None: the schema has none).
+        self.bytes: DaemonBytes | None = None
         self.journal: Journal | None = None  # metadata log for --resume; see journal.py
         #: The live runs published for readers' own draws (``ring/publisher.py``); None
         #: before the segment, on a GPU, and, on a segment taken over, until the state is.
@@ -164,7 +167,8 @@ class DaemonState:
         return None if self.segment is None else self.segment.schema
 
     def _create_segment(self, schema: Schema) -> None:
-        refuse_packed(schema, "a daemon's buffer")  # their byte store is in process only
+        if packed_fields(schema) and self.config.device != "cpu":
+            refuse_packed(schema, f"a buffer on {self.config.device}")
         self.segment = create_segment(  # where config.device says (cuda_segment.py)
             self.config.device,
             self.config.name,
@@ -190,6 +194,9 @@ class DaemonState:
         self.generations = self.segment.generations
         self.container.ring.tail = schema.tail  # before any reservation (api/frames.py)
         try:
+            if packed_fields(schema):  # the byte store beside the rows (daemon/packing.py)
+                nbytes = self.config.compressed_bytes
+                self.bytes = DaemonBytes(schema, self.container, self.segment.path, nbytes)
             self.publish_spans()
             self._start_journal()
         except BaseException:  # no journal, no segment: a later schema must start over
@@ -367,6 +374,11 @@ class DaemonState:
             raise CheckpointError(
                 f"the buffer's rows live on {self.segment.device}: checkpoints copy host "
                 "memory, and a GPU buffer's are not written yet (docs/cuda.md)"
+            )
+        if self.bytes is not None:
+            raise CheckpointError(
+                f"column {packed_names(self.segment.schema)} is stored compressed, and "
+                "checkpoints do not record its byte store (docs/compression.md)"
             )
         running = self.checkpoint_job
         if running is not None and not running.done:

@@ -48,6 +48,7 @@ from shmbuffer.storage import rows
 from shmbuffer.storage.stamps import restamp_restored, stamp_reservation
 from shmbuffer.wire.protocol import (
     decode_f64,
+    encode_i64,
     episode_split,
     payload_sizes,
 )
@@ -91,8 +92,11 @@ class WriteOps(DaemonState):
         reply: dict[str, Any] = {"reservation": 0, "ranges": []}
         ahead = bool(fields.get("ahead"))
         try:
-            plan = self.container.plan(fields["rows"], split, fields.get("tables"))
-            if not ahead or self._ahead_cheap_to_return(plan):
+            if self.bytes is not None:  # compressed columns: their bytes planned first
+                self._reserve_packed(client, fields, split, now, reply)
+            else:
+                plan = self.container.plan(fields["rows"], split, fields.get("tables"))
+            if self.bytes is None and (not ahead or self._ahead_cheap_to_return(plan)):
                 reservation = self._reserve(client, fields, plan, now)
                 reply = {
                     "reservation": reservation.id,
@@ -111,6 +115,28 @@ class WriteOps(DaemonState):
         if committed is not None:
             reply["committed"] = committed
         return reply, []
+
+    def _reserve_packed(
+        self,
+        client: Client,
+        fields: dict[str, Any],
+        split: int | list[int],
+        now: float,
+        reply: dict[str, Any],
+    ) -> None:
+        """A reserve of a buffer with compressed columns (``daemon/packing.py``): its chunks'
+        bytes planned, the episodes they overwrite evicted with the rows, a writer still
+        copying chunks there waited for; ``reply`` filled with the rows and the offsets."""
+        assert self.bytes is not None
+        sizes = self.bytes.check(fields, split if isinstance(split, list) else [0] * split)
+        byte_plan, busy = self.bytes.plan(sizes)
+        plan = self.container.plan(fields["rows"], split, fields.get("tables"), byte_plan[2])
+        plan = self.bytes.with_busy(plan, busy, self.container)
+        reservation = self._reserve(client, fields, plan, now)
+        offsets = self.bytes.reserve(reservation, byte_plan, self.generations)
+        reply["reservation"] = reservation.id
+        reply["ranges"] = [list(r) for r in reservation.ranges]
+        reply["offsets"] = encode_i64(np.asarray(offsets, np.int64))
 
     def _more_ahead(
         self, client: Client, fields: dict[str, Any], split: int | list[int], now: float
@@ -319,6 +345,11 @@ class WriteOps(DaemonState):
         reservation evicted from untouched rows is published again, and journaled."""
         if client is not None:
             client.reservations.discard(reservation.id)
+        if self.bytes is not None:
+            # Its writer may have copied chunks over the bytes of what it evicted: nothing
+            # comes back (daemon/packing.py).
+            self.bytes.abort(reservation.id)
+            written = None
         self._priorities.pop(reservation.id, None)
         pinned = self.pins.pop(reservation.id) is not None
         if (written is not None or pinned) and self.journal is not None:
@@ -343,6 +374,11 @@ class WriteOps(DaemonState):
 
     def op_write(self, client: Client, fields: dict[str, Any], frames: Frames, now: float) -> Reply:
         """A remote writer's rows arrive as frames; the daemon does the copy."""
+        if self.bytes is not None:
+            raise SchemaError(
+                f"column {self.bytes.names} is stored compressed: its chunks are copied "
+                "into bytes.bin by a local Writer, which a remote writer cannot do"
+            )
         size = payload_sizes(frames)
         expected = fields["rows"] * (0 if self.schema is None else self.schema.row_nbytes)
         limit = self.config.max_payload_bytes

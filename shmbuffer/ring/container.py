@@ -291,10 +291,11 @@ class Container:
         num_rows: int,
         episodes: int | Sequence[int] = 1,
         tables: Iterable[str] | None = None,
+        evict_too: Sequence[tuple[int, int]] | None = None,
     ) -> Plan:
         """:meth:`Ring.plan <shmbuffer.ring.ring.Ring.plan>` of rows going into ``tables``
-        (None: every table; :meth:`members` checks them first)."""
-        return self.ring.plan(num_rows, episodes, self.members(tables))
+        (None: every table; :meth:`members` checks them first), evicting ``evict_too``."""
+        return self.ring.plan(num_rows, episodes, self.members(tables), evict_too)
 
     def reserve(self, plan: Plan, owner: object = None) -> Reservation:
         """:meth:`Ring.reserve <shmbuffer.ring.ring.Ring.reserve>`."""

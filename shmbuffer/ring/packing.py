@@ -21,11 +21,10 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict
 
 from shmbuffer.api.writeplan import WritePlan
 from shmbuffer.errors import CapacityError, InvalidArgumentError
@@ -36,6 +35,9 @@ from shmbuffer.ring.ring import Reservation, Ring, episode_lengths
 from shmbuffer.storage import packed
 from shmbuffer.storage.rows import as_numpy, numpy_dtype
 from shmbuffer.storage.schema import Field, Key, Schema, key_str
+
+if TYPE_CHECKING:  # the daemon plans bytes with ByteRing and never imports tensordict
+    from tensordict import TensorDict
 
 #: An episode's chunks in the store: (first byte, end byte, raw bytes, end row).
 Chunk = tuple[int, int, int, int]
@@ -53,6 +55,8 @@ class ByteRing(RingListener):
         self._live: dict[int, Chunk] = {}
         #: Reserved, not committed yet, by first row.
         self._pending: dict[int, Chunk] = {}
+        #: The reservation each pending chunk run belongs to (a daemon's writers copy at once).
+        self._owner: dict[int, object] = {}
         #: Evicted by a reservation still open: what an abort may publish again.
         self._gone: dict[int, Chunk] = {}
         self.stored = 0  # bytes of live chunks
@@ -62,6 +66,13 @@ class ByteRing(RingListener):
         """Where a run of ``nbytes`` would go and the rows of the live episodes whose chunks
         it would overwrite (oldest first), changing nothing. CapacityError if it can never
         fit."""
+        start, rows, _ = self.plan_run(nbytes)
+        return start, rows
+
+    def plan_run(self, nbytes: int) -> tuple[int, list[Range], list[object]]:
+        """:meth:`plan`, and the owners of the reservations whose chunks, reserved and not
+        committed yet, the run would overwrite: writers still copying, which it must wait
+        for (as the rows' ``Plan.busy``)."""
         if nbytes > self.capacity:
             raise CapacityError(
                 f"{nbytes} compressed bytes do not fit a byte store of {self.capacity} "
@@ -76,11 +87,24 @@ class ByteRing(RingListener):
             for first, chunk in self._live.items()
             if any(chunk[0] < e and s < chunk[1] for s, e in taken)
         ]
-        return start, rows
+        busy = {
+            self._owner.get(first)
+            for first, chunk in self._pending.items()
+            if any(chunk[0] < e and s < chunk[1] for s, e in taken)
+        }
+        return start, rows, list(busy)
 
-    def reserve(self, start: int, chunks: Mapping[int, Chunk]) -> None:
-        """Hand out the run from ``start`` to the episodes ``chunks`` (by first row)."""
+    def abort(self, owner: object) -> None:
+        """Forget the chunks reserved for ``owner`` (its reservation was aborted)."""
+        for first in [f for f, o in self._owner.items() if o == owner]:
+            self._pending.pop(first, None)
+            self._owner.pop(first)
+
+    def reserve(self, start: int, chunks: Mapping[int, Chunk], owner: object = None) -> None:
+        """Hand out the run from ``start`` to the episodes ``chunks`` (by first row), for
+        the reservation ``owner``."""
         self._pending.update(chunks)
+        self._owner.update(dict.fromkeys(chunks, owner))
         self.pointer = max((c[1] for c in chunks.values()), default=start)
 
     def on_commit(
@@ -92,11 +116,13 @@ class ByteRing(RingListener):
     ) -> None:
         for ep in episodes:
             chunk = self._pending.pop(ep.start, None)
+            self._owner.pop(ep.start, None)
             if chunk is not None:
                 self._live[ep.start] = chunk
                 self.stored += chunk[1] - chunk[0]
                 self.raw += chunk[2]
-        self._gone.clear()  # the one open reservation (in process) is done
+        if not self._pending:  # no open reservation left whose abort could restore them
+            self._gone.clear()
 
     def on_evict(self, start: int, stop: int, evicted: Sequence[Episode], rows: int) -> None:
         for ep in evicted:

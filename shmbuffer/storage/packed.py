@@ -161,6 +161,11 @@ class ByteStore:
             mode: Literal["w+", "r+"] = "w+" if create else "r+"
             self.array = np.memmap(self.path, np.uint8, mode, shape=(nbytes,))
 
+    @classmethod
+    def attach(cls, folder: Path) -> ByteStore:
+        """The byte store a daemon made in ``folder`` (its size is the file's)."""
+        return cls((folder / STORE_FILE).stat().st_size, folder, create=False)
+
     def write(self, offset: int, chunks: Sequence[bytes]) -> list[int]:
         """Copy ``chunks`` in one after another from ``offset``; returns each one's offset."""
         offsets = []

@@ -127,6 +127,10 @@ REQUESTS: dict[str, dict[str, Spec]] = {
         "metas": Spec((list,), required=False),
         # The tables this reservation's episodes go into (since 1.9; absent: every table).
         "tables": _TABLES,
+        # A buffer with compressed columns: each episode's chunk size in bytes per compressed
+        # column (schema order), episode-major, i64 (since 1.10); the reply's ``offsets``
+        # say where in ``bytes.bin`` the writer copies each.
+        "chunks": Spec((bytes,), required=False),
     },
     # meta: scalars attached to every episode the commit publishes (since 1.9).
     "commit": {"reservation": _ID, "priority": _PRIORITY, "meta": _META},
@@ -274,6 +278,8 @@ def _check_priority(op: str, fields: Mapping[str, Any]) -> None:
 
 def _check_reserve(op: str, fields: Mapping[str, Any]) -> None:
     _check_priority(op, fields)
+    if "chunks" in fields:
+        _array_size(op, "chunks", fields["chunks"], MAX_SAMPLE_ROWS)
     _check_metas(op, fields)
     if "count" in fields and not fields.get("ahead"):
         raise ProtocolError(f"op {op!r}: field 'count' is only for a reserve 'ahead'")

@@ -132,6 +132,9 @@ _STATS: dict[str, Spec] = {
     # priority_updates, priority_updates_stale, holds_writes}, the maps as above, the default
     # table first; holds_writes: why writes wait for that table now (nil: they do not)
     "tables": Spec((dict,), required=False),
+    # since 1.10, with compressed columns: their byte store's bytes, used, fill, ratio (raw
+    # bytes of the live episodes' columns over their chunks'), columns (name -> codec)
+    "compressed": Spec((dict,), required=False),
 }
 
 #: Every op's successful reply fields (besides ``v``, ``seq`` and ``ok``); a field inside a map
@@ -153,6 +156,9 @@ REPLIES: dict[str, dict[str, Spec]] = {
         "committed": Spec((list,), required=False),  # with the request's 'commit(s)'
         # with 'count' (since 1.5): [reservation, ranges] of each granted after the first
         "more": Spec((list,), required=False),
+        # with 'chunks' (since 1.10): each chunk's first byte in bytes.bin, i64, in the
+        # order of the request's chunks
+        "offsets": _BIN,
     },
     "commit": {"episodes": Spec((list,))},
     "abort": {},

@@ -24,6 +24,7 @@ from shmbuffer.wire.protocol import (
     decode,
     encode,
     encode_f64,
+    encode_i64,
     ok_reply,
     validate_reply,
 )
@@ -166,6 +167,27 @@ def test_real_replies_match_the_reply_table(h: Harness, tmp_path: Path) -> None:
     call(ADMIN, "clear")
     call(R, "bye")
     call(ADMIN, "shutdown")
+    context = Recorder(Harness(h.config.storage_dir))  # where drawn rows lie in their episodes
+    context(W, "hello", role="writer", **hello)
+    context(W, "define_schema", schema=SPEC)
+    context.h.fill(context(W, "reserve", rows=4, episodes=2)["ranges"], 1.0)
+    context(R, "hello", role="reader", **hello)
+    context(W, "commit", reservation=1)
+    assert set(context(R, "sample", kind="rows", n=3, context=True)) >= {"before", "left"}
+    context.h.close()
+    packed = Recorder(_compressed_harness(h.config.storage_dir))  # a byte store's fields
+    packed(W, "hello", role="writer", **hello)
+    packed(
+        W,
+        "define_schema",
+        schema={**SPEC, "pix": {"dtype": "uint8", "shape": [4], "compress": "zstd"}},
+    )
+    assert "offsets" in packed(W, "reserve", rows=2, chunks=encode_i64(np.array([5], np.int64)))
+    assert "compressed" in packed(W, "stats")["stats"]
+    packed.h.close()
+    for other in (context, packed):
+        for op, seen in other.seen.items():
+            call.seen[op] |= seen
 
     assert call.ops == set(REQUESTS), f"ops not exercised: {sorted(set(REQUESTS) - call.ops)}"
     for op, specs in REPLIES.items():
@@ -198,3 +220,8 @@ def test_validate_reply_names_what_is_wrong() -> None:
         segment = {"name": "b", "storage_dir": "/dev/shm"}
         validate_reply("hello", {**hello, "buffer": {**hello["buffer"], "segment": segment}})
     validate_reply("sample", {"rows": np.arange(2, dtype="<i8").tobytes()})
+
+
+def _compressed_harness(storage_dir: str) -> Harness:
+    pytest.importorskip("zstandard", reason="compressed columns need the [compress] extra")
+    return Harness(storage_dir, unit="episode", capacity=16, compressed_bytes=4096)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from shmbuffer.clients.pipeline import reserve_fields
 from shmbuffer.errors import InvalidArgumentError, SchemaError
 from shmbuffer.storage import packed
 from shmbuffer.storage.schema import Key, Schema, key_str
@@ -57,17 +58,7 @@ class PackedWrites:
         self, leaves: Mapping[Key, Any], first_row: int, lengths: Sequence[int]
     ) -> list[list[bytes]]:
         """Per episode, per compressed column: its chunk (before anything is reserved)."""
-        from shmbuffer.storage.rows import as_numpy
-
-        columns = []
-        for f in self.fields:
-            value = leaves[f.key]
-            array = as_numpy(value)
-            array = np.asarray(value.cpu() if array is None else array, self.dtypes[f.key])
-            columns.append(
-                packed.compress_episodes(f, self.compress[f.key], array[first_row:], lengths)
-            )
-        return [list(per_episode) for per_episode in zip(*columns, strict=True)]
+        return packed.write_chunks(self.fields, self.compress, leaves, first_row, lengths)
 
     @staticmethod
     def sizes(chunks: list[list[bytes]]) -> np.ndarray:
@@ -193,19 +184,8 @@ def write_packed(
     assert pipe.segment is not None
     chunks = packer.chunks(leaves, first_row, lengths)
     num_rows = sum(lengths)
-    fields: dict[str, Any] = {
-        "rows": num_rows,
-        "timeout_ms": int(pipe.reserve_timeout * 1000),
-        "chunks": encode_i64(packer.sizes(chunks)),
-    }
-    if priority is not None:
-        fields["priority"] = priority
-    if tables is not None:
-        fields["tables"] = tables
-    if all(n == lengths[0] for n in lengths):
-        fields["episodes"] = len(lengths)
-    else:
-        fields["lengths"] = lengths
+    fields = reserve_fields(list(lengths), pipe.reserve_timeout, priority, tables)
+    fields["chunks"] = encode_i64(packer.sizes(chunks))
     pipe.carry_commits(fields)
     reply = pipe.conn.call("reserve", timeout=pipe.reserve_timeout + pipe.conn.timeout, **fields)
     pipe.count_carried()

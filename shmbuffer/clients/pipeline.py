@@ -183,15 +183,7 @@ class WritePipeline:
         them with ``priority``, as the daemon checked it at this reserve, and ``meta``)."""
         assert self.segment is not None
         num_rows = sum(lengths)
-        fields: dict[str, Any] = {"rows": num_rows, "timeout_ms": int(self.reserve_timeout * 1000)}
-        if priority is not None:
-            fields["priority"] = priority
-        if tables is not None:
-            fields["tables"] = tables
-        if all(n == lengths[0] for n in lengths):
-            fields["episodes"] = len(lengths)
-        else:
-            fields["lengths"] = lengths
+        fields = reserve_fields(lengths, self.reserve_timeout, priority, tables)
         shape: Shape = (num_rows, fields.get("episodes"), fields.get("lengths"))
         # A write with a priority, or into only some tables, never takes (or sends) a
         # reservation made ahead: its reserve carries them.
@@ -528,3 +520,24 @@ def compact(items: Items) -> float | bytes | None:
             "priority for the whole write"
         )
     return encode_f64(items)
+
+
+def reserve_fields(
+    lengths: list[int],
+    timeout: float,
+    priority: float | bytes | None = None,
+    tables: list[str] | None = None,
+) -> dict[str, Any]:
+    """A ``reserve``'s fields for episodes of ``lengths`` going into ``tables`` (None: every
+    one), the daemon waiting at most ``timeout`` seconds: equal episodes as a count, others
+    as their lengths."""
+    fields: dict[str, Any] = {"rows": sum(lengths), "timeout_ms": int(timeout * 1000)}
+    if priority is not None:
+        fields["priority"] = priority
+    if tables is not None:
+        fields["tables"] = tables
+    if all(n == lengths[0] for n in lengths):
+        fields["episodes"] = len(lengths)
+    else:
+        fields["lengths"] = lengths
+    return fields

@@ -33,7 +33,7 @@ from shmbuffer.ring.listeners import F64, Range, RingListener
 from shmbuffer.ring.members import Members
 from shmbuffer.ring.ring import Reservation, Ring, episode_lengths
 from shmbuffer.storage import packed
-from shmbuffer.storage.rows import as_numpy, numpy_dtype
+from shmbuffer.storage.rows import numpy_dtype
 from shmbuffer.storage.schema import Field, Key, Schema, key_str
 
 if TYPE_CHECKING:  # the daemon plans bytes with ByteRing and never imports tensordict
@@ -225,15 +225,8 @@ class Packer:
         its rows, which must evict what the chunks overwrite too (``PackPlan.evict``)."""
         _, leaves, first, num_rows, kept, _ = write
         lengths = episode_lengths(num_rows, kept)
-        columns = []
-        for f in self.fields:
-            value = leaves[f.key]
-            array = as_numpy(value)
-            array = np.asarray(value.cpu() if array is None else array, self.dtypes[f.key])
-            columns.append(
-                packed.compress_episodes(f, self.codecs[f.key][0], array[first:], lengths)
-            )
-        chunks = [list(per_episode) for per_episode in zip(*columns, strict=True)]
+        compressors = {key: codec[0] for key, codec in self.codecs.items()}
+        chunks = packed.write_chunks(self.fields, compressors, leaves, first, lengths)
         start, evict = self.bytes.plan(sum(len(c) for cs in chunks for c in cs))
         return PackPlan(self, chunks, lengths, start, evict)
 

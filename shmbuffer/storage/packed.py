@@ -96,6 +96,27 @@ def compress_episodes(
     return chunks
 
 
+def write_chunks(
+    fields: Sequence[Field],
+    compressors: Mapping[Key, Callable[[bytes], bytes]],
+    leaves: Mapping[Key, Any],
+    first_row: int,
+    lengths: Sequence[int],
+) -> list[list[bytes]]:
+    """Per episode of a write (``leaves`` from row ``first_row`` on, episodes of ``lengths``),
+    per compressed column of ``fields``: its chunk. What a Writer and a Buffer both make
+    before anything is reserved (the chunks' sizes decide what their bytes evict)."""
+    from shmbuffer.storage.rows import as_numpy, numpy_dtype
+
+    columns = []
+    for f in fields:
+        value = leaves[f.key]
+        array = as_numpy(value)
+        array = np.asarray(value.cpu() if array is None else array, numpy_dtype(f.dtype))
+        columns.append(compress_episodes(f, compressors[f.key], array[first_row:], lengths))
+    return [list(per_episode) for per_episode in zip(*columns, strict=True)]
+
+
 def fetch(refs: np.ndarray, store: np.ndarray) -> dict[int, bytes]:
     """The chunks ``refs`` name, copied out of ``store`` by offset: what a reader takes
     before it checks its rows' stamps (a copy, so a later write cannot change it under the

@@ -28,9 +28,7 @@ a 24 GB machine). ``--atari-transitions N`` sets the size (default 100,000;
 from __future__ import annotations
 
 import gc
-import statistics
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +37,7 @@ import numpy as np
 
 from bench.adapters import missing_module
 from bench.harness import bench_dirs, running_daemon
-from bench.registry import Context, Row, make_row, scenario
+from bench.registry import Context, Row, make_row, median_us, scenario
 
 NAME = "images.atari"
 STACK = 4
@@ -153,19 +151,6 @@ def _rss() -> int:
     return 0
 
 
-def _median_us(call: Callable[[], object], seconds: float) -> tuple[float, int]:
-    """Median microseconds per call over repetitions filling ``seconds`` (after 3 warm-ups)."""
-    for _ in range(3):
-        call()
-    times: list[float] = []
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or len(times) < 5:
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6, len(times)
-
-
 def _shmbuffer(ctx: Context, pool: list[Episode], n: int, seconds: float) -> tuple[int, float, int]:
     """Segment bytes, and microseconds per ``sample(256)`` (median) over ``calls``."""
     from shmbuffer import Reader, Writer
@@ -192,7 +177,7 @@ def _shmbuffer(ctx: Context, pool: list[Episode], n: int, seconds: float) -> tup
         with Reader(name, timeout=120) as reader:
             batch = reader.sample(BATCH)
             _check(batch["obs"].numpy(), batch["next", "obs"].numpy(), batch["terminated"].numpy())
-            us, calls = _median_us(lambda: reader.sample(BATCH), seconds)
+            us, calls = median_us(lambda: reader.sample(BATCH), seconds, warm=3)
     return nbytes, us, calls
 
 
@@ -230,7 +215,7 @@ def _cpprb(pool: list[Episode], n: int, seconds: float) -> tuple[int, float, int
         np.moveaxis(batch["next_obs"], -1, 1),
         batch["done"].reshape(-1),
     )
-    us, calls = _median_us(lambda: batch if rb is None else rb.sample(BATCH), seconds)
+    us, calls = median_us(lambda: batch if rb is None else rb.sample(BATCH), seconds, warm=3)
     rb = batch = None  # freed before the next implementation fills
     gc.collect()
     return nbytes, us, calls

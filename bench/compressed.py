@@ -14,12 +14,11 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from typing import Any
 
 import numpy as np
 
-from bench.registry import Context, Row, make_row, scenario
+from bench.registry import Context, Row, make_row, median_us, scenario
 
 NAME = "compressed.frames"
 LENGTH = 100  # steps per episode
@@ -90,17 +89,6 @@ def _filled(codec: str | None, episodes: list[np.ndarray]) -> Any:
     return buffer
 
 
-def _median_us(sample: Any, seconds: float) -> tuple[float, int]:
-    sample(BATCH)
-    times = []
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or len(times) < 3:
-        start = time.perf_counter()
-        sample(BATCH)
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e6, len(times)
-
-
 def _row(impl: str, us: float, calls: int, stored: int, raw: int) -> Row:
     return make_row(
         NAME,
@@ -119,7 +107,7 @@ def _row(impl: str, us: float, calls: int, stored: int, raw: int) -> Row:
 
 def _in_process(codec: str | None, episodes: list[np.ndarray], seconds: float) -> Row:
     with _filled(codec, episodes) as buffer:
-        us, calls = _median_us(buffer.sample, seconds)
+        us, calls = median_us(lambda: buffer.sample(BATCH), seconds)
         raw = buffer.num_rows * 84 * 84
         stats = buffer.stats().get("compressed")
         stored = raw if stats is None else stats["used"] + buffer.num_rows * 24
@@ -148,7 +136,7 @@ def _through_daemon(
                 for obs in episodes:
                     w.add_episode({"obs": obs, "reward": np.zeros(len(obs), np.float32)})
             with Reader(name, timeout=30) as r:
-                us, calls = _median_us(r.sample, seconds)
+                us, calls = median_us(lambda: r.sample(BATCH), seconds)
                 stats = r.stats()
         raw = stats["rows"] * 84 * 84
         packed = stats.get("compressed")

@@ -10,13 +10,12 @@ list of dicts and a list comprehension over it.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from bench.registry import Context, Row, make_row, scenario
+from bench.registry import Context, Row, make_row, median_us, scenario
 
 NAME = "meta.queries"
 SIZES = (10_000, 100_000, 1_000_000)
@@ -58,18 +57,6 @@ def _filled(episodes: int) -> tuple[Any, Any, Any, list[dict[str, Any]]]:
     starts = np.arange(episodes, dtype=np.int64) * LENGTH
     prioritized.update_priorities(starts, rng.uniform(0.05, 2.0, episodes))
     return meta, container.table, prioritized, dicts
-
-
-def _per_call_us(fn: Callable[[], Any], seconds: float) -> tuple[float, int]:
-    """Median microseconds per call of ``fn`` over repetitions filling ``seconds``."""
-    fn()  # first use: parse, allocate
-    times: list[float] = []
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or len(times) < 3:
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e6, len(times)
 
 
 @scenario(NAME)
@@ -116,7 +103,7 @@ def queries(ctx: Context) -> list[Row]:
 def _time_size(size: int, seconds: float, add: Callable[..., None]) -> None:
     meta, table, prioritized, dicts = _filled(size)
     where = meta.parsed(QUERY)
-    us, calls = _per_call_us(lambda: meta.select(where, limit=10), seconds)
+    us, calls = median_us(lambda: meta.select(where, limit=10), seconds)
     add("shmbuffer", "query", size, us, calls, size)
 
     def listed() -> list[int]:
@@ -127,17 +114,17 @@ def _time_size(size: int, seconds: float, add: Callable[..., None]) -> None:
         ]
         return found[:10]
 
-    us, calls = _per_call_us(listed, seconds)
+    us, calls = median_us(listed, seconds)
     add("python-list", "query", size, us, calls, size)
-    us, calls = _per_call_us(
+    us, calls = median_us(
         lambda: table.sample_rows(256, among=meta.subset(SELECTIVE, table)), seconds
     )
     add("shmbuffer", "sample-where", size, us, calls, 256)
-    us, calls = _per_call_us(
+    us, calls = median_us(
         lambda: table.sample_rows(256, among=meta.subset("tag == 1", table)), seconds
     )
     add("shmbuffer", f"sample-where-{FIXED // 1000}k", size, us, calls, 256)
-    us, calls = _per_call_us(
+    us, calls = median_us(
         lambda: prioritized.sample_rows(256, among=meta.subset(SELECTIVE, prioritized)), seconds
     )
     add("shmbuffer", "sample-where-prioritized", size, us, calls, 256)

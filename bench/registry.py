@@ -105,3 +105,18 @@ def timed(fn: Callable[[Any], Any], items: Iterable[Any], budget: float) -> tupl
         if time.perf_counter() - t0 > budget:
             break
     return time.perf_counter() - t0, calls
+
+
+def median_us(fn: Callable[[], Any], seconds: float, warm: int = 1) -> tuple[float, int]:
+    """Median microseconds per call of ``fn`` over repetitions filling ``seconds`` (at least
+    3), after ``warm`` calls that are not timed (first use: parse, allocate, fault pages)."""
+    for _ in range(warm):
+        fn()
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times) < 3:
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2] * 1e6, len(times)

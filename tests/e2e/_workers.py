@@ -572,3 +572,28 @@ def write_numbered_episodes(name: str, episodes: int, length: int, width: int, s
             )
         writer.flush()
         return episodes
+
+
+def write_framed_episodes(name: str, episodes: int, width: int, say: Any) -> int:
+    """``episodes`` episodes of 2-7 steps into a buffer whose ``obs`` stacks frames (its
+    schema ``tests/e2e/test_frames.py`` declares), one write each: frame ``s`` of episode
+    ``e`` is ``width`` copies of ``e * 1_000_000 + s`` (large rows: a reader's copy takes long
+    enough to be lapped), the next observation one frame on, the last step terminated, and
+    ``episode`` (a column gathered after the frames) ``e``."""
+    import numpy as np
+
+    from shmbuffer import Writer
+
+    step = 0
+    with Writer(name, timeout=5.0, reserve_timeout=20.0, batch_bytes=0) as writer:
+        for eid in range(1, episodes + 1):
+            length = 2 + eid % 6
+            values = eid * 1_000_000 + np.arange(step, step + length + 1, dtype=np.int64)
+            frames = np.repeat(values[:, None], width, axis=1)
+            terminated = np.zeros(length, bool)
+            terminated[-1] = True
+            episode = {"obs": frames[:-1], "next": {"obs": frames[1:]}, "terminated": terminated}
+            writer.add_episode({**episode, "episode": np.full(length, eid, np.int64)})
+            step += length + 1
+        writer.flush()
+    return episodes

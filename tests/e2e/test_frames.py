@@ -5,7 +5,6 @@ on a small ring never yields a stack mixing two episodes; a remote reader is ref
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -79,38 +78,43 @@ def test_stacks_through_the_daemon(daemon: Any, tmp_path: Path) -> None:
             assert views["obs"].shape[-1:] == (2,) and ("next", "obs") not in views.keys(True)
 
 
-def test_a_writer_lapping_the_reader_never_mixes_episodes(daemon: Any, tmp_path: Path) -> None:
-    d = daemon(capacity=48, unit="transition", args=["--schema", _schema_file(tmp_path)])
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def write() -> None:
-        try:
-            with Writer(d.name) as writer:
-                eid, step = 0, 0
-                while not stop.is_set():
-                    length = 1 + eid % 7
-                    writer.add_episode(_episode(eid, step, length, stacked=False))
-                    eid, step = eid + 1, step + length + 1
-                    if eid % 4 == 0:
-                        writer.flush()
-        except BaseException as exc:  # reported by the test, not lost in the thread
-            errors.append(exc)
-
-    with Writer(d.name) as first:
-        first.add_episode(_episode(10_000, 10**6, 6, stacked=False))
-    thread = threading.Thread(target=write, daemon=True)
-    thread.start()
-    try:
-        with Reader(d.name) as reader:
-            for _ in range(150):
-                batch = reader.sample(32)
-                _check(batch["obs"].numpy(), batch["next", "obs"].numpy())
-            assert reader.resamples >= 0
-    finally:
-        stop.set()
-        thread.join(timeout=30)
-    assert not errors, errors
+def test_a_writer_lapping_the_reader_never_mixes_episodes(
+    daemon: Any, children: Any, tmp_path: Path
+) -> None:
+    """A writer process laps a 64-row ring of 16 KiB frames (``_workers.write_framed_episodes``)
+    while this process samples stacks: every frame is whole, every stack and next stack one
+    episode's consecutive frames (padded at its start), whatever the writer overwrote."""
+    width = 2048
+    path = tmp_path / "wide.toml"
+    wide = SCHEMA.replace("shape = [2]", f"shape = [{width}]")
+    path.write_text(wide + 'episode = { dtype = "int64", shape = [] }\n')
+    d = daemon(capacity=64, unit="transition", args=["--schema", str(path)])
+    with Writer(d.name) as first:  # rows to draw from the start
+        frames = np.repeat(np.arange(7, dtype=np.int64)[:, None], width, axis=1)
+        first.add_episode(
+            {
+                "obs": frames[:-1],
+                "next": {"obs": frames[1:]},
+                "terminated": np.arange(6) == 5,
+                "episode": np.zeros(6, np.int64),
+            }
+        )
+    proc = children.spawn("writer", "write_framed_episodes", d.name, 3000, width)
+    batches = 0
+    with Reader(d.name, timeout=10.0, prefetch=False) as reader:
+        while proc.is_alive() or batches < 5:
+            batch = reader.sample(32)
+            batches += 1
+            obs, nxt = batch["obs"].numpy(), batch["next", "obs"].numpy()
+            assert (obs == obs[..., :1]).all() and (nxt == nxt[..., :1]).all()  # whole frames
+            values, following = obs[..., 0], nxt[..., 0]
+            pairs = np.stack([values % 1_000_000, values // 1_000_000], -1)  # [step, episode]
+            _check(pairs, np.stack([following % 1_000_000, following // 1_000_000], -1))
+            # the row the frames were read from is the row the other columns were read from
+            np.testing.assert_array_equal(values[:, -1] // 1_000_000, batch["episode"].numpy())
+        resamples = reader.resamples
+    assert children.collect({"writer"}, timeout=60.0)["writer"] == 3000
+    print(f"{batches} batches, {resamples} items drawn again")
 
 
 def test_a_remote_reader_is_refused(daemon: Any, tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,14 @@ def _array(column: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndar
     return np.asarray(values, dtype=dtype).reshape(-1, *shape)
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class ParquetWriter:
     """Write episodes to the folder ``path`` (created; refused if it holds a dataset)."""
 
@@ -97,6 +106,11 @@ class ParquetWriter:
         self.schema, self.source = schema, source
         self.files: list[dict[str, Any]] = []
         self.episodes: list[dict[str, Any]] = []
+        self._syncer = ThreadPoolExecutor(1, thread_name_prefix="shmbuffer-export-fsync")
+        self._syncs: list[Future[None]] = []
+
+    def _synced(self, path: Path) -> None:
+        self._syncs.append(self._syncer.submit(_fsync, path))
 
     def write(self, batch: list[Episode]) -> int:
         """One file of ``batch``'s episodes; the bytes of rows written."""
@@ -115,12 +129,14 @@ class ParquetWriter:
             columns[key] = _column(pa, joined)
         table = pa.table(columns)
         name = f"{DATA}/chunk-{len(self.files):06d}.parquet"
-        with open(self.path / name, "wb") as out:
-            pa.parquet.write_table(
-                table, out, compression="none", use_dictionary=False, write_statistics=False
-            )
-            out.flush()
-            os.fsync(out.fileno())
+        pa.parquet.write_table(
+            table,
+            str(self.path / name),
+            compression="none",
+            use_dictionary=False,
+            write_statistics=False,
+        )
+        self._synced(self.path / name)
         self.files.append(
             {"path": name, "episodes": [first, first + len(batch)], "rows": int(lengths.sum())}
         )
@@ -130,6 +146,9 @@ class ParquetWriter:
 
     def close(self, meta_kinds: dict[str, str]) -> Path:
         """Write ``shmbuffer.json`` (the schema, the files, each episode's metadata)."""
+        for f in self._syncs:
+            f.result()
+        self._syncer.shutdown()
         info = {
             "format": FORMAT,
             "version": VERSION,

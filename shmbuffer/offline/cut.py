@@ -71,15 +71,21 @@ class CheckpointEpisodes:
     format with chunk files (2 and on)."""
 
     def __init__(self, path: str | Path) -> None:
-        self.folder, self.manifest, self.state = read_checkpoint(path)
-        if checkpoint_format(self.state) < 2:
+        folder, manifest, state = read_checkpoint(path)
+        if checkpoint_format(state) < 2:
             raise CheckpointError(
-                f"checkpoint {self.folder}: format 1 (one data file, an early version's) "
+                f"checkpoint {folder}: format 1 (one data file, an early version's) "
                 "cannot be exported; restore it and checkpoint it again"
             )
+        self.table = read_table(folder, manifest)
+        self._open(folder, manifest, state, ChunkLayout.of(manifest, self.table))
+
+    def _open(
+        self, folder: Path, manifest: dict[str, Any], state: dict[str, Any], layout: ChunkLayout
+    ) -> None:
+        self.folder, self.manifest, self.state = folder, manifest, state
         self.schema = Schema.from_spec(self.manifest["schema"])
-        self.table = read_table(self.folder, self.manifest)
-        self.layout = ChunkLayout.of(self.manifest, self.table)
+        self.layout = layout
         try:
             container = Container.from_state(self.state)
         except (KeyError, TypeError, ValueError) as exc:
@@ -185,9 +191,13 @@ class CheckpointEpisodes:
         chunk = piece * self.layout.piece_rows // self.layout.chunk_rows
         fd = self._fds.get(chunk)
         if fd is None:
-            path = self.folder / CHUNKS / self.table["chunks"][chunk]
-            fd = self._fds[chunk] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = self._fds[chunk] = self._open_chunk(chunk)
         return fd
+
+    def _open_chunk(self, chunk: int) -> int:
+        """A read-only descriptor of chunk file ``chunk``, whole."""
+        path = self.folder / CHUNKS / self.table["chunks"][chunk]
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -72,7 +72,8 @@ def _convert(
     }
 
     def batches() -> Iterator[Batch]:
-        yield from cut.batches()
+        # Parquet takes the rows as views of the chunk files; Minari, joined per episode.
+        yield from cut.batches(joined=kind != "parquet")
         if finish is not None:
             info.update(finish())  # before the writer's close, which records ``info``
 

@@ -71,6 +71,15 @@ def _column(pa: Any, values: np.ndarray) -> Any:
     return flat
 
 
+def _chunked(pa: Any, parts: list[np.ndarray], shape: tuple[int, ...], dtype: Any) -> Any:
+    """A column of ``parts`` (each rows first): raw bytes (:data:`RAW_FROM_DIMS`) as one
+    array per part built on its buffer, copied nowhere before Parquet's own write; smaller
+    keys joined first (a few bytes a row)."""
+    if len(shape) < RAW_FROM_DIMS or not parts:  # no rows: one empty array of the type
+        return _column(pa, np.concatenate(parts) if parts else np.empty((0, *shape), dtype))
+    return pa.chunked_array([_column(pa, part) for part in parts])
+
+
 def _array(column: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
     """A column read back as an array of ``shape`` rows of ``dtype``."""
     column = column.combine_chunks() if hasattr(column, "combine_chunks") else column
@@ -121,8 +130,12 @@ class ParquetWriter:
         starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
         frame = np.arange(int(lengths.sum()), dtype=np.int64) - starts
         columns = {"episode_index": pa.array(index), "frame_index": pa.array(frame)}
+        parts = getattr(batch, "parts", None)  # a Batch's pieces, views of its chunk files
         for f in self.schema:
             key = key_str(f.key)
+            if parts is not None:
+                columns[key] = _chunked(pa, parts[key], f.shape, array_dtype(f))
+                continue
             joined = getattr(batch, "columns", {}).get(key)  # a Batch read in one piece
             if joined is None:
                 joined = np.concatenate([ep.columns[key] for ep in batch])

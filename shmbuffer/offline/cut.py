@@ -169,6 +169,13 @@ class CheckpointEpisodes:
                 key_str(f.key): self.column_parts(i, ranges) for i, f in enumerate(self.schema)
             }
             out.extend(Episode(ep.ranges, ep.meta) for ep in batch)
+            # Maps of earlier batches' chunks go once their views do: a few chunks mapped.
+            used = {
+                piece * self.layout.piece_rows // self.layout.chunk_rows
+                for start, stop in ranges
+                for piece in self.layout.pieces_overlapping(start, stop)
+            }
+            self._maps = {c: m for c, m in self._maps.items() if c in used}
             return out
         out.columns = {key_str(f.key): self.column(i, ranges) for i, f in enumerate(self.schema)}
         at = 0
@@ -202,8 +209,9 @@ class CheckpointEpisodes:
 
     def column_parts(self, index: int, ranges: list[tuple[int, int]]) -> list[np.ndarray]:
         """Column ``index`` of the rows ``ranges`` as views of the chunk files mapped in
-        memory, one array per piece they cross: nothing is copied (the spool is on tmpfs,
-        whose pages the map shares), where :meth:`column` copies every byte once more."""
+        memory, one array per piece they cross: nothing is copied (the map shares the file's
+        pages: a spool on tmpfs is memory already), where :meth:`column` copies every byte
+        once more."""
         f = self.schema.fields[index]
         dtype, row = array_dtype(f), f.row_nbytes
         before = sum(c[2] for c in self.layout.columns[:index])

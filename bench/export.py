@@ -7,9 +7,10 @@ under /dev/shm, filled once round. Then, ``--rounds`` times, alternating: ``dd
 if=/dev/zero bs=64M oflag=direct conv=fsync`` of as many bytes as the buffer's rows into
 ``--to``, and ``export_live`` of the buffer to ``parquet:<--to>/...`` (what ``shmbuffer-daemon
 export --name N --to parquet:DIR`` runs: the daemon's cut into a spool beside its segment,
-then one Parquet file per 64 MB of episodes, each fsynced). The figure is the rows' bytes
-over the export's whole time, cut included; the target is >= 0.8x dd's (issue: "a 1 GB
-buffer exports at >= 0.8x the disk's own dd figure"): ``--gb 1`` for that. Everything it
+each chunk file converted as the copy finishes it, one Parquet file per 64 MB of episodes,
+each fsynced behind the next). The figure is the rows' bytes over the export's whole time,
+cut included; the target is >= 0.8x dd's (a 1 GB buffer at >= 0.8x the disk's own dd
+figure): ``--gb 1`` for that. Everything it
 wrote is removed at the end, also after an error. Needs about 2x ``--gb`` free in /dev/shm
 and ``--gb`` in ``--to``.
 """
@@ -95,8 +96,9 @@ def report(result: dict[str, Any]) -> str:
     ]
     for k, r in enumerate(result["rounds"]):
         lines.append(
-            f"  round {k}: export {r['export_gb_s']:.3f} GB/s ({r['seconds']:.2f} s, the cut "
-            f"{r['cut_seconds']:.2f} s, {r['episodes']} episodes); dd {r['dd_gb_s']:.3f} GB/s"
+            f"  round {k}: export {r['export_gb_s']:.3f} GB/s ({r['seconds']:.2f} s, the cut's "
+            f"copy {r['cut_seconds']:.2f} s under it, {r['episodes']} episodes); "
+            f"dd {r['dd_gb_s']:.3f} GB/s"
         )
     lines.append(f"  best export / best dd: {result['ratio']:.2f}x (target >= 0.8x)")
     return "\n".join(lines)

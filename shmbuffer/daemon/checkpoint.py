@@ -63,6 +63,11 @@ such a restore copies every chunk again, since a chunk without a checksum is nev
 Format 2 (the same without checksums) and format 1 (one ``data.bin``, a copy of the segment's
 data file, written by earlier versions inside the loop) are still restored.
 
+Order in the temporary folder: ``manifest.json`` and ``state.json`` (the cut's) first, then
+``chunks/`` is made and the chunk files written one after another in copy order, each growing
+from its start to its full size, then the rest: a reader may follow the copy
+(``offline/follow.py``: a live export converts each chunk file as soon as it is whole).
+
 Crash safety: everything is written under ``<dest>/.tmp-<uuid>/``; then the previous checkpoint
 is renamed to ``checkpoint.prev``, the new one to ``checkpoint``, and ``checkpoint.prev`` is
 removed (the new one's links keep the chunks they share). A crash at any point leaves a

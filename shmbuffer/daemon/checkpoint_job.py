@@ -223,6 +223,11 @@ class CheckpointJob:
     def _write(self, tmp: Path) -> Path:
         cut, layout = self.cut, self.layout
         sums = {MANIFEST: ck.write_json(tmp / MANIFEST, self.manifest)}
+        # The cut's state goes first and ``chunks/`` is made after it: a reader may follow the
+        # copy (an export converts each chunk file once it has its full size), and a
+        # ``chunks/`` folder means the manifest and the state are whole.
+        state = {**cut.state, "checkpoint_format": ck.CHECKPOINT_FORMAT, "created": time.time()}
+        sums[ck.STATE] = ck.write_json(tmp / ck.STATE, state)
         (tmp / ck.CHUNKS).mkdir(mode=0o700)
         prev = ck.previous_table(self.dest, layout)
         dirty = {
@@ -261,8 +266,6 @@ class CheckpointJob:
             f.flush()
             os.fsync(f.fileno())
         sums[ck.USE_COUNTS] = summing.crc
-        state = {**cut.state, "checkpoint_format": ck.CHECKPOINT_FORMAT, "created": time.time()}
-        sums[ck.STATE] = ck.write_json(tmp / ck.STATE, state)
         table = {
             **layout.to_json(),
             "lineage": cut.lineage,

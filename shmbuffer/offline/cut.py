@@ -15,6 +15,7 @@ overwritten: it is exported as the buffer holds it, with its own length.
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -63,6 +64,8 @@ class Batch(list[Episode]):
     """Episodes read together: ``columns`` holds each key's rows for all of them, in order."""
 
     columns: dict[str, np.ndarray]
+    #: Each key's rows as pieces, views of the chunk files (``batches(joined=False)``).
+    parts: dict[str, list[np.ndarray]] | None = None
 
 
 class CheckpointEpisodes:
@@ -71,15 +74,21 @@ class CheckpointEpisodes:
     format with chunk files (2 and on)."""
 
     def __init__(self, path: str | Path) -> None:
-        self.folder, self.manifest, self.state = read_checkpoint(path)
-        if checkpoint_format(self.state) < 2:
+        folder, manifest, state = read_checkpoint(path)
+        if checkpoint_format(state) < 2:
             raise CheckpointError(
-                f"checkpoint {self.folder}: format 1 (one data file, an early version's) "
+                f"checkpoint {folder}: format 1 (one data file, an early version's) "
                 "cannot be exported; restore it and checkpoint it again"
             )
+        self.table = read_table(folder, manifest)
+        self._open(folder, manifest, state, ChunkLayout.of(manifest, self.table))
+
+    def _open(
+        self, folder: Path, manifest: dict[str, Any], state: dict[str, Any], layout: ChunkLayout
+    ) -> None:
+        self.folder, self.manifest, self.state = folder, manifest, state
         self.schema = Schema.from_spec(self.manifest["schema"])
-        self.table = read_table(self.folder, self.manifest)
-        self.layout = ChunkLayout.of(self.manifest, self.table)
+        self.layout = layout
         try:
             container = Container.from_state(self.state)
         except (KeyError, TypeError, ValueError) as exc:
@@ -89,6 +98,7 @@ class CheckpointEpisodes:
         self.meta_kinds: dict[str, str] = {}
         self.episodes = self._episodes(container)
         self._fds: dict[int, int] = {}
+        self._maps: dict[int, np.ndarray] = {}
 
     def _episodes(self, container: Container) -> list[Episode]:
         meta = container.meta
@@ -131,26 +141,42 @@ class CheckpointEpisodes:
         """The bytes of every exported row (the progress bar's total)."""
         return sum(ep.length for ep in self.episodes) * self.row_nbytes
 
-    def batches(self, max_bytes: int = BATCH_BYTES) -> Iterator[Batch]:
+    def batches(self, max_bytes: int = BATCH_BYTES, *, joined: bool = True) -> Iterator[Batch]:
         """The episodes, about ``max_bytes`` of rows at a time (an episode larger than that
-        alone), each with its ``columns`` read; a batch's arrays are dropped by the next."""
+        alone), each with its ``columns`` read; a batch's arrays are dropped by the next.
+        ``joined=False``: each batch's ``parts`` instead (:meth:`column_parts`), and no
+        ``columns``."""
         batch: list[Episode] = []
         size = 0
         for ep in self.episodes:
             nbytes = ep.length * self.row_nbytes
             if batch and size + nbytes > max_bytes:
-                yield self._read(batch)
+                yield self._read(batch, joined)
                 batch, size = [], 0
             batch.append(ep)
             size += nbytes
         if batch:
-            yield self._read(batch)
+            yield self._read(batch, joined)
 
-    def _read(self, batch: list[Episode]) -> Batch:
+    def _read(self, batch: list[Episode], joined: bool = True) -> Batch:
         """``batch`` with its columns read, one array per key for the whole batch (the
         episodes' columns are views of it)."""
         ranges = [r for ep in batch for r in ep.ranges]
         out = Batch()
+        if not joined:
+            out.columns = {}
+            out.parts = {
+                key_str(f.key): self.column_parts(i, ranges) for i, f in enumerate(self.schema)
+            }
+            out.extend(Episode(ep.ranges, ep.meta) for ep in batch)
+            # Maps of earlier batches' chunks go once their views do: a few chunks mapped.
+            used = {
+                piece * self.layout.piece_rows // self.layout.chunk_rows
+                for start, stop in ranges
+                for piece in self.layout.pieces_overlapping(start, stop)
+            }
+            self._maps = {c: m for c, m in self._maps.items() if c in used}
+            return out
         out.columns = {key_str(f.key): self.column(i, ranges) for i, f in enumerate(self.schema)}
         at = 0
         for ep in batch:
@@ -181,18 +207,54 @@ class CheckpointEpisodes:
                 pos += n
         return out
 
+    def column_parts(self, index: int, ranges: list[tuple[int, int]]) -> list[np.ndarray]:
+        """Column ``index`` of the rows ``ranges`` as views of the chunk files mapped in
+        memory, one array per piece they cross: nothing is copied (the map shares the file's
+        pages: a spool on tmpfs is memory already), where :meth:`column` copies every byte
+        once more."""
+        f = self.schema.fields[index]
+        dtype, row = array_dtype(f), f.row_nbytes
+        before = sum(c[2] for c in self.layout.columns[:index])
+        parts = []
+        for start, stop in ranges:
+            for piece in self.layout.pieces_overlapping(start, stop):
+                first, last = self.layout.piece_rows_of(piece)
+                a, b = max(first, start), min(last, stop)
+                offset = (
+                    self.layout.offset_in_chunk(piece) + (last - first) * before + (a - first) * row
+                )
+                raw = self._mapped(piece)[offset : offset + (b - a) * row]
+                parts.append(raw.view(dtype).reshape(b - a, *f.shape))
+        return parts
+
+    def _mapped(self, piece: int) -> np.ndarray:
+        """The bytes of ``piece``'s chunk file, mapped read-only (pages populated at once)."""
+        chunk = piece * self.layout.piece_rows // self.layout.chunk_rows
+        arr = self._maps.get(chunk)
+        if arr is None:
+            fd = self._fd(piece)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mapped = mmap.mmap(fd, 0, flags=flags, prot=mmap.PROT_READ)
+            arr = self._maps[chunk] = np.frombuffer(mapped, np.uint8)
+        return arr
+
     def _fd(self, piece: int) -> int:
         chunk = piece * self.layout.piece_rows // self.layout.chunk_rows
         fd = self._fds.get(chunk)
         if fd is None:
-            path = self.folder / CHUNKS / self.table["chunks"][chunk]
-            fd = self._fds[chunk] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = self._fds[chunk] = self._open_chunk(chunk)
         return fd
+
+    def _open_chunk(self, chunk: int) -> int:
+        """A read-only descriptor of chunk file ``chunk``, whole."""
+        path = self.folder / CHUNKS / self.table["chunks"][chunk]
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._maps.clear()  # each map goes with the last array viewing it
 
     def __enter__(self) -> CheckpointEpisodes:
         return self

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from shmbuffer.errors import ConfigError
-from shmbuffer.offline.cut import CheckpointEpisodes
+from shmbuffer.offline.cut import Batch, CheckpointEpisodes
+from shmbuffer.offline.follow import FollowedCheckpoint
 from shmbuffer.storage import progress as bars
 
 T = TypeVar("T")
@@ -48,39 +49,59 @@ def export_checkpoint(
     kind, where = parse_target(to)
     t0 = time.perf_counter()
     with CheckpointEpisodes(path) as cut:
-        info = {
-            "checkpoint": str(cut.folder),
-            "capacity": cut.capacity,
-            "unit": cut.unit,
-            "mode": cut.mode,
-            "created": cut.state.get("created"),
-            **(source or {}),
-        }
-        update, close = bars.copy_progress(f"export to {kind}", cut.nbytes)
-        try:
-            if kind == "parquet":
-                from shmbuffer.offline.parquet import write_parquet
+        return _convert(cut, kind, where, dict(source or {}), t0)
 
-                out = str(
-                    write_parquet(
-                        read_ahead(cut.batches()), where, cut.schema, cut.meta_kinds, info, update
-                    )
-                )
-            else:
-                from shmbuffer.offline.minari import write_minari
 
-                out = write_minari(
-                    read_ahead(cut.batches()), where, cut.schema, cut.meta_kinds, info, update
+def _convert(
+    cut: CheckpointEpisodes,
+    kind: str,
+    where: str,
+    source: dict[str, Any],
+    t0: float,
+    finish: Callable[[], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """``cut``'s episodes written as ``kind`` to ``where``; ``finish`` is called after the
+    last batch is read, and what it returns joins the dataset's ``source`` record."""
+    info = {
+        "checkpoint": str(cut.folder),
+        "capacity": cut.capacity,
+        "unit": cut.unit,
+        "mode": cut.mode,
+        "created": cut.state.get("created"),
+        **source,
+    }
+
+    def batches() -> Iterator[Batch]:
+        # Parquet takes the rows as views of the chunk files; Minari, joined per episode.
+        yield from cut.batches(joined=kind != "parquet")
+        if finish is not None:
+            info.update(finish())  # before the writer's close, which records ``info``
+
+    update, close = bars.copy_progress(f"export to {kind}", cut.nbytes)
+    try:
+        if kind == "parquet":
+            from shmbuffer.offline.parquet import write_parquet
+
+            out = str(
+                write_parquet(
+                    read_ahead(batches()), where, cut.schema, cut.meta_kinds, info, update
                 )
-        finally:
-            close()
-        return {
-            "to": out,
-            "kind": kind,
-            "episodes": len(cut.episodes),
-            "bytes": cut.nbytes,
-            "seconds": time.perf_counter() - t0,
-        }
+            )
+        else:
+            from shmbuffer.offline.minari import write_minari
+
+            out = write_minari(
+                read_ahead(batches()), where, cut.schema, cut.meta_kinds, info, update
+            )
+    finally:
+        close()
+    return {
+        "to": out,
+        "kind": kind,
+        "episodes": len(cut.episodes),
+        "bytes": cut.nbytes,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def export_live(
@@ -91,7 +112,8 @@ def export_live(
     timeout: float = 600.0,
 ) -> dict[str, Any]:
     """Export the buffer a daemon serves as ``name``: a checkpoint into a spool folder (the
-    cut; writers go on), then :func:`export_checkpoint` of it; the spool is removed either
+    cut; writers go on), each chunk file converted as soon as the copy has written it
+    (:class:`~shmbuffer.offline.follow.FollowedCheckpoint`); the spool is removed either
     way. ``seconds`` counts both."""
     from shmbuffer.clients.admin import checkpoint
 
@@ -102,15 +124,17 @@ def export_live(
     parent.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix=SPOOL_PREFIX, dir=parent))
     try:
-        reply = bars.wait_with_progress(
-            "cut",
-            total,
-            _spool_measure(folder, total),
-            lambda: checkpoint(name, folder, timeout=timeout),
-        )
-        result = export_checkpoint(
-            reply["path"], to, source={"name": name, "cut_pause_ms": reply["max_pause_ms"]}
-        )
+        # The pool's exit waits for the checkpoint, also after a failed conversion: the
+        # spool is removed only once the daemon has stopped writing into it.
+        with ThreadPoolExecutor(1, thread_name_prefix="shmbuffer-export-cut") as pool:
+            pending = pool.submit(checkpoint, name, folder, timeout=timeout)
+
+            def finish() -> dict[str, Any]:
+                return {"cut_pause_ms": pending.result()["max_pause_ms"]}
+
+            with FollowedCheckpoint(folder, pending, timeout) as cut:
+                result = _convert(cut, kind, where, {"name": name}, t0, finish)
+            reply = pending.result()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     result["cut_seconds"] = reply["seconds"]
@@ -161,16 +185,6 @@ def _spool_parent(segment: Path | None, total: int, kind: str, where: str) -> Pa
     if kind == "parquet":
         return Path(where).expanduser().absolute().parent
     return Path(tempfile.gettempdir())
-
-
-def _spool_measure(folder: Path, total: int) -> Callable[[], int]:
-    def measure() -> int:
-        try:
-            return sum(p.stat().st_size for p in folder.glob(".tmp-*/chunks/*"))
-        except OSError:  # renamed into place meanwhile
-            return total
-
-    return measure
 
 
 def describe(result: dict[str, Any]) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,15 @@ def _column(pa: Any, values: np.ndarray) -> Any:
     return flat
 
 
+def _chunked(pa: Any, parts: list[np.ndarray], shape: tuple[int, ...], dtype: Any) -> Any:
+    """A column of ``parts`` (each rows first): raw bytes (:data:`RAW_FROM_DIMS`) as one
+    array per part built on its buffer, copied nowhere before Parquet's own write; smaller
+    keys joined first (a few bytes a row)."""
+    if len(shape) < RAW_FROM_DIMS or not parts:  # no rows: one empty array of the type
+        return _column(pa, np.concatenate(parts) if parts else np.empty((0, *shape), dtype))
+    return pa.chunked_array([_column(pa, part) for part in parts])
+
+
 def _array(column: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
     """A column read back as an array of ``shape`` rows of ``dtype``."""
     column = column.combine_chunks() if hasattr(column, "combine_chunks") else column
@@ -85,6 +95,14 @@ def _array(column: Any, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndar
     return np.asarray(values, dtype=dtype).reshape(-1, *shape)
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class ParquetWriter:
     """Write episodes to the folder ``path`` (created; refused if it holds a dataset)."""
 
@@ -97,6 +115,11 @@ class ParquetWriter:
         self.schema, self.source = schema, source
         self.files: list[dict[str, Any]] = []
         self.episodes: list[dict[str, Any]] = []
+        self._syncer = ThreadPoolExecutor(1, thread_name_prefix="shmbuffer-export-fsync")
+        self._syncs: list[Future[None]] = []
+
+    def _synced(self, path: Path) -> None:
+        self._syncs.append(self._syncer.submit(_fsync, path))
 
     def write(self, batch: list[Episode]) -> int:
         """One file of ``batch``'s episodes; the bytes of rows written."""
@@ -107,20 +130,26 @@ class ParquetWriter:
         starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
         frame = np.arange(int(lengths.sum()), dtype=np.int64) - starts
         columns = {"episode_index": pa.array(index), "frame_index": pa.array(frame)}
+        parts = getattr(batch, "parts", None)  # a Batch's pieces, views of its chunk files
         for f in self.schema:
             key = key_str(f.key)
+            if parts is not None:
+                columns[key] = _chunked(pa, parts[key], f.shape, array_dtype(f))
+                continue
             joined = getattr(batch, "columns", {}).get(key)  # a Batch read in one piece
             if joined is None:
                 joined = np.concatenate([ep.columns[key] for ep in batch])
             columns[key] = _column(pa, joined)
         table = pa.table(columns)
         name = f"{DATA}/chunk-{len(self.files):06d}.parquet"
-        with open(self.path / name, "wb") as out:
-            pa.parquet.write_table(
-                table, out, compression="none", use_dictionary=False, write_statistics=False
-            )
-            out.flush()
-            os.fsync(out.fileno())
+        pa.parquet.write_table(
+            table,
+            str(self.path / name),
+            compression="none",
+            use_dictionary=False,
+            write_statistics=False,
+        )
+        self._synced(self.path / name)
         self.files.append(
             {"path": name, "episodes": [first, first + len(batch)], "rows": int(lengths.sum())}
         )
@@ -130,6 +159,9 @@ class ParquetWriter:
 
     def close(self, meta_kinds: dict[str, str]) -> Path:
         """Write ``shmbuffer.json`` (the schema, the files, each episode's metadata)."""
+        for f in self._syncs:
+            f.result()
+        self._syncer.shutdown()
         info = {
             "format": FORMAT,
             "version": VERSION,

@@ -167,6 +167,30 @@ def test_bad_targets_are_refused_by_name(daemon, e2e_env, tmp_path):
     assert done.returncode != 0 and "shmbuffer.json" in done.stderr
 
 
+def test_a_failed_live_export_waits_for_the_cut_and_leaves_no_spool(daemon, e2e_env, tmp_path):
+    """The conversion fails (the destination holds a dataset), the daemon's copy of the cut
+    perhaps still running: the error names it, the spool is gone, and the daemon exports
+    again at once (the export waited for its checkpoint: none is left running)."""
+    source = daemon(capacity=CAPACITY, unit="transition")
+    with Writer(source.name, timeout=10) as writer:
+        for e in range(len(LENGTHS)):
+            data, meta = episode(e)
+            writer.add_episode(data, meta=meta)
+        writer.flush()
+    spool = tmp_path / "spool"
+    target = f"parquet:{tmp_path / 'out'}"
+    args = ["--name", source.name, "--spool", str(spool)]
+    done = e2e_env.cli("export", *args, "--to", target, timeout=120)
+    assert done.returncode == 0, done.stderr
+    done = e2e_env.cli("export", *args, "--to", target, timeout=120)
+    assert done.returncode != 0 and "holds a dataset already" in done.stderr
+    assert list(spool.iterdir()) == []
+    done = e2e_env.cli("export", *args, "--to", f"parquet:{tmp_path / 'again'}", timeout=120)
+    assert done.returncode == 0, done.stderr
+    _, exported = read_dataset(f"parquet:{tmp_path / 'again'}")
+    check_against_written(exported, len(LENGTHS))
+
+
 def check_untorn(ep: Episode, first: bool) -> None:
     """A demo writer's episode (``make_episode``): every row agrees with its (writer,
     episode, step); only the oldest may have lost its head."""

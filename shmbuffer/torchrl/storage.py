@@ -42,26 +42,15 @@ from shmbuffer.clients.writer import Writer
 from shmbuffer.errors import TornReadError, WaitTimeoutError
 from shmbuffer.storage import rows
 from shmbuffer.storage.schema import Schema, to_host
+from shmbuffer.torchrl import saving
+from shmbuffer.torchrl.batches import ROW_BATCH_KEY, TENSOR_KEY
 
 __all__ = ["DaemonStorage", "daemon_storage_of"]
 
-#: The key a batch that is one bare tensor is stored under (TorchRL's StoreStorage does the
-#: same); a storage whose schema has only this key reads back bare tensors.
-TENSOR_KEY = "_tensor"
-#: A column of zero bytes a row whose shape is the rows' own batch size, present when the
-#: rows are TensorDicts of a batch size other than ``[]`` (TorchRL's storages keep it): the
-#: schema every process shares then carries that size, at no cost in shared memory.
-ROW_BATCH_KEY = "_row_batch_size"
 #: Rounds of copying again the rows a writer reached during the copy, then TornReadError.
 MAX_RECOPIES = 8
 #: Arguments DaemonStorage sets itself, so the options may not carry them.
 _OWN = ("target", "timeout", "remote")
-
-_NOT_HERE = (
-    "the rows live in the daemon that every process of the job shares: {what} is not done "
-    "through a TorchRL buffer. Checkpoint with `shmbuffer-daemon checkpoint`; to start "
-    "afresh, restart the daemon (or use a FIFO daemon, whose rows are consumed once)"
-)
 
 
 @dataclass
@@ -443,19 +432,30 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
         )
 
     def _empty(self) -> None:
-        raise NotImplementedError(_NOT_HERE.format(what="emptying"))
+        """``rb.empty()``: clears the whole daemon buffer, for every process (an admin
+        request: ``shmbuffer.torchrl.saving``)."""
+        saving.clear(self)
+
+    def forget_reads(self) -> None:
+        """Drop what reads keep between calls (the committed rows, the stats, a handed draw):
+        the daemon's rows changed wholesale."""
+        self._listing = self._stats = self._handed = None
 
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError(_NOT_HERE.format(what="saving a state_dict"))
+        """The rows in index order and the ring's position (``shmbuffer.torchrl.saving``)."""
+        return saving.state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        raise NotImplementedError(_NOT_HERE.format(what="loading a state_dict"))
+        """Clear the daemon and write ``state_dict``'s rows again, at their indices."""
+        saving.load_state_dict(self, state_dict)
 
     def dumps(self, path: Any) -> None:
-        raise NotImplementedError(_NOT_HERE.format(what="dumping"))
+        """The daemon's checkpoint into ``path/daemon``, and the rows into ``path/rows.pt``."""
+        saving.dumps(self, path)
 
     def loads(self, path: Any) -> None:
-        raise NotImplementedError(_NOT_HERE.format(what="loading"))
+        """Load the rows :meth:`dumps` wrote into ``path`` into this daemon."""
+        saving.loads(self, path)
 
     def __repr__(self) -> str:
         return f"DaemonStorage({self.target!r})"

@@ -187,8 +187,8 @@ def test_workers_extend_learners_sample_and_share_priorities(
         own_cursor = ReplayBuffer(storage=storage, batch_size=8)
         with pytest.raises(TypeError, match="DaemonWriter"):
             own_cursor.extend(TensorDict({"id": torch.arange(3)}, [3]))
-        with pytest.raises(NotImplementedError, match="every process"):
-            rb.empty()
+        rb.empty()  # the whole daemon buffer, for every process (test_torchrl_saving.py)
+        assert len(storage) == 0
     finally:
         storage.close()
 

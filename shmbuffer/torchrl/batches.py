@@ -1,0 +1,125 @@
+"""What a TorchRL buffer hands its writer, as rows shmbuffer's Writer takes: a bare tensor
+under ``"_tensor"``, a list of rows stacked, a TensorDict's own row batch size kept as a
+zero-byte column (used by :class:`~shmbuffer.torchrl.DaemonWriter` and by loading a state
+dict, ``saving.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase, is_tensorclass
+
+from shmbuffer.errors import SchemaError
+from shmbuffer.storage.schema import Schema
+
+#: The key a batch that is one bare tensor is stored under (TorchRL's StoreStorage does the
+#: same); a storage whose schema has only this key reads back bare tensors.
+TENSOR_KEY = "_tensor"
+#: A column of zero bytes a row whose shape is the rows' own batch size, present when the
+#: rows are TensorDicts of a batch size other than ``[]`` (TorchRL's storages keep it): the
+#: schema every process shares then carries that size, at no cost in shared memory.
+ROW_BATCH_KEY = "_row_batch_size"
+
+
+def as_batch(data: Any) -> Any:
+    """``data`` as shmbuffer's Writer takes it: a TensorDict or a mapping (a bare tensor is
+    stored under ``"_tensor"``, a list of rows is stacked, as TorchRL reads a list)."""
+    if is_tensorclass(data):
+        data = data.to_tensordict()
+    if isinstance(data, list):
+        if not data:
+            return {TENSOR_KEY: torch.zeros(0)}
+        data = _stack_rows(data, ())  # TensorDicts, mappings or tensors, one per row
+    if isinstance(data, torch.Tensor):
+        return {TENSOR_KEY: data}
+    if isinstance(data, TensorDictBase):
+        return data
+    if isinstance(data, Mapping):
+        _refuse_sequences(data, ())
+        return data
+    raise TypeError(
+        f"DaemonWriter writes TensorDicts, mappings of tensors or tensors, got "
+        f"{type(data).__name__}"
+    )
+
+
+def _stack_rows(rows: list[Any], key: tuple[str, ...]) -> Any:
+    """A list of rows as one batch: TensorDicts and tensors stacked, mappings key by key."""
+    first = rows[0]
+    if is_tensorclass(first):
+        rows = [row.to_tensordict() for row in rows]
+        first = rows[0]
+    if isinstance(first, TensorDictBase | torch.Tensor):
+        return torch.stack(rows)
+    if isinstance(first, Mapping):
+        return {name: _stack_rows([row[name] for row in rows], (*key, str(name))) for name in first}
+    if isinstance(first, list | tuple):
+        what = f"key {'.'.join(key)!r}" if key else "each row"
+        raise SchemaError(
+            f"{what}: a {type(first).__name__}; DaemonStorage columns are tensors, in "
+            "TensorDicts or nested mappings (TorchRL pytrees with lists or tuples are not "
+            "stored: give each element a key of its own)"
+        )
+    return torch.stack([torch.as_tensor(row) for row in rows])
+
+
+def _refuse_sequences(data: Mapping[Any, Any], prefix: tuple[str, ...]) -> None:
+    """A SchemaError naming the first key whose value is a list or tuple: a TorchRL pytree
+    node, not a column (read back, it could not be told from a tensor)."""
+    for name, value in data.items():
+        key = (*prefix, str(name))
+        if isinstance(value, Mapping):
+            _refuse_sequences(value, key)
+        elif isinstance(value, list | tuple):
+            raise SchemaError(
+                f"key {'.'.join(key)!r}: a {type(value).__name__}; DaemonStorage columns are "
+                "tensors, in TensorDicts or nested mappings (TorchRL pytrees with lists or "
+                "tuples are not stored: give each element a key of its own)"
+            )
+
+
+def one_row(data: Any, prefix: tuple[str, ...] = ()) -> Any:
+    """One row as a batch of one."""
+    if is_tensorclass(data):
+        data = data.to_tensordict()
+    if isinstance(data, TensorDictBase | torch.Tensor):
+        return data.unsqueeze(0)
+    if isinstance(data, Mapping):
+        return {key: one_row(value, (*prefix, str(key))) for key, value in data.items()}
+    if isinstance(data, list | tuple):
+        _refuse_sequences({prefix[-1] if prefix else "": data}, prefix[:-1])
+    return torch.as_tensor(data).unsqueeze(0)
+
+
+def with_row_batch_size(batch: Any, schema: Schema | None) -> Any:
+    """``batch`` with the zero-byte column that records its rows' own batch size (a
+    TensorDict of batch size ``[n, *row]`` with ``row`` not empty), checked against the size
+    the buffer's rows already have."""
+    row = tuple(batch.batch_size[1:]) if isinstance(batch, TensorDictBase) else ()
+    if schema is not None and (TENSOR_KEY,) not in schema:
+        held = tuple(schema[ROW_BATCH_KEY].shape[:-1]) if (ROW_BATCH_KEY,) in schema else ()
+        if held != row:
+            raise SchemaError(
+                f"this buffer's rows are TensorDicts of batch size {list(held)}, got rows of "
+                f"batch size {list(row)}"
+            )
+    if not row:
+        return batch
+    marked = batch.copy()  # shallow: the caller's TensorDict is left as it was
+    marked.set(ROW_BATCH_KEY, torch.empty((*batch.batch_size, 0), dtype=torch.uint8))
+    return marked
+
+
+def count_rows(batch: Any) -> int:
+    if isinstance(batch, TensorDictBase):
+        if not batch.batch_size:
+            raise ValueError(
+                "extend takes a batch (leading dimension: rows), got a TensorDict of batch "
+                "size []: use add for one row"
+            )
+        return int(batch.batch_size[0])
+    for value in batch.values():
+        return count_rows(value) if isinstance(value, Mapping) else len(value)
+    raise ValueError("extend got a mapping with no keys")

@@ -1,0 +1,133 @@
+"""``rb.empty()``, ``state_dict``/``load_state_dict``, ``dumps``/``loads`` and the writer's
+cursor of a TorchRL buffer over real daemons (``shmbuffer/torchrl/saving.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torchrl", reason="shmbuffer.torchrl needs the [torchrl] extra")
+
+import torch
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, ReplayBuffer, TensorStorage
+
+from shmbuffer.errors import PermissionDeniedError
+from shmbuffer.torchrl import DaemonSampler, DaemonStorage, DaemonWriter
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def rows(first: int, count: int) -> TensorDict:
+    ids = torch.arange(first, first + count)
+    return TensorDict({"id": ids, "obs": ids[:, None].float().expand(count, 3)}, [count])
+
+
+def buffer(name: str, **options: Any) -> ReplayBuffer:
+    return ReplayBuffer(storage=DaemonStorage(name, **options), writer=DaemonWriter(), batch_size=4)
+
+
+def test_empty_clears_the_whole_daemon_for_every_process_and_restarts_the_cursor(
+    daemon: Any,
+) -> None:
+    name = daemon(capacity=8, unit="transition", args=["--sampler", "prioritized"]).name
+    rb, other = buffer(name), buffer(name)  # other: another process's view of the same rows
+    try:
+        rb.extend(rows(0, 6))
+        rb.extend(rows(6, 5))  # wraps round: the pointer is at 3
+        assert rb.writer._cursor == 3 and rb.write_count == 11 and len(other) == 8
+        rb.empty()
+        assert len(rb) == 0 and len(other) == 0
+        assert rb.writer._cursor == 0 and rb.write_count == 0
+        rb.extend(rows(100, 2))
+        assert other.storage[:]["id"].tolist() == [100, 101]  # at indices 0 and 1 again
+        assert rb.write_count == 2 and other.writer._cursor == 2
+        other.set_sampler(DaemonSampler())
+        assert set(other.sample()["id"].tolist()) <= {100, 101}
+        rb.empty(empty_write_count=False)
+        assert len(other) == 0 and rb.write_count == 2
+    finally:
+        rb.storage.close()
+        other.storage.close()
+
+
+def test_empty_without_a_transport_that_vouches_for_the_caller_is_refused(daemon: Any) -> None:
+    """A tcp daemon without CURVE lets any local user claim the admin role: ``empty`` is
+    refused, saying what to do, and nothing is cleared."""
+    d = daemon(capacity=8, unit="transition", args=["--endpoint", "tcp://127.0.0.1:0"])
+    rb = buffer(d.endpoint, remote=True)
+    try:
+        rb.extend(rows(0, 3))
+        with pytest.raises(PermissionDeniedError, match=r"admin request.*--insecure-tcp-admin"):
+            rb.empty()
+        assert rb.storage[:]["id"].tolist() == [0, 1, 2]
+    finally:
+        rb.storage.close()
+
+
+def test_state_dict_moves_the_rows_and_the_ring_position_to_another_daemon(
+    daemon: Any, tmp_path: Path
+) -> None:
+    first = daemon(capacity=8, unit="transition").name
+    second = daemon(capacity=8, unit="transition").name
+    rb, copy = buffer(first), buffer(second)
+    try:
+        rb.extend(rows(0, 6))
+        rb.extend(rows(6, 5))
+        copy.extend(rows(50, 1))  # replaced whole by the load
+        torch.save(rb.state_dict(), tmp_path / "rb.pt")
+        copy.load_state_dict(torch.load(tmp_path / "rb.pt", weights_only=False))
+        assert copy.storage[:]["id"].tolist() == [8, 9, 10, 3, 4, 5, 6, 7]
+        assert torch.equal(copy.storage[:]["obs"], rb.storage[:]["obs"])
+        assert copy.writer._cursor == rb.writer._cursor == 3
+        for each in (rb, copy):  # the next write replaces the oldest row in both
+            each.extend(rows(20, 1))
+        assert copy.storage[:]["id"].tolist() == rb.storage[:]["id"].tolist()
+        assert copy.storage[3]["id"].item() == 20
+        # TorchRL's own tensor storage's state dict loads too (rows in index order).
+        torchrl_rb = ReplayBuffer(storage=LazyTensorStorage(8), batch_size=4)
+        torchrl_rb.extend(rows(30, 5))
+        copy.storage.load_state_dict(torchrl_rb.storage.state_dict())
+        assert copy.storage[:]["id"].tolist() == [30, 31, 32, 33, 34]
+        # ... and a DaemonStorage's loads into TorchRL's.
+        mine = TensorStorage(None, max_size=8)
+        mine.load_state_dict(copy.storage.state_dict())
+        assert mine[:5]["id"].tolist() == [30, 31, 32, 33, 34]
+        with pytest.raises(ValueError, match="'_storage'"):
+            copy.storage.load_state_dict({"rows": []})
+    finally:
+        rb.storage.close()
+        copy.storage.close()
+
+
+def test_dumps_writes_a_daemon_checkpoint_and_loads_reads_it_back(
+    daemon: Any, tmp_path: Path
+) -> None:
+    d = daemon(capacity=8, unit="transition")
+    rb = buffer(d.name)
+    try:
+        rb.extend(rows(0, 5))
+        rb.dumps(tmp_path / "saved")
+        assert (tmp_path / "saved" / "storage" / "daemon" / "checkpoint").is_dir()
+        rb.empty()
+        rb.loads(tmp_path / "saved")
+        assert rb.storage[:]["id"].tolist() == [0, 1, 2, 3, 4]
+        with pytest.raises(FileNotFoundError, match="start --restore"):
+            rb.loads(tmp_path / "nothing")
+    finally:
+        rb.storage.close()
+    d.stop()
+    # The checkpoint is the daemon's own: a daemon restored from it holds the rows.
+    restored = daemon(
+        name=d.name,
+        capacity=8,
+        unit="transition",
+        args=["--restore", str(tmp_path / "saved" / "storage" / "daemon")],
+    )
+    again = buffer(restored.name)
+    try:
+        assert again.storage[:]["id"].tolist() == [0, 1, 2, 3, 4]
+    finally:
+        again.storage.close()

@@ -13,6 +13,7 @@ from tensordict import TensorDictBase, is_tensorclass
 
 from shmbuffer.errors import SchemaError
 from shmbuffer.storage.schema import Schema
+from shmbuffer.torchrl import pytrees
 
 #: The key a batch that is one bare tensor is stored under (TorchRL's StoreStorage does the
 #: same); a storage whose schema has only this key reads back bare tensors.
@@ -37,8 +38,7 @@ def as_batch(data: Any) -> Any:
     if isinstance(data, TensorDictBase):
         return data
     if isinstance(data, Mapping):
-        _refuse_sequences(data, ())
-        return data
+        return pytrees.encode(data) if pytrees.is_tree(data) else data
     raise TypeError(
         f"DaemonWriter writes TensorDicts, mappings of tensors or tensors, got "
         f"{type(data).__name__}"
@@ -55,29 +55,16 @@ def _stack_rows(rows: list[Any], key: tuple[str, ...]) -> Any:
         return torch.stack(rows)
     if isinstance(first, Mapping):
         return {name: _stack_rows([row[name] for row in rows], (*key, str(name))) for name in first}
+    if isinstance(first, list | tuple) and key:  # a pytree node: stacked element-wise
+        stacked = [_stack_rows([row[i] for row in rows], (*key, str(i))) for i in range(len(first))]
+        return stacked if isinstance(first, list) else tuple(stacked)
     if isinstance(first, list | tuple):
-        what = f"key {'.'.join(key)!r}" if key else "each row"
         raise SchemaError(
-            f"{what}: a {type(first).__name__}; DaemonStorage columns are tensors, in "
-            "TensorDicts or nested mappings (TorchRL pytrees with lists or tuples are not "
-            "stored: give each element a key of its own)"
+            f"each row: a {type(first).__name__}; DaemonStorage rows are tensors, "
+            "TensorDicts or mappings (a pytree row's lists and tuples go inside a mapping: "
+            "{'obs': [...]})"
         )
     return torch.stack([torch.as_tensor(row) for row in rows])
-
-
-def _refuse_sequences(data: Mapping[Any, Any], prefix: tuple[str, ...]) -> None:
-    """A SchemaError naming the first key whose value is a list or tuple: a TorchRL pytree
-    node, not a column (read back, it could not be told from a tensor)."""
-    for name, value in data.items():
-        key = (*prefix, str(name))
-        if isinstance(value, Mapping):
-            _refuse_sequences(value, key)
-        elif isinstance(value, list | tuple):
-            raise SchemaError(
-                f"key {'.'.join(key)!r}: a {type(value).__name__}; DaemonStorage columns are "
-                "tensors, in TensorDicts or nested mappings (TorchRL pytrees with lists or "
-                "tuples are not stored: give each element a key of its own)"
-            )
 
 
 def one_row(data: Any, prefix: tuple[str, ...] = ()) -> Any:
@@ -88,8 +75,14 @@ def one_row(data: Any, prefix: tuple[str, ...] = ()) -> Any:
         return data.unsqueeze(0)
     if isinstance(data, Mapping):
         return {key: one_row(value, (*prefix, str(key))) for key, value in data.items()}
+    if isinstance(data, list | tuple) and prefix:  # a pytree node inside a mapping
+        rows = [one_row(value, (*prefix, str(i))) for i, value in enumerate(data)]
+        return rows if isinstance(data, list) else tuple(rows)
     if isinstance(data, list | tuple):
-        _refuse_sequences({prefix[-1] if prefix else "": data}, prefix[:-1])
+        raise SchemaError(
+            f"each row: a {type(data).__name__}; DaemonStorage rows are tensors, TensorDicts "
+            "or mappings (a pytree row's lists and tuples go inside a mapping: {'obs': [...]})"
+        )
     return torch.as_tensor(data).unsqueeze(0)
 
 
@@ -123,3 +116,10 @@ def count_rows(batch: Any) -> int:
     for value in batch.values():
         return count_rows(value) if isinstance(value, Mapping) else len(value)
     raise ValueError("extend got a mapping with no keys")
+
+
+def rows_between(batch: Any, first: int, end: int) -> Any:
+    """Rows ``first .. end - 1`` of a TensorDict or a nested mapping of tensors."""
+    if isinstance(batch, TensorDictBase | torch.Tensor):
+        return batch[first:end]
+    return {name: rows_between(value, first, end) for name, value in batch.items()}

@@ -42,7 +42,7 @@ from shmbuffer.clients.writer import Writer
 from shmbuffer.errors import TornReadError, WaitTimeoutError
 from shmbuffer.storage import rows
 from shmbuffer.storage.schema import Schema, to_host
-from shmbuffer.torchrl import saving
+from shmbuffer.torchrl import pytrees, saving
 from shmbuffer.torchrl.batches import ROW_BATCH_KEY, TENSOR_KEY
 
 __all__ = ["DaemonStorage", "daemon_storage_of"]
@@ -291,6 +291,8 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
         keys = [f.key for f in schema.fields]
         if keys == [(TENSOR_KEY,)]:
             return data[TENSOR_KEY]
+        if pytrees.stored_as_tree([key[0] for key in keys]):
+            return pytrees.rebuild(data.to_dict())
         if (ROW_BATCH_KEY,) in keys:
             row_batch = schema[ROW_BATCH_KEY].shape[:-1]
             data = data.exclude(ROW_BATCH_KEY)

@@ -131,3 +131,18 @@ def test_dumps_writes_a_daemon_checkpoint_and_loads_reads_it_back(
         assert again.storage[:]["id"].tolist() == [0, 1, 2, 3, 4]
     finally:
         again.storage.close()
+
+
+def test_a_write_longer_than_the_ring_lands_as_in_torchrl_s_ring(daemon: Any) -> None:
+    """Each kept row at the index TorchRL's ring gives it, the cursor ``n`` rows on, and
+    ``write_count`` counting every row handed."""
+    rb = buffer(daemon(capacity=3, unit="transition").name)
+    theirs = ReplayBuffer(storage=LazyTensorStorage(3), batch_size=4)
+    try:
+        for each in (rb, theirs):
+            each.extend(rows(0, 7))
+        assert rb.storage[:]["id"].tolist() == theirs.storage[:]["id"].tolist() == [6, 4, 5]
+        assert rb.writer._cursor == theirs.writer._cursor == 1
+        assert rb.write_count == theirs.write_count == 7
+    finally:
+        rb.storage.close()

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 from tensordict import TensorDict
+from torchrl.data.replay_buffers.samplers import PrioritizedSampler as TorchRLPrioritizedSampler
 from torchrl.data.replay_buffers.storages import StoreStorage
 
 from shmbuffer.clients.reader import Reader
@@ -47,6 +48,10 @@ from shmbuffer.torchrl.batches import ROW_BATCH_KEY, TENSOR_KEY
 
 __all__ = ["DaemonStorage", "daemon_storage_of"]
 
+#: ``{"writer": DaemonWriter, "sampler": DaemonSampler}``, filled in by their modules (which
+#: import this one): what :meth:`DaemonStorage.attach` gives a buffer in place of TorchRL's
+#: defaults.
+_ADAPTERS: dict[str, Any] = {}
 #: Rounds of copying again the rows a writer reached during the copy, then TornReadError.
 MAX_RECOPIES = 8
 #: Arguments DaemonStorage sets itself, so the options may not carry them.
@@ -258,6 +263,27 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
     def _mutation_revision(self) -> int:
         """Changes whenever the daemon commits rows (TorchRL's boundary caches key on it)."""
         return int(self._fresh_stats()["rows_committed"])
+
+    def attach(self, buffer: Any) -> None:
+        """TorchRL's hook when a buffer takes this storage (before it makes its writer and
+        sampler): TorchRL's defaults that cannot work over a daemon become the adapters, so
+        that giving a buffer this storage is the whole change. A ``ReplayBuffer`` built with
+        no writer gets a :class:`DaemonWriter` (its default ``RoundRobinWriter`` sets rows at
+        its own cursor); a ``PrioritizedReplayBuffer``'s own ``PrioritizedSampler`` (one sum
+        tree per process, keyed by the indices ``extend`` returns) becomes a
+        :class:`DaemonSampler` with its ``beta``, whose ``alpha`` is the daemon's
+        ``--priority-exponent`` (checked at the first sample)."""
+        super().attach(buffer)
+        if not hasattr(buffer, "_init_writer"):
+            return
+        writer, sampler = _ADAPTERS.get("writer"), _ADAPTERS.get("sampler")
+        if buffer._init_writer is None and writer is not None:
+            buffer._init_writer = writer()
+        if type(buffer._init_sampler) is TorchRLPrioritizedSampler and sampler is not None:
+            prioritized = buffer._init_sampler
+            buffer._init_sampler = sampler(
+                beta=float(prioritized._beta), alpha=float(prioritized._alpha)
+            )
 
     def contains(self, item: Any) -> Any:
         size = len(self)

@@ -29,7 +29,7 @@ from shmbuffer.torchrl.batches import (
     rows_between,
     with_row_batch_size,
 )
-from shmbuffer.torchrl.storage import DaemonStorage, daemon_storage_of
+from shmbuffer.torchrl.storage import _ADAPTERS, DaemonStorage, daemon_storage_of
 
 __all__ = ["DaemonWriter"]
 
@@ -150,6 +150,9 @@ class DaemonWriter(TorchRLWriter):  # type: ignore[misc]  # TorchRL has no type 
 
     def __repr__(self) -> str:
         return f"DaemonWriter(flush={self.flush}, priority_key={self.priority_key!r})"
+
+
+_ADAPTERS["writer"] = DaemonWriter
 
 
 def _ring_parts(num_rows: int, capacity: int) -> list[tuple[int, int]]:

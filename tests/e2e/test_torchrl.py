@@ -36,6 +36,7 @@ from tensordict import TensorDict
 from torchrl.data import (
     LazyTensorStorage,
     ReplayBuffer,
+    RoundRobinWriter,
     SamplerWithoutReplacement,
     SliceSampler,
     TensorDictReplayBuffer,
@@ -182,9 +183,8 @@ def test_workers_extend_learners_sample_and_share_priorities(
         assert child.exitcode == 0
         assert int((storage[:]["id"] >= 10**6).sum()) == 6
 
-        # TorchRL's own cursor writer would place rows by itself: refused, as is emptying
-        # the buffer every process shares.
-        own_cursor = ReplayBuffer(storage=storage, batch_size=8)
+        # TorchRL's own cursor writer would place rows by itself: refused.
+        own_cursor = ReplayBuffer(storage=storage, writer=RoundRobinWriter(), batch_size=8)
         with pytest.raises(TypeError, match="DaemonWriter"):
             own_cursor.extend(TensorDict({"id": torch.arange(3)}, [3]))
         rb.empty()  # the whole daemon buffer, for every process (test_torchrl_saving.py)

@@ -3,6 +3,7 @@ cursor of a TorchRL buffer over real daemons (``shmbuffer/torchrl/saving.py``)."
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ pytest.importorskip("torchrl", reason="shmbuffer.torchrl needs the [torchrl] ext
 
 import torch
 from tensordict import TensorDict
-from torchrl.data import LazyTensorStorage, ReplayBuffer, TensorStorage
+from torchrl.data import LazyTensorStorage, PrioritizedReplayBuffer, ReplayBuffer, TensorStorage
 
 from shmbuffer.errors import PermissionDeniedError
 from shmbuffer.torchrl import DaemonSampler, DaemonStorage, DaemonWriter
@@ -146,3 +147,31 @@ def test_a_write_longer_than_the_ring_lands_as_in_torchrl_s_ring(daemon: Any) ->
         assert rb.write_count == theirs.write_count == 7
     finally:
         rb.storage.close()
+
+
+def test_the_storage_is_the_one_line_change_for_replay_buffers_and_prioritized_ones(
+    daemon: Any,
+) -> None:
+    """TorchRL's defaults that cannot work over a daemon become the adapters: the default
+    writer a DaemonWriter, a PrioritizedReplayBuffer's own sampler a DaemonSampler (its beta;
+    its alpha checked against the daemon's exponent)."""
+    args = ["--sampler", "prioritized", "--priority-exponent", "0.7"]
+    name = daemon(capacity=16, unit="transition", args=args).name
+    rb = ReplayBuffer(storage=DaemonStorage(name), batch_size=4)
+    prb = PrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=DaemonStorage(name), batch_size=4)
+    other = PrioritizedReplayBuffer(alpha=0.9, beta=0.5, storage=DaemonStorage(name), batch_size=4)
+    try:
+        assert isinstance(rb.writer, DaemonWriter) and isinstance(prb.writer, DaemonWriter)
+        assert isinstance(prb.sampler, DaemonSampler) and prb.sampler.beta == 0.5
+        rb.extend(rows(0, 8))
+        assert len(prb) == 8 and set(rb.sample()["id"].tolist()) <= set(range(8))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the exponents agree: nothing to say
+            sample, info = prb.sample(return_info=True)
+        prb.update_priority(info["index"], torch.full((4,), 1e9))
+        assert set(prb.sample()["id"].tolist()) <= set(sample["id"].tolist())
+        with pytest.warns(UserWarning, match=r"priority exponent 0\.7.*--priority-exponent 0\.9"):
+            other.sample()
+    finally:
+        for each in (rb, prb, other):
+            each.storage.close()

@@ -29,7 +29,7 @@ def as_batch(data: Any) -> Any:
     stored under ``"_tensor"``, a list of rows is stacked, as TorchRL reads a list)."""
     if is_tensorclass(data):
         data = data.to_tensordict()
-    if isinstance(data, list):
+    if isinstance(data, list):  # a list of rows, as TorchRL reads a list
         if not data:
             return {TENSOR_KEY: torch.zeros(0)}
         data = _stack_rows(data, ())  # TensorDicts, mappings or tensors, one per row
@@ -39,6 +39,8 @@ def as_batch(data: Any) -> Any:
         return data
     if isinstance(data, Mapping):
         return pytrees.encode(data) if pytrees.is_tree(data) else data
+    if isinstance(data, tuple | list):  # a batch of pytree rows that are tuples (or lists)
+        return pytrees.encode(data)
     raise TypeError(
         f"DaemonWriter writes TensorDicts, mappings of tensors or tensors, got "
         f"{type(data).__name__}"
@@ -51,20 +53,22 @@ def _stack_rows(rows: list[Any], key: tuple[str, ...]) -> Any:
     if is_tensorclass(first):
         rows = [row.to_tensordict() for row in rows]
         first = rows[0]
-    if isinstance(first, TensorDictBase | torch.Tensor):
+    if isinstance(first, TensorDictBase):
         return torch.stack(rows)
     if isinstance(first, Mapping):
         return {name: _stack_rows([row[name] for row in rows], (*key, str(name))) for name in first}
-    if isinstance(first, list | tuple) and key:  # a pytree node: stacked element-wise
+    if isinstance(first, list | tuple):  # a pytree node: stacked element by element
         stacked = [_stack_rows([row[i] for row in rows], (*key, str(i))) for i in range(len(first))]
         return stacked if isinstance(first, list) else tuple(stacked)
-    if isinstance(first, list | tuple):
-        raise SchemaError(
-            f"each row: a {type(first).__name__}; DaemonStorage rows are tensors, "
-            "TensorDicts or mappings (a pytree row's lists and tuples go inside a mapping: "
-            "{'obs': [...]})"
+    try:
+        return torch.stack(
+            [row if isinstance(row, torch.Tensor) else torch.as_tensor(row) for row in rows]
         )
-    return torch.stack([torch.as_tensor(row) for row in rows])
+    except RuntimeError as exc:  # TorchRL's words for it, naming the key
+        where = f" (key {'.'.join(key)!r})" if key else ""
+        raise RuntimeError(
+            f"Stacking the elements of the list resulted in an error{where}: {exc}"
+        ) from None
 
 
 def one_row(data: Any, prefix: tuple[str, ...] = ()) -> Any:
@@ -75,14 +79,9 @@ def one_row(data: Any, prefix: tuple[str, ...] = ()) -> Any:
         return data.unsqueeze(0)
     if isinstance(data, Mapping):
         return {key: one_row(value, (*prefix, str(key))) for key, value in data.items()}
-    if isinstance(data, list | tuple) and prefix:  # a pytree node inside a mapping
+    if isinstance(data, list | tuple):  # a pytree node
         rows = [one_row(value, (*prefix, str(i))) for i, value in enumerate(data)]
         return rows if isinstance(data, list) else tuple(rows)
-    if isinstance(data, list | tuple):
-        raise SchemaError(
-            f"each row: a {type(data).__name__}; DaemonStorage rows are tensors, TensorDicts "
-            "or mappings (a pytree row's lists and tuples go inside a mapping: {'obs': [...]})"
-        )
     return torch.as_tensor(data).unsqueeze(0)
 
 

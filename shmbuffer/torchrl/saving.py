@@ -89,11 +89,21 @@ def clear(storage: Any, what: str = "rb.empty()") -> None:
     storage.forget_reads()
 
 
-def state_dict(storage: Any) -> dict[str, Any]:
-    """The rows in index order and the ring's position (see the module docstring)."""
+def state_dict(
+    storage: Any, save_hooks: list[Any] | None = None, path: Any = None
+) -> dict[str, Any]:
+    """The rows in index order and the ring's position (see the module docstring), the rows
+    passed through TorchRL's ``save_hooks`` first (as its checkpointers do, with their
+    ``shift`` and ``is_full`` set) when ``dumps`` has any."""
     stats = storage.reader.stats()
     size = storage._extent(stats)
     rows: Any = storage.get(slice(0, size)) if size else None
+    for hook in save_hooks or ():
+        if hasattr(hook, "is_full"):
+            hook.is_full = size == int(stats["capacity"])
+        if hasattr(hook, "shift"):
+            hook.shift = int(stats["pointer"]) or size
+        rows = hook(rows, path=path)
     if isinstance(rows, TensorDictBase):
         rows = rows.state_dict()
     return {
@@ -154,7 +164,7 @@ def dumps(storage: Any, path: Any) -> None:
     storage.flush()
     if storage.reader.attach() is not None:  # a daemon checkpoints nothing before a schema
         admin_call(storage, "dumps", "checkpoint", to=str(folder / CHECKPOINT_DIR))
-    torch.save(state_dict(storage), folder / ROWS_FILE)
+    torch.save(state_dict(storage, storage.save_hooks, folder), folder / ROWS_FILE)
 
 
 def loads(storage: Any, path: Any) -> None:
@@ -166,7 +176,10 @@ def loads(storage: Any, path: Any) -> None:
             f"(a daemon checkpoint alone, in {Path(path) / CHECKPOINT_DIR}, is restored with "
             "`shmbuffer-daemon start --restore DIR`)"
         )
-    load_state_dict(storage, torch.load(file, weights_only=False))
+    state = torch.load(file, weights_only=False)
+    for hook in storage.load_hooks:  # TorchRL's, in the order they were registered
+        state["_storage"] = hook(state["_storage"])
+    load_state_dict(storage, state)
 
 
 def _tensordict_of(state: Mapping[str, Any]) -> TensorDictBase:

@@ -128,7 +128,9 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
         )
         self.writer_options = _checked_options(writer_options, Writer, "writer_options")
         self._compilable = False
-        self.checkpointer = None  # TorchRL's default (unused: dumps is refused)
+        self.checkpointer = None  # TorchRL's default (unused: see dumps)
+        self.save_hooks: list[Any] = []
+        self.load_hooks: list[Any] = []
         self._attached_entities_list: list[Any] = []
         self._capacity: int | None = None
         self._pid = os.getpid()
@@ -480,6 +482,15 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
     def dumps(self, path: Any) -> None:
         """The daemon's checkpoint into ``path/daemon``, and the rows into ``path/rows.pt``."""
         saving.dumps(self, path)
+
+    def register_save_hook(self, hook: Any) -> None:
+        """A TorchRL save hook, called on the rows by :meth:`dumps` (``shift`` and ``is_full``
+        set as TorchRL's checkpointers set them)."""
+        self.save_hooks.append(hook)
+
+    def register_load_hook(self, hook: Any) -> None:
+        """A TorchRL load hook, called on the rows :meth:`loads` read."""
+        self.load_hooks.append(hook)
 
     def loads(self, path: Any) -> None:
         """Load the rows :meth:`dumps` wrote into ``path`` into this daemon."""

@@ -22,6 +22,7 @@ import torch
 from tensordict import TensorDictBase
 from torchrl.data.replay_buffers.writers import Writer as TorchRLWriter
 
+from shmbuffer.torchrl import pytrees
 from shmbuffer.torchrl.batches import (
     as_batch,
     count_rows,
@@ -72,8 +73,11 @@ class DaemonWriter(TorchRLWriter):  # type: ignore[misc]  # TorchRL has no type 
         return daemon_storage_of(self._storage, "DaemonWriter")
 
     def add(self, data: Any) -> int:
-        """Write one row (a TensorDict of batch size ``[]``, a mapping or a tensor)."""
-        self.extend(one_row(data))
+        """Write one row (a TensorDict of batch size ``[]``, a mapping, a tensor or a
+        pytree)."""
+        row = one_row(data)
+        # A list here is one row's pytree node, not a list of rows as extend reads one.
+        self.extend(pytrees.encode(row) if isinstance(row, list) else row)
         return UNKNOWN
 
     def extend(self, data: Any) -> torch.Tensor:

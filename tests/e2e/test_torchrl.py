@@ -324,7 +324,7 @@ def test_tensordict_rows_keep_their_own_batch_size(daemon: Any) -> None:
         storage.close()
 
 
-def test_rows_missing_keys_or_that_are_tuples_are_refused_naming_the_key(daemon: Any) -> None:
+def test_rows_missing_keys_are_refused_naming_them(daemon: Any) -> None:
     storage = DaemonStorage(daemon(capacity=16, unit="transition").name)
     try:
         rb = ReplayBuffer(storage=storage, writer=DaemonWriter(), batch_size=2)
@@ -332,10 +332,6 @@ def test_rows_missing_keys_or_that_are_tuples_are_refused_naming_the_key(daemon:
         # A shared schema has no value to fill a missing key with: refused, naming it.
         with pytest.raises(SchemaError, match=r"missing keys: \['next\.reward'\]"):
             rb.extend(TensorDict({"a": torch.zeros(2, 1)}, [2]))
-        # A row that is itself a tuple has no keys to store it under (pytree rows: lists
-        # and tuples inside a mapping, test_torchrl_pytrees.py).
-        with pytest.raises(SchemaError, match="each row: a tuple"):
-            rb.extend([(torch.zeros(1), torch.zeros(1))] * 2)
         rb.extend([{"a": torch.ones(1), "next": {"reward": torch.ones(1)}}] * 2)  # stacked
         assert storage[2:]["a"].tolist() == [[1.0], [1.0]]
         assert len(rb) == 4  # nothing of a refused batch was stored

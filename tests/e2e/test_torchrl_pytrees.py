@@ -75,3 +75,33 @@ def test_pytree_rows_read_back_in_their_own_shape_in_every_process(daemon: Any) 
     finally:
         rb.storage.close()
         other.close()
+
+
+def test_rows_that_are_tuples_and_lists_read_back_as_such(daemon: Any) -> None:
+    """TorchRL's ``extend`` of a list of tuple rows, and ``add`` of a list row."""
+    rb = ReplayBuffer(storage=DaemonStorage(daemon(capacity=8, unit="transition").name))
+    other = ReplayBuffer(storage=DaemonStorage(daemon(capacity=8, unit="transition").name))
+    try:
+        rb.extend(
+            [
+                (torch.full((2,), i), {"a": torch.full((1,), -i)}, [torch.tensor(i)])
+                for i in range(3)
+            ]
+        )
+        got = rb.storage[:]
+        assert isinstance(got, tuple) and got[0][:, 0].tolist() == [0, 1, 2]
+        assert got[1]["a"][:, 0].tolist() == [0, -1, -2] and got[2][0].tolist() == [0, 1, 2]
+        other.add([torch.ones(2), (torch.zeros(1),)])
+        row = other.storage[0]
+        assert isinstance(row, list) and isinstance(row[1], tuple) and row[0].tolist() == [1.0, 1.0]
+        with pytest.raises(RuntimeError, match="Stacking the elements of the list"):
+            rb.extend(
+                [
+                    (torch.zeros(2), {"a": torch.zeros(1)}, [torch.tensor(0)]),
+                    (torch.zeros(3), {"a": torch.zeros(1)}, [torch.tensor(0)]),
+                ]
+            )
+        assert len(rb) == 3
+    finally:
+        rb.storage.close()
+        other.storage.close()

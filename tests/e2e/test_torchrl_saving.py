@@ -103,6 +103,18 @@ def test_state_dict_moves_the_rows_and_the_ring_position_to_another_daemon(
         copy.storage.close()
 
 
+class SaveHook:
+    """A TorchRL save hook: told where the ring is, shown the rows saved."""
+
+    shift: int | None = None
+    is_full: bool | None = None
+    seen: list[int] | None = None
+
+    def __call__(self, data: Any, path: Any = None) -> Any:
+        self.seen = data["id"].tolist()
+        return data
+
+
 def test_dumps_writes_a_daemon_checkpoint_and_loads_reads_it_back(
     daemon: Any, tmp_path: Path
 ) -> None:
@@ -110,7 +122,10 @@ def test_dumps_writes_a_daemon_checkpoint_and_loads_reads_it_back(
     rb = buffer(d.name)
     try:
         rb.extend(rows(0, 5))
+        hook = SaveHook()
+        rb.register_save_hook(hook)
         rb.dumps(tmp_path / "saved")
+        assert (hook.shift, hook.is_full, hook.seen) == (5, False, [0, 1, 2, 3, 4])
         assert (tmp_path / "saved" / "storage" / "daemon" / "checkpoint").is_dir()
         rb.empty()
         rb.loads(tmp_path / "saved")

@@ -122,3 +122,28 @@ def rows_between(batch: Any, first: int, end: int) -> Any:
     if isinstance(batch, TensorDictBase | torch.Tensor):
         return batch[first:end]
     return {name: rows_between(value, first, end) for name, value in batch.items()}
+
+
+def _ring_parts(num_rows: int, capacity: int) -> list[tuple[int, int]]:
+    """The row ranges of a write to store, in order. A write longer than the ring keeps its
+    last ``capacity`` rows, each where TorchRL's ring puts it (row ``i`` at ``(start + i) %
+    capacity``) with the pointer ``num_rows`` on: the ``num_rows % capacity`` rows before
+    them are written first, and overwritten by them."""
+    if num_rows <= capacity:
+        return [(0, num_rows)]
+    tail, skip = num_rows - capacity, num_rows % capacity
+    return ([(tail - skip, tail)] if skip else []) + [(tail, num_rows)]
+
+
+def write_rows(writer: Any, batch: Any, num_rows: int, priority: Any = None) -> int:
+    """Hand ``batch`` (from :func:`as_batch`) to shmbuffer's ``writer``; a batch longer than
+    the ring is stored as TorchRL's ring keeps it (:func:`_ring_parts`). Returns the rows
+    written (more than ``num_rows`` then)."""
+    batch = with_row_batch_size(batch, writer.schema)
+    parts = _ring_parts(num_rows, writer.capacity)
+    for first, end in parts:
+        part = batch if end - first == num_rows else rows_between(batch, first, end)
+        writer.extend(part, priority=None if priority is None else priority[first:end])
+        if len(parts) > 1:  # stored apart: gathered, the parts would not fit the ring
+            writer.flush()
+    return sum(end - first for first, end in parts)

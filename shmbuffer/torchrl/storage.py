@@ -43,7 +43,7 @@ from shmbuffer.clients.writer import Writer
 from shmbuffer.errors import TornReadError, WaitTimeoutError
 from shmbuffer.storage import rows
 from shmbuffer.storage.schema import Schema, to_host
-from shmbuffer.torchrl import pytrees, saving
+from shmbuffer.torchrl import batches, pytrees, saving
 from shmbuffer.torchrl.batches import ROW_BATCH_KEY, TENSOR_KEY
 
 __all__ = ["DaemonStorage", "daemon_storage_of"]
@@ -443,11 +443,34 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
     # -- what a daemon-backed storage does not do ---------------------------------------------
 
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
-        raise TypeError(
-            "DaemonStorage is written through DaemonWriter: pass "
-            "writer=shmbuffer.torchrl.DaemonWriter() to the ReplayBuffer (the daemon, not "
-            "this process's cursor, decides where rows go; rows are never set in place)"
-        )
+        """Write ``data`` at rows ``cursor``, when those are where the daemon's ring puts this
+        process's next rows (its pointer on): what TorchRL's ``RoundRobinWriter`` and a fresh
+        storage's ``set(range(n), rows)`` ask, honoured where this process is the only writer
+        (another's rows landing first would move these on, as a DaemonWriter's). Rows at any
+        other place are refused: the daemon places rows, and never changes one in place."""
+        positions = _positions(cursor)
+        if positions is None:
+            raise TypeError(f"DaemonStorage.set takes row numbers, got {cursor!r}")
+        if isinstance(data, range):
+            data = list(data)
+        batch = batches.as_batch(batches.one_row(data) if positions.ndim == 0 else data)
+        num_rows = batches.count_rows(batch)
+        positions = positions.reshape(-1)
+        writer = self.writer
+        writer.flush()
+        stats = self._fresh_stats()
+        pointer, capacity = int(stats["pointer"]), int(stats["capacity"])
+        expected = (pointer + np.arange(positions.size)) % capacity
+        if positions.size != num_rows or not np.array_equal(positions % capacity, expected):
+            raise TypeError(
+                f"DaemonStorage writes rows at the ring's pointer (row {pointer} next), got "
+                f"rows {positions.tolist()[:8]}: the daemon, not this process, decides where "
+                "rows go, and rows are never set in place. Write through "
+                "shmbuffer.torchrl.DaemonWriter() (a ReplayBuffer's default over this storage)"
+            )
+        batches.write_rows(writer, batch, num_rows)
+        writer.flush()
+        self.forget_reads()
 
     def _bump_mutation_revision(self) -> None:
         """TorchRL calls this after changing rows in place; here the change was made to a
@@ -498,6 +521,20 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
 
     def __repr__(self) -> str:
         return f"DaemonStorage({self.target!r})"
+
+
+def _positions(cursor: Any) -> np.ndarray | None:
+    """``cursor`` (an int, a range, a sequence, array or tensor of ints) as an int64 array
+    (0-d for one int), or None if it holds something else."""
+    if isinstance(cursor, range):
+        return np.arange(cursor.start, cursor.stop, cursor.step, dtype=np.int64)
+    try:
+        array = np.asarray(to_host(cursor))
+    except (TypeError, ValueError):
+        return None
+    if array.dtype.kind not in "iu":
+        return None
+    return array.astype(np.int64)
 
 
 def _unfilled(schema: Schema, num_rows: int) -> TensorDict:

@@ -27,8 +27,7 @@ from shmbuffer.torchrl.batches import (
     as_batch,
     count_rows,
     one_row,
-    rows_between,
-    with_row_batch_size,
+    write_rows,
 )
 from shmbuffer.torchrl.storage import _ADAPTERS, DaemonStorage, daemon_storage_of
 
@@ -91,14 +90,7 @@ class DaemonWriter(TorchRLWriter):  # type: ignore[misc]  # TorchRL has no type 
             priority = _priority_of(batch, self.priority_key, num_rows)
             batch = _without(batch, self.priority_key)
         writer = self._daemon().writer
-        batch = with_row_batch_size(batch, writer.schema)
-        parts = _ring_parts(num_rows, writer.capacity)
-        for first, end in parts:
-            part = batch if end - first == num_rows else rows_between(batch, first, end)
-            writer.extend(part, priority=None if priority is None else priority[first:end])
-            if len(parts) > 1:  # stored apart: gathered, the parts would not fit the ring
-                writer.flush()
-        written = sum(end - first for first, end in parts)
+        written = write_rows(writer, batch, num_rows, priority)
         if written != num_rows:  # write_count counts the rows handed, as TorchRL's does
             self._write_base = (self._write_base or 0) + written - num_rows
         if self.flush:
@@ -157,17 +149,6 @@ class DaemonWriter(TorchRLWriter):  # type: ignore[misc]  # TorchRL has no type 
 
 
 _ADAPTERS["writer"] = DaemonWriter
-
-
-def _ring_parts(num_rows: int, capacity: int) -> list[tuple[int, int]]:
-    """The row ranges of a write to store, in order. A write longer than the ring keeps its
-    last ``capacity`` rows, each where TorchRL's ring puts it (row ``i`` at ``(start + i) %
-    capacity``) with the pointer ``num_rows`` on: the ``num_rows % capacity`` rows before
-    them are written first, and overwritten by them."""
-    if num_rows <= capacity:
-        return [(0, num_rows)]
-    tail, skip = num_rows - capacity, num_rows % capacity
-    return ([(tail - skip, tail)] if skip else []) + [(tail, num_rows)]
 
 
 def _priority_of(batch: Any, key: Any, num_rows: int) -> torch.Tensor:

@@ -183,7 +183,7 @@ def test_workers_extend_learners_sample_and_share_priorities(
         assert child.exitcode == 0
         assert int((storage[:]["id"] >= 10**6).sum()) == 6
 
-        # TorchRL's own cursor writer would place rows by itself: refused.
+        # TorchRL's own cursor writer, its cursor (0) not the ring's pointer: refused.
         own_cursor = ReplayBuffer(storage=storage, writer=RoundRobinWriter(), batch_size=8)
         with pytest.raises(TypeError, match="DaemonWriter"):
             own_cursor.extend(TensorDict({"id": torch.arange(3)}, [3]))

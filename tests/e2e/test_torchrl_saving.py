@@ -13,7 +13,13 @@ pytest.importorskip("torchrl", reason="shmbuffer.torchrl needs the [torchrl] ext
 
 import torch
 from tensordict import TensorDict
-from torchrl.data import LazyTensorStorage, PrioritizedReplayBuffer, ReplayBuffer, TensorStorage
+from torchrl.data import (
+    LazyTensorStorage,
+    PrioritizedReplayBuffer,
+    ReplayBuffer,
+    RoundRobinWriter,
+    TensorStorage,
+)
 
 from shmbuffer.errors import PermissionDeniedError
 from shmbuffer.torchrl import DaemonSampler, DaemonStorage, DaemonWriter
@@ -190,3 +196,20 @@ def test_the_storage_is_the_one_line_change_for_replay_buffers_and_prioritized_o
     finally:
         for each in (rb, prb, other):
             each.storage.close()
+
+
+def test_storage_set_at_the_ring_pointer_is_written_elsewhere_refused(daemon: Any) -> None:
+    """TorchRL's RoundRobinWriter (and ``storage.set(range(n), rows)`` on a fresh storage)
+    write where the ring's pointer is: honoured. Any other row would be changed in place."""
+    storage = DaemonStorage(daemon(capacity=4, unit="transition").name)
+    try:
+        storage.set(range(3), torch.arange(3))
+        rb = ReplayBuffer(storage=storage, writer=RoundRobinWriter(), batch_size=2)
+        rb.writer._cursor = 3  # where the rows above left TorchRL's own cursor
+        rb.extend(torch.arange(10, 13))  # rows 3, 0 and 1, as in TorchRL's ring
+        assert storage[:].tolist() == [11, 12, 2, 10] and rb.writer._cursor == 2
+        with pytest.raises(TypeError, match=r"pointer \(row 2 next\).*\[0\]"):
+            storage.set(0, torch.tensor(7))
+        assert storage[:].tolist() == [11, 12, 2, 10]
+    finally:
+        storage.close()

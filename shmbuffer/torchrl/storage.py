@@ -45,6 +45,7 @@ from shmbuffer.storage import rows
 from shmbuffer.storage.schema import Schema, to_host
 from shmbuffer.torchrl import batches, pytrees, saving
 from shmbuffer.torchrl.batches import ROW_BATCH_KEY, TENSOR_KEY
+from shmbuffer.torchrl.dims import GridMixin, check_ndim
 
 __all__ = ["DaemonStorage", "daemon_storage_of"]
 
@@ -83,7 +84,7 @@ def _checked_options(options: Mapping[str, Any] | None, client: type, name: str)
     return dict(options)
 
 
-class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type hints
+class DaemonStorage(GridMixin, StoreStorage):  # type: ignore[misc]  # TorchRL has no type hints
     """A TorchRL ``Storage`` backed by a shmbuffer daemon in transition unit.
 
     Subclasses TorchRL's ``StoreStorage`` (the storage for rows kept in a server) only so
@@ -113,6 +114,7 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
         remote: bool | None = None,
         reader_options: Mapping[str, Any] | None = None,
         writer_options: Mapping[str, Any] | None = None,
+        ndim: int = 1,
     ) -> None:
         # Neither StoreStorage.__init__ (it needs Redis) nor Storage.__init__ (it sets
         # max_size, here the daemon's capacity, known once a client has said hello).
@@ -121,6 +123,7 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.target = target
+        self.ndim = check_ndim(ndim)
         self.timeout = float(timeout)
         self.remote = remote
         self.reader_options = {"prefetch": False} | _checked_options(
@@ -190,10 +193,10 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
 
     @property
     def max_size(self) -> int:
-        """The daemon's capacity in rows."""
+        """The daemon's capacity in rows (``ndim=2``: in steps, rows times ``T``)."""
         if self._capacity is None:  # an open Writer would have set it: ask through a Reader
             self._capacity = self.reader.capacity
-        return self._capacity
+        return self._capacity if self.ndim == 1 else self._capacity * (self._steps() or 1)
 
     def flush(self) -> None:
         """Wait until everything this process wrote is committed (a no-op before any write)."""
@@ -250,6 +253,10 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
         return pointer if in_use <= pointer else capacity
 
     def __len__(self) -> int:
+        rows = self._rows_in_use()
+        return rows if self.ndim == 1 else rows * (self._steps() or 1)
+
+    def _rows_in_use(self) -> int:
         return self._extent(self._fresh_stats())
 
     @property
@@ -288,7 +295,7 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
             )
 
     def contains(self, item: Any) -> Any:
-        size = len(self)
+        size = self._rows_in_use()
         if isinstance(item, torch.Tensor):
             return (item >= 0) & (item < size)
         index = operator.index(item)
@@ -303,6 +310,12 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
         handed, self._handed = self._handed, None
         if handed is not None and handed[0] is index:
             return handed[1]  # a DaemonSampler's draw, already copied and checked
+        if self.ndim == 2 and isinstance(index, tuple) and len(index) == 2:
+            return self.get_steps(index)  # (rows, steps), as TorchRL indexes an ndim=2 one
+        return self.get_rows(index)
+
+    def get_rows(self, index: Any) -> Any:
+        """Whole daemon rows (see :meth:`get`)."""
         physical, shape = self._physical(index)
         data = self._read(physical)
         if shape == ():
@@ -337,7 +350,7 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
                 )
             (index,) = index
         if isinstance(index, slice):
-            positions = np.arange(len(self), dtype=np.int64)[index]
+            positions = np.arange(self._rows_in_use(), dtype=np.int64)[index]
             return positions, positions.shape
         array = np.asarray(to_host(index))
         if array.dtype == np.bool_:
@@ -346,7 +359,7 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
             raise IndexError(f"DaemonStorage indices must be integers, got {array.dtype}")
         physical = array.astype(np.int64).reshape(-1)
         if (physical < 0).any():  # from the end of the rows in use, as a TorchRL storage
-            physical = np.where(physical < 0, physical + len(self), physical)
+            physical = np.where(physical < 0, physical + self._rows_in_use(), physical)
         outside = (physical < 0) | (physical >= self.max_size)
         if outside.any():
             raise IndexError(

@@ -99,9 +99,12 @@ class _HarnessStorage(DaemonStorage):
         **_: Any,
     ) -> None:
         if ndim != 1:
+            # DaemonStorage(ndim=2) counts its daemon's rows as trajectories of T steps, and
+            # T is only known at the first write: a test's max_size in steps cannot size it.
             raise NotImplementedError(
-                "DaemonStorage is one-dimensional: storages of more than one dimension "
-                "(ndim > 1) are not supported"
+                "harness: an ndim=2 DaemonStorage's daemon is sized in trajectories "
+                "(--capacity = max_size / T), and T is not known before the first write; "
+                "not one-dimensional, so not run here"
             )
         if device not in (None, "cpu", "auto") and torch.device(device).type != "cpu":
             raise NotImplementedError(f"DaemonStorage rows are read to the CPU, got {device}")

@@ -303,6 +303,12 @@ class DaemonStorage(GridMixin, StoreStorage):  # type: ignore[misc]  # TorchRL h
 
     # -- reading ------------------------------------------------------------------------------
 
+    @property
+    def _storage(self) -> _Rows:
+        """What TorchRL's own storages keep their rows in, which TorchRL code and tests index
+        (``storage._storage[index]``): here a view reading through :meth:`get`."""
+        return _Rows(self)
+
     def get(self, index: Any) -> Any:
         """The rows at ``index`` (an int, a slice of ``[0, len)``, a sequence, array or tensor
         of rows, or a 1-tuple of one): a TensorDict of ``index``'s shape (one row: batch size
@@ -534,6 +540,19 @@ class DaemonStorage(GridMixin, StoreStorage):  # type: ignore[misc]  # TorchRL h
 
     def __repr__(self) -> str:
         return f"DaemonStorage({self.target!r})"
+
+
+class _Rows:
+    """``DaemonStorage._storage``: indexing reads rows (a copy; nothing is written through)."""
+
+    def __init__(self, storage: DaemonStorage) -> None:
+        self._of = storage
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._of.get(index)
+
+    def __len__(self) -> int:
+        return len(self._of)
 
 
 def _positions(cursor: Any) -> np.ndarray | None:

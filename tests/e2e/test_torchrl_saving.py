@@ -208,6 +208,7 @@ def test_storage_set_at_the_ring_pointer_is_written_elsewhere_refused(daemon: An
         rb.writer._cursor = 3  # where the rows above left TorchRL's own cursor
         rb.extend(torch.arange(10, 13))  # rows 3, 0 and 1, as in TorchRL's ring
         assert storage[:].tolist() == [11, 12, 2, 10] and rb.writer._cursor == 2
+        assert storage._storage[[3, 1]].tolist() == [10, 12]  # TorchRL code reads it so
         with pytest.raises(TypeError, match=r"pointer \(row 2 next\).*\[0\]"):
             storage.set(0, torch.tensor(7))
         assert storage[:].tolist() == [11, 12, 2, 10]

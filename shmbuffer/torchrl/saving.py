@@ -33,6 +33,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from shmbuffer.clients.connection import Connection
 from shmbuffer.errors import LimitExceededError, PermissionDeniedError
+from shmbuffer.torchrl import pytrees
 from shmbuffer.torchrl.batches import as_batch, with_row_batch_size
 
 #: The file ``dumps`` writes the state dict to, beside the daemon's checkpoint.
@@ -104,6 +105,9 @@ def state_dict(
         if hasattr(hook, "shift"):
             hook.shift = int(stats["pointer"]) or size
         rows = hook(rows, path=path)
+    if rows is not None and not isinstance(rows, TensorDictBase | torch.Tensor):
+        # A pytree: its columns as stored (their names hold its shape), rebuilt once loaded.
+        rows = TensorDict(pytrees.encode(rows), batch_size=[size])
     if isinstance(rows, TensorDictBase):
         rows = rows.state_dict()
     return {

@@ -467,7 +467,7 @@ class DaemonStorage(GridMixin, StoreStorage):  # type: ignore[misc]  # TorchRL h
         storage's ``set(range(n), rows)`` ask, honoured where this process is the only writer
         (another's rows landing first would move these on, as a DaemonWriter's). Rows at any
         other place are refused: the daemon places rows, and never changes one in place."""
-        positions = _positions(cursor)
+        positions = _positions(cursor, self._max_size_along_dim0())
         if positions is None:
             raise TypeError(f"DaemonStorage.set takes row numbers, got {cursor!r}")
         if isinstance(data, range):
@@ -554,10 +554,22 @@ class _Rows:
     def __len__(self) -> int:
         return len(self._of)
 
+    @property
+    def shape(self) -> torch.Size | None:
+        """The rows' full shape, ``[capacity, *row batch size]`` (None before any write)."""
+        total, schema = self._of._total_shape, self._of.reader.attach()
+        if total is None or schema is None or self._of.ndim != 1:
+            return total
+        if (ROW_BATCH_KEY,) in schema:
+            return torch.Size([*total, *schema[ROW_BATCH_KEY].shape[:-1]])
+        return total
 
-def _positions(cursor: Any) -> np.ndarray | None:
-    """``cursor`` (an int, a range, a sequence, array or tensor of ints) as an int64 array
-    (0-d for one int), or None if it holds something else."""
+
+def _positions(cursor: Any, capacity: int) -> np.ndarray | None:
+    """``cursor`` (an int, a range or slice, a sequence, array or tensor of ints) as an
+    int64 array (0-d for one int), or None if it holds something else."""
+    if isinstance(cursor, slice):
+        cursor = range(*cursor.indices(capacity))
     if isinstance(cursor, range):
         return np.arange(cursor.start, cursor.stop, cursor.step, dtype=np.int64)
     try:

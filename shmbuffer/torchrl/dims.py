@@ -89,11 +89,14 @@ class GridMixin:
         return self._rows_in_use() == int(self.reader.capacity)
 
     def _rand_given_ndim(self, batch_size: int) -> Any:
-        rows = self._rows_in_use()
+        rows, rng = self._rows_in_use(), getattr(self, "_rng", None)  # a buffer's generator
         if self.ndim == 1:
-            return torch.randint(rows, (batch_size,))
+            return torch.randint(rows, (batch_size,), generator=rng)
         steps = self._steps() or 1
-        return (torch.randint(rows, (batch_size,)), torch.randint(steps, (batch_size,)))
+        return (
+            torch.randint(rows, (batch_size,), generator=rng),
+            torch.randint(steps, (batch_size,), generator=rng),
+        )
 
     def get_steps(self, index: tuple[Any, Any]) -> Any:
         """Elements ``(rows, steps)`` of an ``ndim=2`` storage, as TorchRL's indexing of its

@@ -18,6 +18,7 @@ import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 
 from shmbuffer.clients.reader import Reader
+from shmbuffer.errors import EmptyBufferError
 from shmbuffer.samplers.base import check_beta
 from shmbuffer.torchrl.storage import _ADAPTERS, daemon_storage_of
 from shmbuffer.torchrl.writer import UNKNOWN
@@ -85,7 +86,12 @@ class DaemonSampler(Sampler):  # type: ignore[misc]  # TorchRL has no type hints
         reader = self._reader_of(daemon)
         if not self._alpha_checked:
             self._check_alpha(reader)
-        data, info = reader.sample(batch_size, return_info=True, beta=self.beta)
+        try:
+            data, info = reader.sample(batch_size, return_info=True, beta=self.beta)
+        except EmptyBufferError as exc:
+            if len(daemon) == 0:  # TorchRL's words for it, as its own storages say
+                raise RuntimeError(f"Cannot sample from an empty storage: {exc}") from exc
+            raise
         index = info["index"]
         daemon._handed = (index, daemon._unwrap(data))  # the get(index) that follows takes it
         self._last = (index, info["generation"])

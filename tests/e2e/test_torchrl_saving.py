@@ -55,6 +55,8 @@ def test_empty_clears_the_whole_daemon_for_every_process_and_restarts_the_cursor
         assert set(other.sample()["id"].tolist()) <= {100, 101}
         rb.empty(empty_write_count=False)
         assert len(other) == 0 and rb.write_count == 2
+        with pytest.raises(RuntimeError, match="Cannot sample from an empty storage"):
+            other.sample()  # TorchRL's words, from the daemon's sampler too
     finally:
         rb.storage.close()
         other.storage.close()
@@ -214,3 +216,18 @@ def test_storage_set_at_the_ring_pointer_is_written_elsewhere_refused(daemon: An
         assert storage[:].tolist() == [11, 12, 2, 10]
     finally:
         storage.close()
+
+
+def test_a_buffer_s_generator_seeds_torchrl_s_client_side_draws(daemon: Any) -> None:
+    name = daemon(capacity=16, unit="transition").name
+    draws = []
+    for _ in range(2):
+        generator = torch.Generator().manual_seed(7)
+        rb = ReplayBuffer(storage=DaemonStorage(name), batch_size=8, generator=generator)
+        try:
+            if not len(rb):
+                rb.extend(rows(0, 16))
+            draws.append(rb.sample()["id"].tolist())
+        finally:
+            rb.storage.close()
+    assert draws[0] == draws[1]

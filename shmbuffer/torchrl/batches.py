@@ -8,11 +8,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import TensorDictBase, is_tensorclass
 
 from shmbuffer.errors import SchemaError
-from shmbuffer.storage.schema import Schema
+from shmbuffer.storage.schema import Schema, to_host
 from shmbuffer.torchrl import pytrees
 
 #: The key a batch that is one bare tensor is stored under (TorchRL's StoreStorage does the
@@ -147,3 +148,19 @@ def write_rows(writer: Any, batch: Any, num_rows: int, priority: Any = None) -> 
         if len(parts) > 1:  # stored apart: gathered, the parts would not fit the ring
             writer.flush()
     return sum(end - first for first, end in parts)
+
+
+def positions_of(cursor: Any, capacity: int) -> np.ndarray | None:
+    """``cursor`` (an int, a range or slice, a sequence, array or tensor of ints) as an
+    int64 array (0-d for one int), or None if it holds something else."""
+    if isinstance(cursor, slice):
+        cursor = range(*cursor.indices(capacity))
+    if isinstance(cursor, range):
+        return np.arange(cursor.start, cursor.stop, cursor.step, dtype=np.int64)
+    try:
+        array = np.asarray(to_host(cursor))
+    except (TypeError, ValueError):
+        return None
+    if array.dtype.kind not in "iu":
+        return None
+    return array.astype(np.int64)

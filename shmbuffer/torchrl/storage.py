@@ -100,10 +100,13 @@ class DaemonStorage(GridMixin, StoreStorage):  # type: ignore[misc]  # TorchRL h
             Writer (CURVE keys, ``sample_timeout``, ``commit_delay``, ...). The Reader samples
             without ``prefetch`` unless asked, so a sample reflects every priority update
             made before it.
+        ndim: 1 (rows), or 2: ``[T, num_envs]`` trajectories, one env's ``T`` steps a daemon
+            row, indexed ``(row, step)`` (``shmbuffer/torchrl/dims.py``).
 
-    Writes go through :class:`~shmbuffer.torchrl.DaemonWriter` only (``set`` is refused: the
-    daemon decides where rows go). ``rb.empty()``, ``state_dict`` and ``dumps`` are refused
-    too: the data belongs to every process of the job, not to this buffer object.
+    Writes go through :class:`~shmbuffer.torchrl.DaemonWriter` (a buffer's default over this
+    storage), or ``set`` at the ring's pointer (see :meth:`set`): the daemon decides where rows
+    go. ``rb.empty()``, ``load_state_dict`` and ``loads`` change the rows every process of the
+    job shares, as admin requests (``shmbuffer/torchrl/saving.py``).
     """
 
     def __init__(
@@ -467,7 +470,7 @@ class DaemonStorage(GridMixin, StoreStorage):  # type: ignore[misc]  # TorchRL h
         storage's ``set(range(n), rows)`` ask, honoured where this process is the only writer
         (another's rows landing first would move these on, as a DaemonWriter's). Rows at any
         other place are refused: the daemon places rows, and never changes one in place."""
-        positions = _positions(cursor, self._max_size_along_dim0())
+        positions = batches.positions_of(cursor, self._max_size_along_dim0())
         if positions is None:
             raise TypeError(f"DaemonStorage.set takes row numbers, got {cursor!r}")
         if isinstance(data, range):
@@ -563,22 +566,6 @@ class _Rows:
         if (ROW_BATCH_KEY,) in schema:
             return torch.Size([*total, *schema[ROW_BATCH_KEY].shape[:-1]])
         return total
-
-
-def _positions(cursor: Any, capacity: int) -> np.ndarray | None:
-    """``cursor`` (an int, a range or slice, a sequence, array or tensor of ints) as an
-    int64 array (0-d for one int), or None if it holds something else."""
-    if isinstance(cursor, slice):
-        cursor = range(*cursor.indices(capacity))
-    if isinstance(cursor, range):
-        return np.arange(cursor.start, cursor.stop, cursor.step, dtype=np.int64)
-    try:
-        array = np.asarray(to_host(cursor))
-    except (TypeError, ValueError):
-        return None
-    if array.dtype.kind not in "iu":
-        return None
-    return array.astype(np.int64)
 
 
 def _unfilled(schema: Schema, num_rows: int) -> TensorDict:

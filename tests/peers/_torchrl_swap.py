@@ -9,9 +9,11 @@ user makes, everywhere a test builds a buffer part by its public name:
   unit, ``--sampler prioritized``), stopped when the test ends;
 - writers: ``RoundRobinWriter`` and ``TensorDictRoundRobinWriter`` (and a buffer's default
   writer, over a daemon storage) become :class:`~shmbuffer.torchrl.DaemonWriter`;
-- samplers: ``PrioritizedSampler`` (and the one ``PrioritizedReplayBuffer`` builds, over a
-  daemon storage) becomes :class:`~shmbuffer.torchrl.DaemonSampler`; TorchRL's client-side
-  samplers run as they are.
+- samplers: none. A TorchRL ``PrioritizedSampler`` given to a buffer over a daemon storage
+  (or built by a ``PrioritizedReplayBuffer``) becomes a
+  :class:`~shmbuffer.torchrl.DaemonSampler` by ``DaemonStorage.attach``, as in a user's
+  program; TorchRL's client-side samplers, and a ``PrioritizedSampler`` used on its own, run
+  as they are.
 
 TorchRL's internals keep their own classes (only the names a test imports are replaced), so
 its ``isinstance`` checks see what a user's code would give them. Parametrizations that
@@ -40,7 +42,7 @@ import torchrl.data.replay_buffers.storages as trl_storages
 import torchrl.data.replay_buffers.writers as trl_writers
 from torchrl.data.replay_buffers.replay_buffers import ReplayBuffer
 
-from shmbuffer.torchrl import DaemonSampler, DaemonStorage, DaemonWriter
+from shmbuffer.torchrl import DaemonStorage, DaemonWriter
 from tests.e2e import _workers
 
 START_TIMEOUT_S = 20.0
@@ -136,23 +138,12 @@ class TensorDictRoundRobinWriter(RoundRobinWriter):
     pass
 
 
-class PrioritizedSampler(DaemonSampler):
-    """TorchRL's ``PrioritizedSampler(max_capacity, alpha, beta, ...)`` on the daemon's sum
-    tree: ``beta`` carries over; ``alpha`` is the daemon's ``--priority-exponent``."""
-
-    def __init__(
-        self, max_capacity: int = 0, alpha: float = 0.6, beta: float = 0.4, *_: Any, **kw: Any
-    ) -> None:
-        super().__init__(beta=beta)
-
-
 SUBSTITUTES: dict[str, type] = {
     "ListStorage": ListStorage,
     "LazyTensorStorage": LazyTensorStorage,
     "LazyMemmapStorage": LazyMemmapStorage,
     "RoundRobinWriter": RoundRobinWriter,
     "TensorDictRoundRobinWriter": TensorDictRoundRobinWriter,
-    "PrioritizedSampler": PrioritizedSampler,
 }
 #: What the originals become in a parametrization's key (see ``_dedupe``).
 _LABELS: dict[Any, str] = {}
@@ -168,7 +159,6 @@ _WRITER_LABELS = {"RoundRobinWriter", "TensorDictRoundRobinWriter"}
 
 # A buffer's defaults, over a daemon storage, are what a user of the adapters passes.
 _make_writer = ReplayBuffer._maybe_make_writer
-_make_sampler = ReplayBuffer._maybe_make_sampler
 
 
 def _maybe_make_writer(self: Any, writer: Any) -> Any:
@@ -178,19 +168,7 @@ def _maybe_make_writer(self: Any, writer: Any) -> Any:
     return made
 
 
-def _maybe_make_sampler(self: Any, sampler: Any) -> Any:
-    made = _make_sampler(self, sampler)
-    if (
-        isinstance(self._storage, DaemonStorage)
-        and type(made).__name__ == "PrioritizedSampler"
-        and not isinstance(made, DaemonSampler)
-    ):
-        return DaemonSampler(beta=float(made._beta))
-    return made
-
-
 ReplayBuffer._maybe_make_writer = _maybe_make_writer  # type: ignore[method-assign]
-ReplayBuffer._maybe_make_sampler = _maybe_make_sampler  # type: ignore[method-assign]
 
 
 def _label(value: Any) -> str:

@@ -24,6 +24,7 @@ worker, or inherited by a forked one, opens its own there.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 import os
@@ -37,6 +38,7 @@ import torch
 from tensordict import TensorDict
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler as TorchRLPrioritizedSampler
 from torchrl.data.replay_buffers.storages import StoreStorage
+from torchrl.data.replay_buffers.writers import TensorDictRoundRobinWriter
 
 from shmbuffer.clients.reader import Reader
 from shmbuffer.clients.writer import Writer
@@ -279,17 +281,23 @@ class DaemonStorage(GridMixin, StoreStorage):  # type: ignore[misc]  # TorchRL h
     def attach(self, buffer: Any) -> None:
         """TorchRL's hook when a buffer takes this storage (before it makes its writer and
         sampler): TorchRL's defaults that cannot work over a daemon become the adapters, so
-        that giving a buffer this storage is the whole change. A ``ReplayBuffer`` built with
-        no writer gets a :class:`DaemonWriter` (its default ``RoundRobinWriter`` sets rows at
-        its own cursor); a ``PrioritizedReplayBuffer``'s own ``PrioritizedSampler`` (one sum
-        tree per process, keyed by the indices ``extend`` returns) becomes a
-        :class:`DaemonSampler` with its ``beta``, whose ``alpha`` is the daemon's
-        ``--priority-exponent`` (checked at the first sample)."""
+        that giving a buffer this storage is the whole change. A buffer built with no writer
+        gets a :class:`DaemonWriter` (TorchRL's default ``RoundRobinWriter`` or
+        ``TensorDictRoundRobinWriter`` sets rows at its own cursor, which is the daemon's
+        only while this process is the only writer); a TorchRL ``PrioritizedSampler`` (one
+        sum tree per process, keyed by the indices ``extend`` returns), a
+        ``PrioritizedReplayBuffer``'s own included, becomes a :class:`DaemonSampler` with its
+        ``beta``, whose ``alpha`` is the daemon's ``--priority-exponent`` (checked at the
+        first sample)."""
         super().attach(buffer)
         if not hasattr(buffer, "_init_writer"):
             return
         writer, sampler = _ADAPTERS.get("writer"), _ADAPTERS.get("sampler")
-        if buffer._init_writer is None and writer is not None:
+        made = buffer._init_writer
+        default = made is None or (  # TensorDictReplayBuffer's default: a partial of its writer
+            isinstance(made, functools.partial) and made.func is TensorDictRoundRobinWriter
+        )
+        if default and writer is not None:
             buffer._init_writer = writer()
         if type(buffer._init_sampler) is TorchRLPrioritizedSampler and sampler is not None:
             prioritized = buffer._init_sampler

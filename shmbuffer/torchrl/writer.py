@@ -95,7 +95,9 @@ class DaemonWriter(TorchRLWriter):  # type: ignore[misc]  # TorchRL has no type 
             self._write_base = (self._write_base or 0) + written - num_rows
         if self.flush:
             writer.flush()
-        return torch.full((num_rows,), UNKNOWN, dtype=torch.long)
+        # An ndim=2 storage's index has a (row, step) pair per element, as TorchRL's writers
+        # give it (the row unknown: -1, the step known).
+        return self._replicate_index(torch.full((num_rows,), UNKNOWN, dtype=torch.long))
 
     # -- what TorchRL code reads of a writer: the daemon's ring, for every process -----------
 

@@ -7,17 +7,16 @@ user makes, everywhere a test builds a buffer part by its public name:
 - storages: ``ListStorage``, ``LazyTensorStorage`` and ``LazyMemmapStorage`` become a
   :class:`~shmbuffer.torchrl.DaemonStorage` over a fresh daemon of that capacity (transition
   unit, ``--sampler prioritized``), stopped when the test ends;
-- writers: ``RoundRobinWriter`` and ``TensorDictRoundRobinWriter`` (and a buffer's default
-  writer, over a daemon storage) become :class:`~shmbuffer.torchrl.DaemonWriter`;
-- samplers: none. A TorchRL ``PrioritizedSampler`` given to a buffer over a daemon storage
-  (or built by a ``PrioritizedReplayBuffer``) becomes a
-  :class:`~shmbuffer.torchrl.DaemonSampler` by ``DaemonStorage.attach``, as in a user's
-  program; TorchRL's client-side samplers, and a ``PrioritizedSampler`` used on its own, run
-  as they are.
+- nothing else: a buffer over a daemon storage gets a
+  :class:`~shmbuffer.torchrl.DaemonWriter` in place of its default writer, and a
+  :class:`~shmbuffer.torchrl.DaemonSampler` in place of a TorchRL ``PrioritizedSampler``,
+  from ``DaemonStorage.attach``, as in a user's program; writers a test names
+  (``RoundRobinWriter``, ...) write through ``storage.set``, honoured at the ring's pointer,
+  and TorchRL's samplers run as they are.
 
 TorchRL's internals keep their own classes (only the names a test imports are replaced), so
 its ``isinstance`` checks see what a user's code would give them. Parametrizations that
-differ only by which TorchRL storage (or writer) they name are one test here, and run once.
+differ only by which TorchRL storage they name are one test here, and run once.
 Each test's outcome, the error's first line and whether it built a daemon storage go to the
 JSON-lines file ``SHMBUFFER_TORCHRL_REPORT``.
 """
@@ -40,9 +39,8 @@ import torchrl.data.replay_buffers as trl_rb
 import torchrl.data.replay_buffers.samplers as trl_samplers
 import torchrl.data.replay_buffers.storages as trl_storages
 import torchrl.data.replay_buffers.writers as trl_writers
-from torchrl.data.replay_buffers.replay_buffers import ReplayBuffer
 
-from shmbuffer.torchrl import DaemonStorage, DaemonWriter
+from shmbuffer.torchrl import DaemonStorage
 from tests.e2e import _workers
 
 START_TIMEOUT_S = 20.0
@@ -129,21 +127,10 @@ class LazyMemmapStorage(LazyTensorStorage):
         super().__init__(max_size, **kw)
 
 
-class RoundRobinWriter(DaemonWriter):
-    def __init__(self, compilable: bool = False, **_: Any) -> None:
-        super().__init__()
-
-
-class TensorDictRoundRobinWriter(RoundRobinWriter):
-    pass
-
-
 SUBSTITUTES: dict[str, type] = {
     "ListStorage": ListStorage,
     "LazyTensorStorage": LazyTensorStorage,
     "LazyMemmapStorage": LazyMemmapStorage,
-    "RoundRobinWriter": RoundRobinWriter,
-    "TensorDictRoundRobinWriter": TensorDictRoundRobinWriter,
 }
 #: What the originals become in a parametrization's key (see ``_dedupe``).
 _LABELS: dict[Any, str] = {}
@@ -155,20 +142,6 @@ for _module in (trl_data, trl_rb, trl_storages, trl_samplers, trl_writers):
             setattr(_module, _name, _substitute)
 _LABELS.update({cls: name for name, cls in SUBSTITUTES.items()})
 _STORAGE_LABELS = {"ListStorage", "LazyTensorStorage", "LazyMemmapStorage"}
-_WRITER_LABELS = {"RoundRobinWriter", "TensorDictRoundRobinWriter"}
-
-# A buffer's defaults, over a daemon storage, are what a user of the adapters passes.
-_make_writer = ReplayBuffer._maybe_make_writer
-
-
-def _maybe_make_writer(self: Any, writer: Any) -> Any:
-    made = _make_writer(self, writer)
-    if isinstance(self._storage, DaemonStorage) and type(made).__name__ in _WRITER_LABELS:
-        return DaemonWriter()
-    return made
-
-
-ReplayBuffer._maybe_make_writer = _maybe_make_writer  # type: ignore[method-assign]
 
 
 def _label(value: Any) -> str:
@@ -178,14 +151,12 @@ def _label(value: Any) -> str:
         return repr(value)
     if label in _STORAGE_LABELS:
         return "DaemonStorage"
-    if label in _WRITER_LABELS:
-        return "DaemonWriter"
     return label or repr(value)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep one test per parametrization that differs only in the TorchRL storage or writer
-    it names (they all run on DaemonStorage and DaemonWriter here)."""
+    """Keep one test per parametrization that differs only in the TorchRL storage it names
+    (they all run on DaemonStorage here)."""
     seen: set[tuple[Any, ...]] = set()
     kept = []
     for item in items:

@@ -97,7 +97,10 @@ class DaemonWriter(TorchRLWriter):  # type: ignore[misc]  # TorchRL has no type 
             writer.flush()
         # An ndim=2 storage's index has a (row, step) pair per element, as TorchRL's writers
         # give it (the row unknown: -1, the step known).
-        return self._replicate_index(torch.full((num_rows,), UNKNOWN, dtype=torch.long))
+        index: torch.Tensor = self._replicate_index(
+            torch.full((num_rows,), UNKNOWN, dtype=torch.long)
+        )
+        return index
 
     # -- what TorchRL code reads of a writer: the daemon's ring, for every process -----------
 

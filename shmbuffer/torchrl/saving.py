@@ -142,10 +142,14 @@ def load_state_dict(storage: Any, state: Mapping[str, Any]) -> None:
             f"the state dict holds {size} rows; this daemon's capacity is {capacity}: start "
             f"it with --capacity {size} or more"
         )
+    if rows is not None and size:
+        rows = rows[:size].clone()  # decoupled from the caller's tensors (TorchRL does too)
+        schema = storage.reader.attach()
+        if schema is not None:  # refused before the clear, so nothing stored is lost
+            schema.validate(with_row_batch_size(as_batch(rows[:1]), schema))
     clear(storage, "load_state_dict")
     if rows is None or size == 0:
         return
-    rows = rows[:size].clone()  # decoupled from the caller's tensors (TorchRL does the same)
     saved = state.get("_shmbuffer") or {}
     pointer = int(saved.get("pointer", size % capacity))
     parts = [np.arange(size)]

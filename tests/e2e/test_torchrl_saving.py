@@ -21,7 +21,7 @@ from torchrl.data import (
     TensorStorage,
 )
 
-from shmbuffer.errors import PermissionDeniedError
+from shmbuffer.errors import PermissionDeniedError, SchemaError
 from shmbuffer.torchrl import DaemonSampler, DaemonStorage, DaemonWriter
 
 pytestmark = pytest.mark.timeout(120)
@@ -106,6 +106,11 @@ def test_state_dict_moves_the_rows_and_the_ring_position_to_another_daemon(
         assert mine[:5]["id"].tolist() == [30, 31, 32, 33, 34]
         with pytest.raises(ValueError, match="'_storage'"):
             copy.storage.load_state_dict({"rows": []})
+        # Rows of another schema are refused before anything is cleared.
+        other = {"_storage": TensorDict({"x": torch.zeros(2)}, [2]).state_dict(), "_len": 2}
+        with pytest.raises(SchemaError, match="x"):
+            copy.storage.load_state_dict(other)
+        assert copy.storage[:]["id"].tolist() == [30, 31, 32, 33, 34]
     finally:
         rb.storage.close()
         copy.storage.close()

@@ -39,8 +39,10 @@ import torchrl.data.replay_buffers as trl_rb
 import torchrl.data.replay_buffers.samplers as trl_samplers
 import torchrl.data.replay_buffers.storages as trl_storages
 import torchrl.data.replay_buffers.writers as trl_writers
+from tensordict import is_tensor_collection
+from torch.utils._pytree import tree_leaves
 
-from shmbuffer.torchrl import DaemonStorage
+from shmbuffer.torchrl import DaemonStorage, DaemonWriter
 from tests.e2e import _workers
 
 START_TIMEOUT_S = 20.0
@@ -98,20 +100,70 @@ class _HarnessStorage(DaemonStorage):
         compilable: bool = False,
         **_: Any,
     ) -> None:
-        if ndim != 1:
-            # DaemonStorage(ndim=2) counts its daemon's rows as trajectories of T steps, and
-            # T is only known at the first write: a test's max_size in steps cannot size it.
-            raise NotImplementedError(
-                "harness: an ndim=2 DaemonStorage's daemon is sized in trajectories "
-                "(--capacity = max_size / T), and T is not known before the first write; "
-                "not one-dimensional, so not run here"
-            )
         if device not in (None, "cpu", "auto") and torch.device(device).type != "cpu":
             raise NotImplementedError(f"DaemonStorage rows are read to the CPU, got {device}")
-        proc, name = _start_daemon(1000 if max_size is None else int(max_size))
-        super().__init__(name, timeout=5.0)
+        size = 1000 if max_size is None else int(max_size)
+        if ndim == 2:
+            # The daemon counts trajectories of T steps and a test gives max_size in steps:
+            # it is started at the first write, which says T (_Deferred below).
+            super().__init__(f"trl-pending-{uuid.uuid4().hex[:10]}", timeout=5.0, ndim=2)
+            self._pending: int | None = size
+            _USED.add(_CURRENT[0])
+            return
+        proc, name = _start_daemon(size)
+        super().__init__(name, timeout=5.0, ndim=ndim)
+        self._pending = None
         _STARTED.append((proc, name, self))
         _USED.add(_CURRENT[0])
+
+    def start_for(self, data: Any) -> None:
+        """Start an ndim=2 storage's daemon, ``max_size / T`` rows, ``T`` from ``data`` (a
+        batch: rows first, then T)."""
+        if self._pending is None:
+            return
+        leaf = data if isinstance(data, torch.Tensor) else next(iter(tree_leaves(data)))
+        if is_tensor_collection(data):
+            steps = int(data.shape[1]) if data.ndim > 1 else 1
+        else:
+            steps = int(leaf.shape[1]) if leaf.ndim > 1 else 1
+        proc, name = _start_daemon(max(1, -(self._pending // -steps)))
+        self.target, self._pending = name, None
+        _STARTED.append((proc, name, self))
+
+    def _rows_in_use(self) -> int:
+        return 0 if self._pending is not None else super()._rows_in_use()
+
+    def _steps(self) -> int | None:
+        return None if self._pending is not None else super()._steps()
+
+    @property
+    def max_size(self) -> int:
+        return self._pending if self._pending is not None else super().max_size
+
+    def _max_size_along_dim0(self, *, single_data: Any = None, batched_data: Any = None) -> int:
+        if batched_data is not None:
+            self.start_for(batched_data)
+        elif single_data is not None:
+            self.start_for(torch.utils._pytree.tree_map(lambda x: x.unsqueeze(0), single_data))
+        return super()._max_size_along_dim0()
+
+    def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
+        self.start_for(data)
+        super().set(cursor, data, set_cursor=set_cursor)
+
+
+_daemon_extend = DaemonWriter.extend
+
+
+def _extend(self: DaemonWriter, data: Any) -> Any:
+    """A DaemonWriter's first write to an ndim=2 harness storage starts its daemon."""
+    storage = self._storage
+    if isinstance(storage, _HarnessStorage) and storage._pending is not None:
+        storage.start_for(data)
+    return _daemon_extend(self, data)
+
+
+DaemonWriter.extend = _extend  # type: ignore[method-assign]
 
 
 class ListStorage(_HarnessStorage):

@@ -4,8 +4,8 @@
 Each of these changes or copies the rows every process of the job shares, so the ones that
 change them (``empty``, ``load_state_dict``, ``loads``) and the daemon checkpoint ``dumps``
 asks for are admin requests: the daemon carries them out only where the transport vouches for
-the caller (its owner-only ipc socket or lane, or CURVE; ``docs/security.md``), and otherwise
-they are refused with what to do instead.
+the caller (its owner-only ipc socket or lane, or CURVE: "Security" in ``docs/protocol.md``),
+and otherwise they are refused with what to do instead.
 
 A ``state_dict`` holds the rows, as TorchRL's own storages' do (``{"_storage", "initialized",
 "_len"}``, rows in index order, so either kind of storage loads the other's), and the ring's

@@ -11,14 +11,16 @@ shared sum tree that TorchRL's per-process ``PrioritizedSampler`` cannot give (p
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from torchrl.data.replay_buffers.samplers import Sampler
 
 from shmbuffer.clients.reader import Reader
+from shmbuffer.errors import EmptyBufferError
 from shmbuffer.samplers.base import check_beta
-from shmbuffer.torchrl.storage import daemon_storage_of
+from shmbuffer.torchrl.storage import _ADAPTERS, daemon_storage_of
 from shmbuffer.torchrl.writer import UNKNOWN
 
 __all__ = ["DaemonSampler"]
@@ -41,14 +43,23 @@ class DaemonSampler(Sampler):  # type: ignore[misc]  # TorchRL has no type hints
     Args:
         beta: the importance exponent for the weights (None: the daemon's
             ``--importance-exponent``).
+        alpha: TorchRL's priority exponent, which is the daemon's (``--priority-exponent``,
+            set when it starts): a different one is warned of at the first sample (None: not
+            checked).
         table: the daemon's table to draw from and set priorities in (``start --table``;
             None: the default one, through the storage's own Reader). Another table is read
             through a Reader of this sampler's, opened with the storage's target and options
             at the first sample.
     """
 
-    def __init__(self, *, beta: float | None = None, table: str | None = None) -> None:
+    def __init__(
+        self, *, beta: float | None = None, table: str | None = None, alpha: float | None = None
+    ) -> None:
         self.beta = None if beta is None else check_beta(beta)
+        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float)):
+            raise TypeError(f"alpha must be a number, got {alpha!r}")
+        self.alpha = None if alpha is None else float(alpha)
+        self._alpha_checked = alpha is None
         if table is not None and not isinstance(table, str):
             raise TypeError(f"table must be a table's name (a str), got {table!r}")
         self.table = table
@@ -73,7 +84,14 @@ class DaemonSampler(Sampler):  # type: ignore[misc]  # TorchRL has no type hints
     def sample(self, storage: Any, batch_size: int) -> tuple[torch.Tensor, dict[str, Any]]:
         daemon = daemon_storage_of(storage, "DaemonSampler")
         reader = self._reader_of(daemon)
-        data, info = reader.sample(batch_size, return_info=True, beta=self.beta)
+        if not self._alpha_checked:
+            self._check_alpha(reader)
+        try:
+            data, info = reader.sample(batch_size, return_info=True, beta=self.beta)
+        except EmptyBufferError as exc:
+            if len(daemon) == 0:  # TorchRL's words for it, as its own storages say
+                raise RuntimeError(f"Cannot sample from an empty storage: {exc}") from exc
+            raise
         index = info["index"]
         daemon._handed = (index, daemon._unwrap(data))  # the get(index) that follows takes it
         self._last = (index, info["generation"])
@@ -82,6 +100,28 @@ class DaemonSampler(Sampler):  # type: ignore[misc]  # TorchRL has no type hints
             "probability": info["probability"],
             "generation": info["generation"],
         }
+
+    def _check_alpha(self, reader: Reader) -> None:
+        """Warn once if the daemon's priority exponent is not the ``alpha`` asked for."""
+        self._alpha_checked = True
+        sampler = reader.stats().get("sampler") or {}
+        exponent = (sampler.get("settings") or {}).get("priority_exponent")
+        if exponent is None or sampler.get("kind") != "prioritized":
+            warnings.warn(
+                f"DaemonSampler(alpha={self.alpha}): the daemon's sampler is "
+                f"{sampler.get('kind')!r}, not prioritized: start it with `--sampler "
+                f"prioritized --priority-exponent {self.alpha}`",
+                UserWarning,
+                stacklevel=3,
+            )
+        elif abs(float(exponent) - float(self.alpha or 0.0)) > 1e-9:
+            warnings.warn(
+                f"DaemonSampler(alpha={self.alpha}): the daemon draws with priority exponent "
+                f"{exponent}; alpha is the daemon's, set when it starts "
+                f"(`--priority-exponent {self.alpha}`)",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def update_priority(
         self,
@@ -139,4 +179,8 @@ class DaemonSampler(Sampler):  # type: ignore[misc]  # TorchRL has no type hints
 
     def __repr__(self) -> str:
         table = "" if self.table is None else f", table={self.table!r}"
-        return f"DaemonSampler(beta={self.beta}{table})"
+        alpha = "" if self.alpha is None else f", alpha={self.alpha}"
+        return f"DaemonSampler(beta={self.beta}{alpha}{table})"
+
+
+_ADAPTERS["sampler"] = DaemonSampler

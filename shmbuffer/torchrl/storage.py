@@ -24,6 +24,7 @@ worker, or inherited by a forked one, opens its own there.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 import os
@@ -35,33 +36,29 @@ from typing import Any
 import numpy as np
 import torch
 from tensordict import TensorDict
+from torchrl.data.replay_buffers.samplers import PrioritizedSampler as TorchRLPrioritizedSampler
 from torchrl.data.replay_buffers.storages import StoreStorage
+from torchrl.data.replay_buffers.writers import TensorDictRoundRobinWriter
 
 from shmbuffer.clients.reader import Reader
 from shmbuffer.clients.writer import Writer
 from shmbuffer.errors import TornReadError, WaitTimeoutError
 from shmbuffer.storage import rows
 from shmbuffer.storage.schema import Schema, to_host
+from shmbuffer.torchrl import batches, pytrees, saving
+from shmbuffer.torchrl.batches import ROW_BATCH_KEY, TENSOR_KEY
+from shmbuffer.torchrl.dims import GridMixin, check_ndim
 
 __all__ = ["DaemonStorage", "daemon_storage_of"]
 
-#: The key a batch that is one bare tensor is stored under (TorchRL's StoreStorage does the
-#: same); a storage whose schema has only this key reads back bare tensors.
-TENSOR_KEY = "_tensor"
-#: A column of zero bytes a row whose shape is the rows' own batch size, present when the
-#: rows are TensorDicts of a batch size other than ``[]`` (TorchRL's storages keep it): the
-#: schema every process shares then carries that size, at no cost in shared memory.
-ROW_BATCH_KEY = "_row_batch_size"
+#: ``{"writer": DaemonWriter, "sampler": DaemonSampler}``, filled in by their modules (which
+#: import this one): what :meth:`DaemonStorage.attach` gives a buffer in place of TorchRL's
+#: defaults.
+_ADAPTERS: dict[str, Any] = {}
 #: Rounds of copying again the rows a writer reached during the copy, then TornReadError.
 MAX_RECOPIES = 8
 #: Arguments DaemonStorage sets itself, so the options may not carry them.
 _OWN = ("target", "timeout", "remote")
-
-_NOT_HERE = (
-    "the rows live in the daemon that every process of the job shares: {what} is not done "
-    "through a TorchRL buffer. Checkpoint with `shmbuffer-daemon checkpoint`; to start "
-    "afresh, restart the daemon (or use a FIFO daemon, whose rows are consumed once)"
-)
 
 
 @dataclass
@@ -89,7 +86,7 @@ def _checked_options(options: Mapping[str, Any] | None, client: type, name: str)
     return dict(options)
 
 
-class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type hints
+class DaemonStorage(GridMixin, StoreStorage):  # type: ignore[misc]  # TorchRL has no type hints
     """A TorchRL ``Storage`` backed by a shmbuffer daemon in transition unit.
 
     Subclasses TorchRL's ``StoreStorage`` (the storage for rows kept in a server) only so
@@ -105,10 +102,13 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
             Writer (CURVE keys, ``sample_timeout``, ``commit_delay``, ...). The Reader samples
             without ``prefetch`` unless asked, so a sample reflects every priority update
             made before it.
+        ndim: 1 (rows), or 2: ``[T, num_envs]`` trajectories, one env's ``T`` steps a daemon
+            row, indexed ``(row, step)`` (``shmbuffer/torchrl/dims.py``).
 
-    Writes go through :class:`~shmbuffer.torchrl.DaemonWriter` only (``set`` is refused: the
-    daemon decides where rows go). ``rb.empty()``, ``state_dict`` and ``dumps`` are refused
-    too: the data belongs to every process of the job, not to this buffer object.
+    Writes go through :class:`~shmbuffer.torchrl.DaemonWriter` (a buffer's default over this
+    storage), or ``set`` at the ring's pointer (see :meth:`set`): the daemon decides where rows
+    go. ``rb.empty()``, ``load_state_dict`` and ``loads`` change the rows every process of the
+    job shares, as admin requests (``shmbuffer/torchrl/saving.py``).
     """
 
     def __init__(
@@ -119,6 +119,7 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
         remote: bool | None = None,
         reader_options: Mapping[str, Any] | None = None,
         writer_options: Mapping[str, Any] | None = None,
+        ndim: int = 1,
     ) -> None:
         # Neither StoreStorage.__init__ (it needs Redis) nor Storage.__init__ (it sets
         # max_size, here the daemon's capacity, known once a client has said hello).
@@ -127,6 +128,7 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.target = target
+        self.ndim = check_ndim(ndim)
         self.timeout = float(timeout)
         self.remote = remote
         self.reader_options = {"prefetch": False} | _checked_options(
@@ -134,7 +136,9 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
         )
         self.writer_options = _checked_options(writer_options, Writer, "writer_options")
         self._compilable = False
-        self.checkpointer = None  # TorchRL's default (unused: dumps is refused)
+        self.checkpointer = None  # TorchRL's default (unused: see dumps)
+        self.save_hooks: list[Any] = []
+        self.load_hooks: list[Any] = []
         self._attached_entities_list: list[Any] = []
         self._capacity: int | None = None
         self._pid = os.getpid()
@@ -194,10 +198,10 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
 
     @property
     def max_size(self) -> int:
-        """The daemon's capacity in rows."""
+        """The daemon's capacity in rows (``ndim=2``: in steps, rows times ``T``)."""
         if self._capacity is None:  # an open Writer would have set it: ask through a Reader
             self._capacity = self.reader.capacity
-        return self._capacity
+        return self._capacity if self.ndim == 1 else self._capacity * (self._steps() or 1)
 
     def flush(self) -> None:
         """Wait until everything this process wrote is committed (a no-op before any write)."""
@@ -254,6 +258,10 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
         return pointer if in_use <= pointer else capacity
 
     def __len__(self) -> int:
+        rows = self._rows_in_use()
+        return rows if self.ndim == 1 else rows * (self._steps() or 1)
+
+    def _rows_in_use(self) -> int:
         return self._extent(self._fresh_stats())
 
     @property
@@ -270,14 +278,47 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
         """Changes whenever the daemon commits rows (TorchRL's boundary caches key on it)."""
         return int(self._fresh_stats()["rows_committed"])
 
+    def attach(self, buffer: Any) -> None:
+        """TorchRL's hook when a buffer takes this storage (before it makes its writer and
+        sampler): TorchRL's defaults that cannot work over a daemon become the adapters, so
+        that giving a buffer this storage is the whole change. A buffer built with no writer
+        gets a :class:`DaemonWriter` (TorchRL's default ``RoundRobinWriter`` or
+        ``TensorDictRoundRobinWriter`` sets rows at its own cursor, which is the daemon's
+        only while this process is the only writer); a TorchRL ``PrioritizedSampler`` (one
+        sum tree per process, keyed by the indices ``extend`` returns), a
+        ``PrioritizedReplayBuffer``'s own included, becomes a :class:`DaemonSampler` with its
+        ``beta``, whose ``alpha`` is the daemon's ``--priority-exponent`` (checked at the
+        first sample)."""
+        super().attach(buffer)
+        if not hasattr(buffer, "_init_writer"):
+            return
+        writer, sampler = _ADAPTERS.get("writer"), _ADAPTERS.get("sampler")
+        made = buffer._init_writer
+        default = made is None or (  # TensorDictReplayBuffer's default: a partial of its writer
+            isinstance(made, functools.partial) and made.func is TensorDictRoundRobinWriter
+        )
+        if default and writer is not None:
+            buffer._init_writer = writer()
+        if type(buffer._init_sampler) is TorchRLPrioritizedSampler and sampler is not None:
+            prioritized = buffer._init_sampler
+            buffer._init_sampler = sampler(
+                beta=float(prioritized._beta), alpha=float(prioritized._alpha)
+            )
+
     def contains(self, item: Any) -> Any:
-        size = len(self)
+        size = self._rows_in_use()
         if isinstance(item, torch.Tensor):
             return (item >= 0) & (item < size)
         index = operator.index(item)
         return 0 <= index < size
 
     # -- reading ------------------------------------------------------------------------------
+
+    @property
+    def _storage(self) -> _Rows:
+        """What TorchRL's own storages keep their rows in, which TorchRL code and tests index
+        (``storage._storage[index]``): here a view reading through :meth:`get`."""
+        return _Rows(self)
 
     def get(self, index: Any) -> Any:
         """The rows at ``index`` (an int, a slice of ``[0, len)``, a sequence, array or tensor
@@ -286,6 +327,12 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
         handed, self._handed = self._handed, None
         if handed is not None and handed[0] is index:
             return handed[1]  # a DaemonSampler's draw, already copied and checked
+        if self.ndim == 2 and isinstance(index, tuple) and len(index) == 2:
+            return self.get_steps(index)  # (rows, steps), as TorchRL indexes an ndim=2 one
+        return self.get_rows(index)
+
+    def get_rows(self, index: Any) -> Any:
+        """Whole daemon rows (see :meth:`get`)."""
         physical, shape = self._physical(index)
         data = self._read(physical)
         if shape == ():
@@ -302,6 +349,8 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
         keys = [f.key for f in schema.fields]
         if keys == [(TENSOR_KEY,)]:
             return data[TENSOR_KEY]
+        if pytrees.stored_as_tree([key[0] for key in keys]):
+            return pytrees.rebuild(data.to_dict())
         if (ROW_BATCH_KEY,) in keys:
             row_batch = schema[ROW_BATCH_KEY].shape[:-1]
             data = data.exclude(ROW_BATCH_KEY)
@@ -318,7 +367,7 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
                 )
             (index,) = index
         if isinstance(index, slice):
-            positions = np.arange(len(self), dtype=np.int64)[index]
+            positions = np.arange(self._rows_in_use(), dtype=np.int64)[index]
             return positions, positions.shape
         array = np.asarray(to_host(index))
         if array.dtype == np.bool_:
@@ -327,7 +376,7 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
             raise IndexError(f"DaemonStorage indices must be integers, got {array.dtype}")
         physical = array.astype(np.int64).reshape(-1)
         if (physical < 0).any():  # from the end of the rows in use, as a TorchRL storage
-            physical = np.where(physical < 0, physical + len(self), physical)
+            physical = np.where(physical < 0, physical + self._rows_in_use(), physical)
         outside = (physical < 0) | (physical >= self.max_size)
         if outside.any():
             raise IndexError(
@@ -424,11 +473,34 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
     # -- what a daemon-backed storage does not do ---------------------------------------------
 
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
-        raise TypeError(
-            "DaemonStorage is written through DaemonWriter: pass "
-            "writer=shmbuffer.torchrl.DaemonWriter() to the ReplayBuffer (the daemon, not "
-            "this process's cursor, decides where rows go; rows are never set in place)"
-        )
+        """Write ``data`` at rows ``cursor``, when those are where the daemon's ring puts this
+        process's next rows (its pointer on): what TorchRL's ``RoundRobinWriter`` and a fresh
+        storage's ``set(range(n), rows)`` ask, honoured where this process is the only writer
+        (another's rows landing first would move these on, as a DaemonWriter's). Rows at any
+        other place are refused: the daemon places rows, and never changes one in place."""
+        positions = batches.positions_of(cursor, self._max_size_along_dim0())
+        if positions is None:
+            raise TypeError(f"DaemonStorage.set takes row numbers, got {cursor!r}")
+        if isinstance(data, range):
+            data = list(data)
+        batch = batches.as_batch(batches.one_row(data) if positions.ndim == 0 else data)
+        num_rows = batches.count_rows(batch)
+        positions = positions.reshape(-1)
+        writer = self.writer
+        writer.flush()
+        stats = self._fresh_stats()
+        pointer, capacity = int(stats["pointer"]), int(stats["capacity"])
+        expected = (pointer + np.arange(positions.size)) % capacity
+        if positions.size != num_rows or not np.array_equal(positions % capacity, expected):
+            raise TypeError(
+                f"DaemonStorage writes rows at the ring's pointer (row {pointer} next), got "
+                f"rows {positions.tolist()[:8]}: the daemon, not this process, decides where "
+                "rows go, and rows are never set in place. Write through "
+                "shmbuffer.torchrl.DaemonWriter() (a ReplayBuffer's default over this storage)"
+            )
+        batches.write_rows(writer, batch, num_rows)
+        writer.flush()
+        self.forget_reads()
 
     def _bump_mutation_revision(self) -> None:
         """TorchRL calls this after changing rows in place; here the change was made to a
@@ -443,22 +515,65 @@ class DaemonStorage(StoreStorage):  # type: ignore[misc]  # TorchRL has no type 
         )
 
     def _empty(self) -> None:
-        raise NotImplementedError(_NOT_HERE.format(what="emptying"))
+        """``rb.empty()``: clears the whole daemon buffer, for every process (an admin
+        request: ``shmbuffer.torchrl.saving``)."""
+        saving.clear(self)
+
+    def forget_reads(self) -> None:
+        """Drop what reads keep between calls (the committed rows, the stats, a handed draw):
+        the daemon's rows changed wholesale."""
+        self._listing = self._stats = self._handed = None
 
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError(_NOT_HERE.format(what="saving a state_dict"))
+        """The rows in index order and the ring's position (``shmbuffer.torchrl.saving``)."""
+        return saving.state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        raise NotImplementedError(_NOT_HERE.format(what="loading a state_dict"))
+        """Clear the daemon and write ``state_dict``'s rows again, at their indices."""
+        saving.load_state_dict(self, state_dict)
 
     def dumps(self, path: Any) -> None:
-        raise NotImplementedError(_NOT_HERE.format(what="dumping"))
+        """The daemon's checkpoint into ``path/daemon``, and the rows into ``path/rows.pt``."""
+        saving.dumps(self, path)
+
+    def register_save_hook(self, hook: Any) -> None:
+        """A TorchRL save hook, called on the rows by :meth:`dumps` (``shift`` and ``is_full``
+        set as TorchRL's checkpointers set them)."""
+        self.save_hooks.append(hook)
+
+    def register_load_hook(self, hook: Any) -> None:
+        """A TorchRL load hook, called on the rows :meth:`loads` read."""
+        self.load_hooks.append(hook)
 
     def loads(self, path: Any) -> None:
-        raise NotImplementedError(_NOT_HERE.format(what="loading"))
+        """Load the rows :meth:`dumps` wrote into ``path`` into this daemon."""
+        saving.loads(self, path)
 
     def __repr__(self) -> str:
         return f"DaemonStorage({self.target!r})"
+
+
+class _Rows:
+    """``DaemonStorage._storage``: indexing reads rows (a copy; nothing is written through)."""
+
+    def __init__(self, storage: DaemonStorage) -> None:
+        self._of = storage
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._of.get(index)
+
+    def __len__(self) -> int:
+        return len(self._of)
+
+    @property
+    def shape(self) -> torch.Size | None:
+        """The rows' full shape, ``[capacity, *row batch size]`` (None before any write)."""
+        total, schema = self._of._total_shape, self._of.reader.attach()
+        if total is None or schema is None or self._of.ndim != 1:
+            return total
+        if (ROW_BATCH_KEY,) in schema:
+            return torch.Size([*total, *schema[ROW_BATCH_KEY].shape[:-1]])
+        return total
 
 
 def _unfilled(schema: Schema, num_rows: int) -> TensorDict:

@@ -19,18 +19,17 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from tensordict import TensorDictBase, is_tensorclass
+from tensordict import TensorDictBase
 from torchrl.data.replay_buffers.writers import Writer as TorchRLWriter
 
-from shmbuffer.errors import SchemaError
-from shmbuffer.storage.schema import Schema
-from shmbuffer.torchrl.storage import (
-    _NOT_HERE,
-    ROW_BATCH_KEY,
-    TENSOR_KEY,
-    DaemonStorage,
-    daemon_storage_of,
+from shmbuffer.torchrl import pytrees
+from shmbuffer.torchrl.batches import (
+    as_batch,
+    count_rows,
+    one_row,
+    write_rows,
 )
+from shmbuffer.torchrl.storage import _ADAPTERS, DaemonStorage, daemon_storage_of
 
 __all__ = ["DaemonWriter"]
 
@@ -60,8 +59,9 @@ class DaemonWriter(TorchRLWriter):  # type: ignore[misc]  # TorchRL has no type 
             raise TypeError(f"flush must be True or False, got {flush!r}")
         self.flush = flush
         self.priority_key = priority_key
-        #: Rows this writer object wrote in this process (TorchRL's ``rb.write_count``).
-        self._write_count = 0
+        #: The daemon's count of committed rows at the last ``empty`` (``_write_count``
+        #: counts from it); None: from the daemon's start.
+        self._write_base: int | None = None
 
     def register_storage(self, storage: Any) -> None:
         super().register_storage(daemon_storage_of(storage, "DaemonWriter"))
@@ -72,14 +72,17 @@ class DaemonWriter(TorchRLWriter):  # type: ignore[misc]  # TorchRL has no type 
         return daemon_storage_of(self._storage, "DaemonWriter")
 
     def add(self, data: Any) -> int:
-        """Write one row (a TensorDict of batch size ``[]``, a mapping or a tensor)."""
-        self.extend(_one_row(data))
+        """Write one row (a TensorDict of batch size ``[]``, a mapping, a tensor or a
+        pytree)."""
+        row = one_row(data)
+        # A list here is one row's pytree node, not a list of rows as extend reads one.
+        self.extend(pytrees.encode(row) if isinstance(row, list) else row)
         return UNKNOWN
 
     def extend(self, data: Any) -> torch.Tensor:
         """Write a batch of rows (leading dimension: rows); returns ``-1`` per row."""
-        batch = _as_batch(data)
-        num_rows = _num_rows(batch)
+        batch = as_batch(data)
+        num_rows = count_rows(batch)
         if num_rows == 0:
             return torch.zeros(0, dtype=torch.long)
         priority = None
@@ -87,133 +90,70 @@ class DaemonWriter(TorchRLWriter):  # type: ignore[misc]  # TorchRL has no type 
             priority = _priority_of(batch, self.priority_key, num_rows)
             batch = _without(batch, self.priority_key)
         writer = self._daemon().writer
-        batch = _with_row_batch_size(batch, writer.schema)
-        writer.extend(batch, priority=priority)
+        written = write_rows(writer, batch, num_rows, priority)
+        if written != num_rows:  # write_count counts the rows handed, as TorchRL's does
+            self._write_base = (self._write_base or 0) + written - num_rows
         if self.flush:
             writer.flush()
-        self._write_count += num_rows
-        return torch.full((num_rows,), UNKNOWN, dtype=torch.long)
+        # An ndim=2 storage's index has a (row, step) pair per element, as TorchRL's writers
+        # give it (the row unknown: -1, the step known).
+        index: torch.Tensor = self._replicate_index(
+            torch.full((num_rows,), UNKNOWN, dtype=torch.long)
+        )
+        return index
+
+    # -- what TorchRL code reads of a writer: the daemon's ring, for every process -----------
+
+    def _committed(self) -> int:
+        return int(self._daemon().reader.stats()["rows_committed"])
+
+    @property
+    def _cursor(self) -> int:
+        """Where the ring's next row goes: the daemon's pointer (TorchRL's writers' cursor;
+        the daemon, not this process, moves it, so it cannot be set)."""
+        return int(self._daemon().reader.stats()["pointer"])
+
+    @property
+    def _write_count(self) -> int:
+        """Rows committed to the daemon, by every process of the job, since it started or
+        since the last ``rb.empty()`` (TorchRL's ``rb.write_count``)."""
+        if self._storage is None:
+            return 0
+        return self._committed() - (self._write_base or 0)
+
+    @_write_count.setter
+    def _write_count(self, value: int) -> None:
+        self._write_base = self._committed() - int(value)
 
     def _empty(self, empty_write_count: bool = True) -> None:
-        raise NotImplementedError(_NOT_HERE.format(what="emptying"))
+        """Part of ``rb.empty()`` (the storage clears the daemon): restart the write count."""
+        if empty_write_count:
+            self._daemon().flush()  # this process's rows count before the clear, not after
+            self._write_count = 0
 
     def dumps(self, path: Any) -> None:
-        """Nothing to save: the writer keeps no state (the rows are the daemon's)."""
+        """Nothing to save: the cursor and the write count are the daemon's."""
 
     def loads(self, path: Any) -> None:
         """Nothing to load (see :meth:`dumps`)."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        return {} if self._storage is None else {"_write_count": self._write_count}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if state_dict:
-            raise ValueError(f"DaemonWriter keeps no state, got {sorted(state_dict)}")
+        """Takes ``{}`` and TorchRL writers' ``{"_cursor", "_write_count"}`` (the cursor is
+        the daemon's, restored with the rows; a write count is taken as given)."""
+        unknown = sorted(set(state_dict) - {"_cursor", "_write_count"})
+        if unknown:
+            raise ValueError(f"DaemonWriter keeps no state of this kind, got {unknown}")
+        if state_dict.get("_write_count") is not None and self._storage is not None:
+            self._write_count = int(state_dict["_write_count"])
 
     def __repr__(self) -> str:
         return f"DaemonWriter(flush={self.flush}, priority_key={self.priority_key!r})"
 
 
-def _as_batch(data: Any) -> Any:
-    """``data`` as shmbuffer's Writer takes it: a TensorDict or a mapping (a bare tensor is
-    stored under ``"_tensor"``, a list of rows is stacked, as TorchRL reads a list)."""
-    if is_tensorclass(data):
-        data = data.to_tensordict()
-    if isinstance(data, list):
-        if not data:
-            return {TENSOR_KEY: torch.zeros(0)}
-        data = _stack_rows(data, ())  # TensorDicts, mappings or tensors, one per row
-    if isinstance(data, torch.Tensor):
-        return {TENSOR_KEY: data}
-    if isinstance(data, TensorDictBase):
-        return data
-    if isinstance(data, Mapping):
-        _refuse_sequences(data, ())
-        return data
-    raise TypeError(
-        f"DaemonWriter writes TensorDicts, mappings of tensors or tensors, got "
-        f"{type(data).__name__}"
-    )
-
-
-def _stack_rows(rows: list[Any], key: tuple[str, ...]) -> Any:
-    """A list of rows as one batch: TensorDicts and tensors stacked, mappings key by key."""
-    first = rows[0]
-    if is_tensorclass(first):
-        rows = [row.to_tensordict() for row in rows]
-        first = rows[0]
-    if isinstance(first, TensorDictBase | torch.Tensor):
-        return torch.stack(rows)
-    if isinstance(first, Mapping):
-        return {name: _stack_rows([row[name] for row in rows], (*key, str(name))) for name in first}
-    if isinstance(first, list | tuple):
-        what = f"key {'.'.join(key)!r}" if key else "each row"
-        raise SchemaError(
-            f"{what}: a {type(first).__name__}; DaemonStorage columns are tensors, in "
-            "TensorDicts or nested mappings (TorchRL pytrees with lists or tuples are not "
-            "stored: give each element a key of its own)"
-        )
-    return torch.stack([torch.as_tensor(row) for row in rows])
-
-
-def _refuse_sequences(data: Mapping[Any, Any], prefix: tuple[str, ...]) -> None:
-    """A SchemaError naming the first key whose value is a list or tuple: a TorchRL pytree
-    node, not a column (read back, it could not be told from a tensor)."""
-    for name, value in data.items():
-        key = (*prefix, str(name))
-        if isinstance(value, Mapping):
-            _refuse_sequences(value, key)
-        elif isinstance(value, list | tuple):
-            raise SchemaError(
-                f"key {'.'.join(key)!r}: a {type(value).__name__}; DaemonStorage columns are "
-                "tensors, in TensorDicts or nested mappings (TorchRL pytrees with lists or "
-                "tuples are not stored: give each element a key of its own)"
-            )
-
-
-def _one_row(data: Any, prefix: tuple[str, ...] = ()) -> Any:
-    """One row as a batch of one."""
-    if is_tensorclass(data):
-        data = data.to_tensordict()
-    if isinstance(data, TensorDictBase | torch.Tensor):
-        return data.unsqueeze(0)
-    if isinstance(data, Mapping):
-        return {key: _one_row(value, (*prefix, str(key))) for key, value in data.items()}
-    if isinstance(data, list | tuple):
-        _refuse_sequences({prefix[-1] if prefix else "": data}, prefix[:-1])
-    return torch.as_tensor(data).unsqueeze(0)
-
-
-def _with_row_batch_size(batch: Any, schema: Schema | None) -> Any:
-    """``batch`` with the zero-byte column that records its rows' own batch size (a
-    TensorDict of batch size ``[n, *row]`` with ``row`` not empty), checked against the size
-    the buffer's rows already have."""
-    row = tuple(batch.batch_size[1:]) if isinstance(batch, TensorDictBase) else ()
-    if schema is not None and (TENSOR_KEY,) not in schema:
-        held = tuple(schema[ROW_BATCH_KEY].shape[:-1]) if (ROW_BATCH_KEY,) in schema else ()
-        if held != row:
-            raise SchemaError(
-                f"this buffer's rows are TensorDicts of batch size {list(held)}, got rows of "
-                f"batch size {list(row)}"
-            )
-    if not row:
-        return batch
-    marked = batch.copy()  # shallow: the caller's TensorDict is left as it was
-    marked.set(ROW_BATCH_KEY, torch.empty((*batch.batch_size, 0), dtype=torch.uint8))
-    return marked
-
-
-def _num_rows(batch: Any) -> int:
-    if isinstance(batch, TensorDictBase):
-        if not batch.batch_size:
-            raise ValueError(
-                "extend takes a batch (leading dimension: rows), got a TensorDict of batch "
-                "size []: use add for one row"
-            )
-        return int(batch.batch_size[0])
-    for value in batch.values():
-        return _num_rows(value) if isinstance(value, Mapping) else len(value)
-    raise ValueError("extend got a mapping with no keys")
+_ADAPTERS["writer"] = DaemonWriter
 
 
 def _priority_of(batch: Any, key: Any, num_rows: int) -> torch.Tensor:

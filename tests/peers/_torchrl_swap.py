@@ -7,15 +7,16 @@ user makes, everywhere a test builds a buffer part by its public name:
 - storages: ``ListStorage``, ``LazyTensorStorage`` and ``LazyMemmapStorage`` become a
   :class:`~shmbuffer.torchrl.DaemonStorage` over a fresh daemon of that capacity (transition
   unit, ``--sampler prioritized``), stopped when the test ends;
-- writers: ``RoundRobinWriter`` and ``TensorDictRoundRobinWriter`` (and a buffer's default
-  writer, over a daemon storage) become :class:`~shmbuffer.torchrl.DaemonWriter`;
-- samplers: ``PrioritizedSampler`` (and the one ``PrioritizedReplayBuffer`` builds, over a
-  daemon storage) becomes :class:`~shmbuffer.torchrl.DaemonSampler`; TorchRL's client-side
-  samplers run as they are.
+- nothing else: a buffer over a daemon storage gets a
+  :class:`~shmbuffer.torchrl.DaemonWriter` in place of its default writer, and a
+  :class:`~shmbuffer.torchrl.DaemonSampler` in place of a TorchRL ``PrioritizedSampler``,
+  from ``DaemonStorage.attach``, as in a user's program; writers a test names
+  (``RoundRobinWriter``, ...) write through ``storage.set``, honoured at the ring's pointer,
+  and TorchRL's samplers run as they are.
 
 TorchRL's internals keep their own classes (only the names a test imports are replaced), so
 its ``isinstance`` checks see what a user's code would give them. Parametrizations that
-differ only by which TorchRL storage (or writer) they name are one test here, and run once.
+differ only by which TorchRL storage they name are one test here, and run once.
 Each test's outcome, the error's first line and whether it built a daemon storage go to the
 JSON-lines file ``SHMBUFFER_TORCHRL_REPORT``.
 """
@@ -38,9 +39,10 @@ import torchrl.data.replay_buffers as trl_rb
 import torchrl.data.replay_buffers.samplers as trl_samplers
 import torchrl.data.replay_buffers.storages as trl_storages
 import torchrl.data.replay_buffers.writers as trl_writers
-from torchrl.data.replay_buffers.replay_buffers import ReplayBuffer
+from tensordict import is_tensor_collection
+from torch.utils._pytree import tree_leaves
 
-from shmbuffer.torchrl import DaemonSampler, DaemonStorage, DaemonWriter
+from shmbuffer.torchrl import DaemonStorage, DaemonWriter
 from tests.e2e import _workers
 
 START_TIMEOUT_S = 20.0
@@ -98,17 +100,70 @@ class _HarnessStorage(DaemonStorage):
         compilable: bool = False,
         **_: Any,
     ) -> None:
-        if ndim != 1:
-            raise NotImplementedError(
-                "DaemonStorage is one-dimensional: storages of more than one dimension "
-                "(ndim > 1) are not supported"
-            )
         if device not in (None, "cpu", "auto") and torch.device(device).type != "cpu":
             raise NotImplementedError(f"DaemonStorage rows are read to the CPU, got {device}")
-        proc, name = _start_daemon(1000 if max_size is None else int(max_size))
-        super().__init__(name, timeout=5.0)
+        size = 1000 if max_size is None else int(max_size)
+        if ndim == 2:
+            # The daemon counts trajectories of T steps and a test gives max_size in steps:
+            # it is started at the first write, which says T (_Deferred below).
+            super().__init__(f"trl-pending-{uuid.uuid4().hex[:10]}", timeout=5.0, ndim=2)
+            self._pending: int | None = size
+            _USED.add(_CURRENT[0])
+            return
+        proc, name = _start_daemon(size)
+        super().__init__(name, timeout=5.0, ndim=ndim)
+        self._pending = None
         _STARTED.append((proc, name, self))
         _USED.add(_CURRENT[0])
+
+    def start_for(self, data: Any) -> None:
+        """Start an ndim=2 storage's daemon, ``max_size / T`` rows, ``T`` from ``data`` (a
+        batch: rows first, then T)."""
+        if self._pending is None:
+            return
+        leaf = data if isinstance(data, torch.Tensor) else next(iter(tree_leaves(data)))
+        if is_tensor_collection(data):
+            steps = int(data.shape[1]) if data.ndim > 1 else 1
+        else:
+            steps = int(leaf.shape[1]) if leaf.ndim > 1 else 1
+        proc, name = _start_daemon(max(1, -(self._pending // -steps)))
+        self.target, self._pending = name, None
+        _STARTED.append((proc, name, self))
+
+    def _rows_in_use(self) -> int:
+        return 0 if self._pending is not None else super()._rows_in_use()
+
+    def _steps(self) -> int | None:
+        return None if self._pending is not None else super()._steps()
+
+    @property
+    def max_size(self) -> int:
+        return self._pending if self._pending is not None else super().max_size
+
+    def _max_size_along_dim0(self, *, single_data: Any = None, batched_data: Any = None) -> int:
+        if batched_data is not None:
+            self.start_for(batched_data)
+        elif single_data is not None:
+            self.start_for(torch.utils._pytree.tree_map(lambda x: x.unsqueeze(0), single_data))
+        return super()._max_size_along_dim0()
+
+    def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
+        self.start_for(data)
+        super().set(cursor, data, set_cursor=set_cursor)
+
+
+_daemon_extend = DaemonWriter.extend
+
+
+def _extend(self: DaemonWriter, data: Any) -> Any:
+    """A DaemonWriter's first write to an ndim=2 harness storage starts its daemon."""
+    storage = self._storage
+    if isinstance(storage, _HarnessStorage) and storage._pending is not None:
+        storage.start_for(data)
+    return _daemon_extend(self, data)
+
+
+DaemonWriter.extend = _extend  # type: ignore[method-assign]
 
 
 class ListStorage(_HarnessStorage):
@@ -124,32 +179,10 @@ class LazyMemmapStorage(LazyTensorStorage):
         super().__init__(max_size, **kw)
 
 
-class RoundRobinWriter(DaemonWriter):
-    def __init__(self, compilable: bool = False, **_: Any) -> None:
-        super().__init__()
-
-
-class TensorDictRoundRobinWriter(RoundRobinWriter):
-    pass
-
-
-class PrioritizedSampler(DaemonSampler):
-    """TorchRL's ``PrioritizedSampler(max_capacity, alpha, beta, ...)`` on the daemon's sum
-    tree: ``beta`` carries over; ``alpha`` is the daemon's ``--priority-exponent``."""
-
-    def __init__(
-        self, max_capacity: int = 0, alpha: float = 0.6, beta: float = 0.4, *_: Any, **kw: Any
-    ) -> None:
-        super().__init__(beta=beta)
-
-
 SUBSTITUTES: dict[str, type] = {
     "ListStorage": ListStorage,
     "LazyTensorStorage": LazyTensorStorage,
     "LazyMemmapStorage": LazyMemmapStorage,
-    "RoundRobinWriter": RoundRobinWriter,
-    "TensorDictRoundRobinWriter": TensorDictRoundRobinWriter,
-    "PrioritizedSampler": PrioritizedSampler,
 }
 #: What the originals become in a parametrization's key (see ``_dedupe``).
 _LABELS: dict[Any, str] = {}
@@ -161,33 +194,6 @@ for _module in (trl_data, trl_rb, trl_storages, trl_samplers, trl_writers):
             setattr(_module, _name, _substitute)
 _LABELS.update({cls: name for name, cls in SUBSTITUTES.items()})
 _STORAGE_LABELS = {"ListStorage", "LazyTensorStorage", "LazyMemmapStorage"}
-_WRITER_LABELS = {"RoundRobinWriter", "TensorDictRoundRobinWriter"}
-
-# A buffer's defaults, over a daemon storage, are what a user of the adapters passes.
-_make_writer = ReplayBuffer._maybe_make_writer
-_make_sampler = ReplayBuffer._maybe_make_sampler
-
-
-def _maybe_make_writer(self: Any, writer: Any) -> Any:
-    made = _make_writer(self, writer)
-    if isinstance(self._storage, DaemonStorage) and type(made).__name__ in _WRITER_LABELS:
-        return DaemonWriter()
-    return made
-
-
-def _maybe_make_sampler(self: Any, sampler: Any) -> Any:
-    made = _make_sampler(self, sampler)
-    if (
-        isinstance(self._storage, DaemonStorage)
-        and type(made).__name__ == "PrioritizedSampler"
-        and not isinstance(made, DaemonSampler)
-    ):
-        return DaemonSampler(beta=float(made._beta))
-    return made
-
-
-ReplayBuffer._maybe_make_writer = _maybe_make_writer  # type: ignore[method-assign]
-ReplayBuffer._maybe_make_sampler = _maybe_make_sampler  # type: ignore[method-assign]
 
 
 def _label(value: Any) -> str:
@@ -197,14 +203,12 @@ def _label(value: Any) -> str:
         return repr(value)
     if label in _STORAGE_LABELS:
         return "DaemonStorage"
-    if label in _WRITER_LABELS:
-        return "DaemonWriter"
     return label or repr(value)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep one test per parametrization that differs only in the TorchRL storage or writer
-    it names (they all run on DaemonStorage and DaemonWriter here)."""
+    """Keep one test per parametrization that differs only in the TorchRL storage it names
+    (they all run on DaemonStorage here)."""
     seen: set[tuple[Any, ...]] = set()
     kept = []
     for item in items:

@@ -192,19 +192,11 @@ class CheckpointEpisodes:
         length = sum(stop - start for start, stop in ranges)
         out = np.empty((length, *f.shape), dtype=array_dtype(f))
         view = out.reshape(-1).view(np.uint8).data
-        row = f.row_nbytes
-        before = sum(c[2] for c in self.layout.columns[:index])
         pos = 0
-        for start, stop in ranges:
-            for piece in self.layout.pieces_overlapping(start, stop):
-                first, last = self.layout.piece_rows_of(piece)
-                a, b = max(first, start), min(last, stop)
-                offset = (
-                    self.layout.offset_in_chunk(piece) + (last - first) * before + (a - first) * row
-                )
-                n = (b - a) * row
-                read_exactly(self._fd(piece), view[pos : pos + n], offset)
-                pos += n
+        for piece, offset, rows in self._pieces(index, ranges):
+            n = rows * f.row_nbytes
+            read_exactly(self._fd(piece), view[pos : pos + n], offset)
+            pos += n
         return out
 
     def column_parts(self, index: int, ranges: list[tuple[int, int]]) -> list[np.ndarray]:
@@ -214,8 +206,18 @@ class CheckpointEpisodes:
         once more."""
         f = self.schema.fields[index]
         dtype, row = array_dtype(f), f.row_nbytes
-        before = sum(c[2] for c in self.layout.columns[:index])
         parts = []
+        for piece, offset, rows in self._pieces(index, ranges):
+            raw = self._mapped(piece)[offset : offset + rows * row]
+            parts.append(raw.view(dtype).reshape(rows, *f.shape))
+        return parts
+
+    def _pieces(self, index: int, ranges: list[tuple[int, int]]) -> Iterator[tuple[int, int, int]]:
+        """Where column ``index`` of the rows ``ranges`` lies: ``(piece, offset in its chunk
+        file, rows)`` for each piece they cross, in order (a piece holds each column's rows
+        back to back)."""
+        row = self.schema.fields[index].row_nbytes
+        before = sum(c[2] for c in self.layout.columns[:index])
         for start, stop in ranges:
             for piece in self.layout.pieces_overlapping(start, stop):
                 first, last = self.layout.piece_rows_of(piece)
@@ -223,9 +225,7 @@ class CheckpointEpisodes:
                 offset = (
                     self.layout.offset_in_chunk(piece) + (last - first) * before + (a - first) * row
                 )
-                raw = self._mapped(piece)[offset : offset + (b - a) * row]
-                parts.append(raw.view(dtype).reshape(b - a, *f.shape))
-        return parts
+                yield piece, offset, b - a
 
     def _mapped(self, piece: int) -> np.ndarray:
         """The bytes of ``piece``'s chunk file, mapped read-only (pages populated at once)."""

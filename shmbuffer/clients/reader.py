@@ -172,7 +172,9 @@ class Reader(EpisodeReads):
         fields = self._fields("rows", n, return_info, beta, where)
         if self.schema is None:
             self._ready()  # attached once there is a schema: its stacks decide the path
-        if self.schema is not None and self.schema.has_frames:  # n_step refused there
+        if self.schema is not None and self.schema.has_frames:
+            if n_step is not None:  # not with stacks yet: refused, now that the schema is known
+                n_step_spec(self, n_step, gamma, n_step_keys)
             return sample_frames(self, fields, return_info)  # clients/framereads.py
         if spec is not None:
             fields["context"] = True

@@ -285,6 +285,6 @@ def _memory_row(impl: str, n: int, nbytes: int) -> Row:
         rows=n,
         nbytes=nbytes,
         seconds=1.0,
-        pass_="fill",
+        pass_="first",  # what the fill left: read once
         memory_gb=nbytes / 1e9,
     )

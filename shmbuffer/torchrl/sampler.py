@@ -143,6 +143,8 @@ class DaemonSampler(Sampler):  # type: ignore[misc]  # TorchRL has no type hints
             (index,) = index
         index = torch.as_tensor(index).reshape(-1)
         priority = torch.as_tensor(priority)
+        if priority.numel() == index.numel():  # one per row, in any shape ([n, 1]: a column)
+            priority = priority.reshape(-1)
         known = index != UNKNOWN
         if not bool(known.any()):
             return

@@ -164,6 +164,10 @@ class DaemonWriter(TorchRLWriter):  # type: ignore[misc]  # TorchRL has no type 
 
 
 _ADAPTERS["writer"] = DaemonWriter
+# Writes are round trips to the daemon, which torch.compile cannot trace: run them eagerly.
+for _name in ("add", "extend"):
+    _eager = torch.compiler.disable(getattr(DaemonWriter, _name))  # type: ignore[no-untyped-call]
+    setattr(DaemonWriter, _name, _eager)
 
 
 def _priority_of(batch: Any, key: Any, num_rows: int) -> torch.Tensor:

@@ -123,6 +123,12 @@ class DaemonSampler(Sampler):  # type: ignore[misc]  # TorchRL has no type hints
                 stacklevel=3,
             )
 
+    @property
+    def device(self) -> torch.device:
+        """Where a sample's indices and weights are (TorchRL's samplers' ``device``): the
+        CPU; the daemon keeps the priorities."""
+        return torch.device("cpu")
+
     def update_priority(
         self,
         index: int | torch.Tensor,

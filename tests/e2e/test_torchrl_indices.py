@@ -12,9 +12,14 @@ pytest.importorskip("torchrl", reason="shmbuffer.torchrl needs the [torchrl] ext
 
 import torch
 from tensordict import TensorDict
-from torchrl.data import PrioritizedSliceSampler, ReplayBuffer, TensorDictReplayBuffer
+from torchrl.data import (
+    PrioritizedSliceSampler,
+    ReplayBuffer,
+    TensorDictPrioritizedReplayBuffer,
+    TensorDictReplayBuffer,
+)
 
-from shmbuffer.torchrl import DaemonStorage, DaemonWriter
+from shmbuffer.torchrl import DaemonSampler, DaemonStorage, DaemonWriter
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -68,5 +73,27 @@ def test_torchrl_prioritized_slice_sampler_keeps_its_tree_by_those_indices(daemo
         for _ in range(5):
             sample = rb.sample()
             assert bool((sample["episode"] == 1).all()), sample["episode"]
+    finally:
+        rb.storage.close()
+
+
+def test_a_priority_key_reaches_the_daemon_s_rows_through_those_indices(daemon: Any) -> None:
+    name = daemon(
+        capacity=32,
+        unit="transition",
+        args=["--sampler", "prioritized", "--priority-exponent", "1"],
+    ).name
+    rb = TensorDictPrioritizedReplayBuffer(
+        alpha=1.0, beta=0.5, storage=DaemonStorage(name), priority_key="td_error", batch_size=64
+    )
+    try:
+        assert isinstance(rb.sampler, DaemonSampler) and rb.sampler.device == torch.device("cpu")
+        td_error = torch.zeros(16, 1)  # a column: one priority per row
+        td_error[9] = 1.0
+        data = rows(0, 16)
+        data["td_error"] = td_error
+        rb.extend(data)  # TorchRL applies td_error to the indices extend returns
+        sample = rb.sample()
+        assert bool((sample["obs"] == 9).all()), sample["obs"]  # every other row has 0
     finally:
         rb.storage.close()

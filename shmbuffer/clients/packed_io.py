@@ -191,6 +191,8 @@ def write_packed(
     pipe.count_carried()
     reservation = reply["reservation"]
     ranges = [(int(s), int(e)) for s, e in reply["ranges"]]
+    if pipe.placed is not None:
+        pipe.placed.extend(ranges)
 
     def abort(touched: int) -> None:  # nothing it evicted comes back (daemon/packing.py)
         pipe.conn.send("abort", reservation=reservation)

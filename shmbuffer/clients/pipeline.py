@@ -97,6 +97,9 @@ class WritePipeline:
         #: (pinned staging, host -> device; device -> device for GPU rows).
         self._write_rows: Callable[..., None] = rows.write
         self._carried: list[Written] = []  # commits a reserve carries (carry_commits)
+        #: The rows each local reservation copied into, in the order its rows were laid out,
+        #: while a caller asked where its writes land (Writer.placing); None: not asked.
+        self.placed: list[tuple[int, int]] | None = None
         self.closed = False
         self.episodes_committed = 0
         self.rows_committed = 0
@@ -207,6 +210,8 @@ class WritePipeline:
         self._collect_acks(block=False)
         reservation = reply["reservation"]
         ranges = [(int(s), int(e)) for s, e in reply["ranges"]]
+        if self.placed is not None:
+            self.placed.extend(ranges)
         offset = 0  # rows of the reservation the pieces before this one filled
 
         def abort(touched: int) -> None:  # of the piece being copied

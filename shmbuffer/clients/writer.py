@@ -23,6 +23,8 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from shmbuffer.api.episodes import DEFAULT_DONE_KEYS, EpisodeAssembler, FinishedEpisode
 from shmbuffer.api.metadata import check_values
 from shmbuffer.api.tables import checked_tables
@@ -326,6 +328,26 @@ class Writer:
         self.conn.check()
         with self._pipe.lock:
             self._pipe.flush(timeout)
+
+    def placing(self) -> None:
+        """Start recording where this writer's rows land: :meth:`placed` says, for the rows
+        written from here on, in the order they were written. Call it with nothing staged
+        (after a :meth:`flush`)."""
+        with self._pipe.lock:
+            self._pipe.flush(None)
+            self._pipe.placed = []
+
+    def placed(self) -> np.ndarray | None:
+        """The physical rows the writes since :meth:`placing` went to, in order (a flush
+        first), and stop recording. None where this writer cannot tell: remote (the daemon
+        copies the rows) or not asked."""
+        with self._pipe.lock:
+            self._pipe.flush(None)
+            ranges, self._pipe.placed = self._pipe.placed, None
+        if ranges is None or self.remote:
+            return None
+        parts = [np.arange(start, end, dtype=np.int64) for start, end in ranges]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def close(self, timeout: float | None = None) -> None:
         """Commit and wait for everything written, then disconnect. Safe to call twice.

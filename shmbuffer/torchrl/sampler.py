@@ -123,6 +123,12 @@ class DaemonSampler(Sampler):  # type: ignore[misc]  # TorchRL has no type hints
                 stacklevel=3,
             )
 
+    @property
+    def device(self) -> torch.device:
+        """Where a sample's indices and weights are (TorchRL's samplers' ``device``): the
+        CPU; the daemon keeps the priorities."""
+        return torch.device("cpu")
+
     def update_priority(
         self,
         index: int | torch.Tensor,
@@ -143,6 +149,8 @@ class DaemonSampler(Sampler):  # type: ignore[misc]  # TorchRL has no type hints
             (index,) = index
         index = torch.as_tensor(index).reshape(-1)
         priority = torch.as_tensor(priority)
+        if priority.numel() == index.numel():  # one per row, in any shape ([n, 1]: a column)
+            priority = priority.reshape(-1)
         known = index != UNKNOWN
         if not bool(known.any()):
             return

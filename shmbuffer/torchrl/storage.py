@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 from torchrl.data.replay_buffers.samplers import PrioritizedSampler as TorchRLPrioritizedSampler
-from torchrl.data.replay_buffers.storages import StoreStorage
+from torchrl.data.replay_buffers.storages import TensorStorage
 from torchrl.data.replay_buffers.writers import TensorDictRoundRobinWriter
 
 from shmbuffer.clients.reader import Reader
@@ -86,12 +86,12 @@ def _checked_options(options: Mapping[str, Any] | None, client: type, name: str)
     return dict(options)
 
 
-class DaemonStorage(GridMixin, StoreStorage):  # type: ignore[misc]  # TorchRL has no type hints
+class DaemonStorage(GridMixin, TensorStorage):  # type: ignore[misc]  # TorchRL has no type hints
     """A TorchRL ``Storage`` backed by a shmbuffer daemon in transition unit.
 
-    Subclasses TorchRL's ``StoreStorage`` (the storage for rows kept in a server) only so
-    that TorchRL picks its collate function (none: reads are already batched TensorDicts);
-    nothing of the Redis machinery is used.
+    A ``TensorStorage`` to TorchRL (its rows are TensorDicts, read batched: no collate; the
+    samplers and views that need one, ``SliceSampler`` and ``Sequence``, accept it), though
+    every method that touches rows is this class's own: none keeps rows in this process.
 
     Args:
         target: a buffer name or endpoint, as ``shmbuffer.Reader``/``Writer`` take.
@@ -111,6 +111,9 @@ class DaemonStorage(GridMixin, StoreStorage):  # type: ignore[misc]  # TorchRL h
     job shares, as admin requests (``shmbuffer/torchrl/saving.py``).
     """
 
+    #: TorchRL's conditional updates patch a TensorStorage's rows in place: refused here.
+    supports_conditional_update = False
+
     def __init__(
         self,
         target: str = "default",
@@ -121,7 +124,7 @@ class DaemonStorage(GridMixin, StoreStorage):  # type: ignore[misc]  # TorchRL h
         writer_options: Mapping[str, Any] | None = None,
         ndim: int = 1,
     ) -> None:
-        # Neither StoreStorage.__init__ (it needs Redis) nor Storage.__init__ (it sets
+        # Neither TensorStorage.__init__ (it holds rows) nor Storage.__init__ (it sets
         # max_size, here the daemon's capacity, known once a client has said hello).
         if not isinstance(target, str) or not target:
             raise TypeError(f"target must be a buffer name or an endpoint, got {target!r}")
@@ -315,10 +318,23 @@ class DaemonStorage(GridMixin, StoreStorage):  # type: ignore[misc]  # TorchRL h
     # -- reading ------------------------------------------------------------------------------
 
     @property
-    def _storage(self) -> _Rows:
-        """What TorchRL's own storages keep their rows in, which TorchRL code and tests index
-        (``storage._storage[index]``): here a view reading through :meth:`get`."""
-        return _Rows(self)
+    def _storage(self) -> Any:
+        """What TorchRL's own storages keep their rows in, which TorchRL code and tests read
+        (``storage._storage[index]``, its keys; ``Sequence`` checks it is a TensorDict): here
+        a checked copy of the rows in use (:meth:`get`), ``capacity`` rows long as TorchRL's
+        (the rows not written yet zeros). Writing into it stores nothing."""
+        used = self._rows_in_use()
+        schema = self.reader.attach()
+        if self.ndim != 1 or schema is None or used == self.max_size:
+            return self.get_rows(slice(None))
+        rows = _unfilled(schema, self.max_size).zero_()
+        rows[:used] = self._read(np.arange(used, dtype=np.int64))
+        return self._unwrap(rows)
+
+    @property
+    def initialized(self) -> bool:
+        """Whether the rows have a schema yet (TorchRL's ``TensorStorage`` flag)."""
+        return self.reader.attach() is not None
 
     def get(self, index: Any) -> Any:
         """The rows at ``index`` (an int, a slice of ``[0, len)``, a sequence, array or tensor
@@ -327,6 +343,10 @@ class DaemonStorage(GridMixin, StoreStorage):  # type: ignore[misc]  # TorchRL h
         handed, self._handed = self._handed, None
         if handed is not None and handed[0] is index:
             return handed[1]  # a DaemonSampler's draw, already copied and checked
+        if isinstance(index, str) or (
+            isinstance(index, tuple) and index and all(isinstance(k, str) for k in index)
+        ):  # a key: that column of the rows in use, as a TensorStorage's get(key)
+            return self.get_rows(slice(None))[index]
         if self.ndim == 2 and isinstance(index, tuple) and len(index) == 2:
             return self.get_steps(index)  # (rows, steps), as TorchRL indexes an ndim=2 one
         return self.get_rows(index)
@@ -553,29 +573,6 @@ class DaemonStorage(GridMixin, StoreStorage):  # type: ignore[misc]  # TorchRL h
         return f"DaemonStorage({self.target!r})"
 
 
-class _Rows:
-    """``DaemonStorage._storage``: indexing reads rows (a copy; nothing is written through)."""
-
-    def __init__(self, storage: DaemonStorage) -> None:
-        self._of = storage
-
-    def __getitem__(self, index: Any) -> Any:
-        return self._of.get(index)
-
-    def __len__(self) -> int:
-        return len(self._of)
-
-    @property
-    def shape(self) -> torch.Size | None:
-        """The rows' full shape, ``[capacity, *row batch size]`` (None before any write)."""
-        total, schema = self._of._total_shape, self._of.reader.attach()
-        if total is None or schema is None or self._of.ndim != 1:
-            return total
-        if (ROW_BATCH_KEY,) in schema:
-            return torch.Size([*total, *schema[ROW_BATCH_KEY].shape[:-1]])
-        return total
-
-
 def _unfilled(schema: Schema, num_rows: int) -> TensorDict:
     """``num_rows`` rows of ``schema``, not yet filled in."""
     columns = {f.key: torch.empty((num_rows, *f.shape), dtype=f.dtype) for f in schema}
@@ -590,3 +587,11 @@ def daemon_storage_of(storage: Any, who: str) -> DaemonStorage:
             f"DaemonStorage(name)), got {type(storage).__name__}"
         )
     return storage
+
+
+# torch.compile cannot trace a round trip to the daemon or a checked copy out of shared
+# memory: a compiled function using a buffer over the daemon runs these eagerly (graph breaks).
+_EAGER = "get set __len__ contains _max_size_along_dim0 _rand_given_ndim _rand_given_ndim_impl"
+for _name in _EAGER.split():
+    _eager = torch.compiler.disable(getattr(DaemonStorage, _name))  # type: ignore[no-untyped-call]
+    setattr(DaemonStorage, _name, _eager)

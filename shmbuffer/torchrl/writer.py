@@ -5,12 +5,14 @@ each would have its own cursor and they would overwrite one another. This writer
 ``extend`` gives the rows to this process's :class:`shmbuffer.Writer`, and the daemon reserves
 the next rows of its one ring for them.
 
-Indices: ``extend`` returns ``-1`` for each row written (``add``: ``-1``). shmbuffer's Writer
-does not report where rows went: small writes are gathered and stored together later, and
-commits are pipelined, so the rows are not even placed when ``extend`` returns. A sampler's
-``extend(index)`` hook (TorchRL calls it with this) is a no-op for the samplers that work here;
-to give rows a priority as they are written, name the column that holds it
-(``DaemonWriter(priority_key="td_error")``): it travels with the write instead.
+Indices: with ``flush=True`` (the default) a local writer's ``extend`` returns the rows the
+daemon put the batch at (its reservations say, and the rows are committed when it returns),
+and tells the buffer's entities (``mark_update``), as TorchRL's writers do: TorchRL's samplers
+that keep state by index (a ``PrioritizedSliceSampler``'s sum tree) then see this process's
+writes. With ``flush=False``, or remotely, it returns ``-1`` for each row: small writes are
+gathered and stored later and commits are pipelined, so the rows are not placed when
+``extend`` returns. To give rows a priority as they are written, name the column that holds
+it (``DaemonWriter(priority_key="td_error")``): it travels with the write.
 """
 
 from __future__ import annotations
@@ -71,16 +73,17 @@ class DaemonWriter(TorchRLWriter):  # type: ignore[misc]  # TorchRL has no type 
             raise RuntimeError("DaemonWriter is not attached to a ReplayBuffer's storage yet")
         return daemon_storage_of(self._storage, "DaemonWriter")
 
-    def add(self, data: Any) -> int:
+    def add(self, data: Any) -> Any:
         """Write one row (a TensorDict of batch size ``[]``, a mapping, a tensor or a
-        pytree)."""
+        pytree); returns its index as :meth:`extend` does (one row: an int)."""
         row = one_row(data)
         # A list here is one row's pytree node, not a list of rows as extend reads one.
-        self.extend(pytrees.encode(row) if isinstance(row, list) else row)
-        return UNKNOWN
+        index = self.extend(pytrees.encode(row) if isinstance(row, list) else row)
+        return int(index[0]) if index.ndim == 1 and index.numel() == 1 else index
 
     def extend(self, data: Any) -> torch.Tensor:
-        """Write a batch of rows (leading dimension: rows); returns ``-1`` per row."""
+        """Write a batch of rows (leading dimension: rows); returns where they went (``-1``
+        per row where that is not known: see the module docstring)."""
         batch = as_batch(data)
         num_rows = count_rows(batch)
         if num_rows == 0:
@@ -90,16 +93,23 @@ class DaemonWriter(TorchRLWriter):  # type: ignore[misc]  # TorchRL has no type 
             priority = _priority_of(batch, self.priority_key, num_rows)
             batch = _without(batch, self.priority_key)
         writer = self._daemon().writer
+        if self.flush:
+            writer.placing()
         written = write_rows(writer, batch, num_rows, priority)
         if written != num_rows:  # write_count counts the rows handed, as TorchRL's does
             self._write_base = (self._write_base or 0) + written - num_rows
-        if self.flush:
-            writer.flush()
-        # An ndim=2 storage's index has a (row, step) pair per element, as TorchRL's writers
-        # give it (the row unknown: -1, the step known).
-        index: torch.Tensor = self._replicate_index(
-            torch.full((num_rows,), UNKNOWN, dtype=torch.long)
-        )
+        placed = writer.placed() if self.flush else None
+        if placed is None or placed.size != num_rows:
+            # An ndim=2 storage's index has a (row, step) pair per element, as TorchRL's
+            # writers give it (the row unknown: -1, the step known).
+            unknown = torch.full((num_rows,), UNKNOWN, dtype=torch.long)
+            return self._replicate_index(unknown)  # type: ignore[no-any-return]
+        # Committed now, and where the daemon put them is known (a local writer's
+        # reservations say): TorchRL's samplers keep their state (a sum tree, trajectory
+        # marks) by these indices, and are told of them as TorchRL's writers tell them.
+        index: torch.Tensor = self._replicate_index(torch.from_numpy(placed))
+        for entity in self._daemon()._attached_entities_iter():
+            entity.mark_update(index)
         return index
 
     # -- what TorchRL code reads of a writer: the daemon's ring, for every process -----------
@@ -154,6 +164,10 @@ class DaemonWriter(TorchRLWriter):  # type: ignore[misc]  # TorchRL has no type 
 
 
 _ADAPTERS["writer"] = DaemonWriter
+# Writes are round trips to the daemon, which torch.compile cannot trace: run them eagerly.
+for _name in ("add", "extend"):
+    _eager = torch.compiler.disable(getattr(DaemonWriter, _name))  # type: ignore[no-untyped-call]
+    setattr(DaemonWriter, _name, _eager)
 
 
 def _priority_of(batch: Any, key: Any, num_rows: int) -> torch.Tensor:

@@ -7,9 +7,10 @@ check (``Reader._checked_gather``, whose redraws carry their context too), each 
 item's goal is drawn inside its episode and read from shared memory, and then every row that
 read touched (the done flags scanned and the goal's row) must still carry the drawn row's
 stamp: one reservation, one stamp (``storage/stamps.py``), so a row of the episode that has
-another stamp now was overwritten, and its goal may come from another write. Such a sample is
-drawn again, whole (a goal read is a fraction of the batch's copy, and a ring lapped during
-it is rare), at most ``MAX_RESAMPLES`` times, then TornReadError.
+another stamp now was overwritten, and its goal may come from another write. Such items are
+drawn again, leased (the episodes holding them: their goals cannot move while they are read),
+and the goals drawn again, at most ``MAX_RESAMPLES`` times, then TornReadError. (Drawing the
+whole sample again, unleased, gave up under a writer lapping a 40-row ring.)
 
 torch and tensordict are imported by the first call, as the Reader's other modules do.
 """
@@ -54,29 +55,61 @@ def sample_her(
     spec = check_her(her, reader.schema)
     fields = reader._fields("rows", n, return_info, beta, where)
     fields["context"] = True
-    for _ in range(MAX_RESAMPLES):
-        reply, _frames = reader._sample_ahead(**fields)
-        items = reader._items(reply, return_info, ("before", "left"))
-        physical = decode_i64(reply["rows"]).copy()
-        leases = [reply["lease"]] if "lease" in reply else []
-        try:
-            gens = decode_i64(reply["gens"]).copy()
-            data = reader._checked_gather(physical, gens, fields, 1, items, leases)
-            assert reader.segment is not None
-            columns = reader.segment.columns
+    reply, _frames = reader._sample_ahead(**fields)
+    items = reader._items(reply, return_info, ("before", "left"))
+    physical = decode_i64(reply["rows"]).copy()
+    leases = [reply["lease"]] if "lease" in reply else []
+    try:
+        gens = decode_i64(reply["gens"]).copy()
+        data = reader._checked_gather(physical, gens, fields, 1, items, leases)
+        assert reader.segment is not None
+        columns, stamps = reader.segment.columns, reader.segment.generations
+        for _ in range(MAX_RESAMPLES):
             goals = draw_goals(spec, physical, items["before"], items["left"], columns, _RNG)
             values = goal_values(goals, columns, spec)
-            item, rows = rows_read(goals, len(reader.segment.generations))
-            if (reader.segment.generations[rows] == gens[item]).all():
+            item, rows = rows_read(goals, len(stamps))
+            torn = np.unique(item[stamps[rows] != gens[item]])
+            if not torn.size:
                 apply_goals(data, goals, values, spec)
                 info = {k: v for k, v in items.items() if k not in ("before", "left")}
                 return (data, reader._info(info)) if return_info else data
-            reader.resamples += len(physical)
-        finally:
-            reader._release_soon(leases)
+            _redraw(reader, torn, fields, return_info, data, physical, gens, items, leases)
+    finally:
+        reader._release_soon(leases)
     raise TornReadError(
         f"goals kept being overwritten while read through {MAX_RESAMPLES} relabelled samples"
     )
+
+
+def _redraw(
+    reader: Any,
+    torn: np.ndarray,
+    fields: dict[str, Any],
+    return_info: bool,
+    data: TensorDict,
+    physical: np.ndarray,
+    gens: np.ndarray,
+    items: dict[str, np.ndarray],
+    leases: list[int],
+) -> None:
+    """Draw the ``torn`` items again, leased (the episodes holding them, so the goals read
+    next in them cannot move), and patch them into the batch and its arrays."""
+    import torch
+
+    reader._went_stale()
+    reader.resamples += len(torn)
+    again = {**fields, "n": len(torn), "lease": True}
+    reply, _ = reader._sample(**again)
+    if "lease" in reply:
+        leases.append(reply["lease"])
+    fresh_items = reader._items(reply, return_info, ("before", "left"))
+    fresh, fresh_gens = decode_i64(reply["rows"]).copy(), decode_i64(reply["gens"]).copy()
+    data[torch.from_numpy(torn)] = reader._checked_gather(
+        fresh, fresh_gens, again, 1, fresh_items, leases
+    )
+    physical[torn], gens[torn] = fresh, fresh_gens
+    for name, values in items.items():
+        values[torn] = fresh_items[name]
 
 
 #: The goal draws' generator (a process's own: the daemon's draws are seeded there).

@@ -289,6 +289,8 @@ class Schema:
         self.fields: tuple[Field, ...] = tuple(ordered)
         self._by_key = {f.key: f for f in ordered}
         self._row_nbytes = sum(f.row_nbytes for f in ordered)
+        # asked by every write plan and every Reader.sample: decided once
+        self._has_frames = bool(self.next_of) or any(f.stack > 1 for f in ordered)
         #: name -> (field, dims of a batch of its rows), when every key is one name: what
         #: :meth:`_validate_flat` checks a plain dict against.
         self._flat: dict[str, tuple[Field, int]] = (
@@ -361,7 +363,7 @@ class Schema:
     def has_frames(self) -> bool:
         """Whether a column is a frame stack or a next_of: writes and reads then go through
         ``api/frames.py``."""
-        return bool(self.next_of) or any(f.stack > 1 for f in self.fields)
+        return self._has_frames
 
     @property
     def tail(self) -> int:

@@ -152,6 +152,10 @@ def test_real_replies_match_the_reply_table(h: Harness, tmp_path: Path) -> None:
     call(R, "sample", kind="slices", n=2, length=3, strict=False, info=True)
     listed = call(R, "iterate", rank=0, world_size=2, shuffle=False, drop_last=True, epoch=1)
     call(R, "read", rows=listed["rows"], gens=listed["gens"])
+    first_rows = listed["rows"][:16]  # two committed rows, changed in place
+    call(W, "rewrite", frames=[np.full(2, 9, "<i8").tobytes()], rows=first_rows, keys=["act"])
+    stale = call(W, "rewrite", frames=payload(2, 8.0), rows=first_rows, generation=bytes(16))
+    assert stale["written"] == 0 and len(stale["skipped"]) == 16
     call(R, "sample", kind="rows", n=2, payload=True)
     call(R, "sample", kind="episodes", n=2, payload=True)
     leased = call(R, "sample", kind="episodes", n=2, lease=True)

@@ -53,6 +53,7 @@ GOOD: dict[str, dict[str, Any]] = {
     "update_priorities": {"index": bytes(16), "priority": bytes(16)},
     "iterate": {"rank": 0, "world_size": 1},
     "read": {"rows": bytes(8), "gens": bytes(8)},
+    "rewrite": {"rows": bytes(8)},
     "drawn": {"rows": 2, "samples": 1},
     "episodes": {},
     "release": {"lease": 1},
@@ -101,6 +102,7 @@ GOOD_FULL: dict[str, dict[str, Any]] = {
     "iterate": {"rank": 3, "world_size": 4, "shuffle": False, "drop_last": True, "epoch": 7},
     "shutdown": {"keep": True},
     "configure": {"samples_per_insert": 2.5, "min_size": 0, "error_buffer": 10},
+    "rewrite": {"rows": bytes(16), "keys": ["obs"], "generation": bytes(16), "timeout_ms": 0},
 }
 
 
@@ -398,6 +400,9 @@ def test_refuses_bad_choice(op: str, name: str, value: str) -> None:
             ["'index'", "2048"],
         ),
         ("read", {"rows": bytes(16), "gens": bytes(8)}, ["'rows'", "'gens'"]),
+        ("rewrite", {"rows": b""}, ["'rows'", "no rows"]),
+        ("rewrite", {"rows": bytes(16), "generation": bytes(8)}, ["'generation'", "one stamp"]),
+        ("rewrite", {"rows": bytes(8), "keys": []}, ["'keys'"]),
         ("iterate", {"rank": 2, "world_size": 2}, ["'rank'=2", "'world_size'=2"]),
         ("configure", {}, ["at least one"]),
     ],

@@ -32,6 +32,7 @@ from shmbuffer.api.writeplan import plan_write, vector_episode, write_priority
 from shmbuffer.clients.connection import Connection
 from shmbuffer.clients.packed_io import PackedWrites, refuse_remote, write_packed
 from shmbuffer.clients.pipeline import WritePipeline, compact
+from shmbuffer.clients.rewrites import rewrite
 from shmbuffer.samplers import SAMPLERS
 from shmbuffer.storage.packed import packed_fields
 from shmbuffer.storage.schema import Schema
@@ -328,6 +329,22 @@ class Writer:
         self.conn.check()
         with self._pipe.lock:
             self._pipe.flush(timeout)
+
+    def rewrite(self, index: Any, data: Mapping[str, Any], *, generation: Any = None) -> np.ndarray:
+        """Change committed rows in place: rows ``index`` (physical rows, as a sample's
+        ``index``) of the keys ``data`` holds (some of the schema's stored keys, or all; one
+        value per row) get ``data``. Returns which rows were written (a boolean mask).
+
+        With ``generation`` (the rows' stamps when read: a sample's ``info["generation"]``),
+        a row overwritten since, or no longer stored, is skipped and left out of the mask;
+        without it such rows are refused (InvalidArgumentError naming them), nothing written.
+        This writer's own writes are flushed first. The bytes travel to the daemon, which
+        copies them in itself, re-stamping the rows' episodes first, so readers copying
+        them meanwhile copy again; it waits while readers lease those episodes
+        (``reserve_timeout``). Priorities, episodes and places do not change
+        (``docs/protocol.md``, ``rewrite``)."""
+        self.flush()
+        return rewrite(self.conn, self.schema, index, data, generation, self._pipe.reserve_timeout)
 
     def placing(self) -> None:
         """Start recording where this writer's rows land: :meth:`placed` says, for the rows

@@ -85,6 +85,7 @@ COUNTERS = {
     "clients_expired": "Clients forgotten after client_idle_ttl of silence.",
     "priority_updates": "Rows whose priority update_priorities set.",
     "priority_updates_stale": "Rows update_priorities skipped: overwritten since sampled.",
+    "rows_rewritten": "Committed rows changed in place (rewrite).",
 }
 #: stats gauges -> (metric name, help).
 GAUGES = {

@@ -28,6 +28,7 @@ from shmbuffer.daemon.config import DaemonConfig
 from shmbuffer.daemon.journal import record_bytes
 from shmbuffer.daemon.pins import pins_from_state
 from shmbuffer.daemon.processes import alive
+from shmbuffer.daemon.rewrites import RewriteOps
 from shmbuffer.daemon.samples import SampleOps
 from shmbuffer.daemon.saved_state import restore_container
 from shmbuffer.daemon.state import Deferred, Frames, Reply
@@ -56,7 +57,7 @@ Handler = Callable[[Client, dict[str, Any], Frames, float], Reply]
 OpenHandler = Callable[[bytes, dict[str, Any], float], Reply]
 
 
-class BufferService(WriteOps, SampleOps):
+class BufferService(WriteOps, SampleOps, RewriteOps):
     def __init__(self, config: DaemonConfig, segment: Segment | None = None) -> None:
         super().__init__(config, segment)
         #: One handler per op of ``protocol.REQUESTS``, both tables together (an op is its
@@ -70,6 +71,7 @@ class BufferService(WriteOps, SampleOps):
             "commit": self.op_commit,
             "abort": self.op_abort,
             "write": self.op_write,
+            "rewrite": self.op_rewrite,
             "sample": self.op_sample,
             "drawn": self.op_drawn,
             "episodes": self.op_episodes,

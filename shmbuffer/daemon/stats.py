@@ -25,6 +25,7 @@ class Counters:
     leases_expired: int = 0
     clients_reaped: int = 0  # local clients whose process died (found by the pid check)
     clients_expired: int = 0  # clients dropped after client_idle_ttl with nothing open
+    rows_rewritten: int = 0  # committed rows changed in place (daemon/rewrites.py)
 
     def restore(self, saved: Mapping[str, Any]) -> None:
         """Take the values of a snapshot or checkpoint (``persistent_state``); a counter it

@@ -34,9 +34,10 @@ Thread safety: one writer (the daemon loop). A view is used by one thread at a t
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -102,6 +103,20 @@ class SpansFile:
             words[_STARTS + i] = starts[i]
             words[_ENDS + i] = ends[i]
         words[_SEQ] = seq + 1
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Keep the sequence number odd while the block runs (a rewrite in place: committed
+        rows' stamps and bytes change under it): a reader cannot finish a draw meanwhile, so
+        none reads a stamp the rows carry while their bytes are half changed. It draws again,
+        or asks the daemon, which answers once the block is done. The runs stay as they are."""
+        words = self._words
+        seq = (words[_SEQ] + 1) | 1
+        words[_SEQ] = seq
+        try:
+            yield
+        finally:
+            words[_SEQ] = seq + 1
 
     def close(self) -> None:
         self._words.release()

@@ -109,9 +109,14 @@ class Container:
     def extent(self, rows: I64) -> tuple[I64, I64]:
         """For each live row of ``rows``, the rows of its episode before it and from it on
         (itself included), following a chunk the ring's end split (``ring/rowepisodes.py``)."""
+        where = self.rows_index()
+        return where.rows_before(rows), where.rows_left(rows)
+
+    def rows_index(self) -> RowEpisodes:
+        """Each row's registry entry (``ring/rowepisodes.py``), kept from the first call on."""
         if self.row_episodes is None:
             self.row_episodes = RowEpisodes(self.ring)
-        return self.row_episodes.rows_before(rows), self.row_episodes.rows_left(rows)
+        return self.row_episodes
 
     def keep_meta(self, declared: Mapping[str, str] | None = None) -> EpisodeMeta:
         """Keep every episode's metadata from now on (``ring/meta.py``), with the names and

@@ -84,3 +84,22 @@ class RowEpisodes(RingListener):
             tail = capacity - int(index.start_by_end[capacity])
             before = np.where(ends == first, before + tail, before)
         return before
+
+    def live(self, rows: I64) -> npt.NDArray[np.bool_]:
+        """Which of ``rows`` lie in a registry entry (committed, not evicted)."""
+        return np.asarray(self.index.end_of_row[rows] > 0)
+
+    def ids(self, rows: I64) -> I64:
+        """The registry id of each live row's entry."""
+        return self.index.id_by_end[self.index.end_of_row[rows]]
+
+    def episode_rows(self, rows: I64, tail: int = 0) -> I64:
+        """Every row of the episodes the live ``rows`` lie in (following one the ring's end
+        split into two entries), their ``tail`` rows too: sorted, each once."""
+        if not rows.size:
+            return rows
+        firsts = rows - self.rows_before(rows)
+        lasts = rows + self.rows_left(rows) + tail  # one past
+        spans = np.unique(np.stack([firsts, lasts], axis=1), axis=0)
+        every = np.concatenate([np.arange(s, e) for s, e in spans.tolist()])
+        return np.unique(every % self.ring.capacity)

@@ -141,6 +141,30 @@ def write(
         offset = end
 
 
+def scatter(
+    columns: Mapping[Key, torch.Tensor],
+    arrays: Mapping[Key, np.ndarray],
+    rows: np.ndarray,
+    leaves: Mapping[Key, Any],
+) -> None:
+    """Copy row ``i`` of each validated leaf into physical row ``rows[i]`` of its column (a
+    rewrite in place: rows anywhere, some columns only); a row named twice gets its last.
+    Casts are ``unsafe`` as in :func:`write`, for the same reason. Device columns are
+    synchronised before the return: the caller's reply says the rows are written."""
+    for key, value in leaves.items():
+        src = as_numpy(value)
+        dst = arrays.get(key) if columns[key].dtype != torch.bfloat16 else None
+        if src is not None and dst is not None:
+            dst[rows] = src.astype(dst.dtype, copy=False, casting="unsafe")
+            continue
+        column = columns[key]
+        tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+        index = torch.from_numpy(np.ascontiguousarray(rows)).to(column.device)
+        column.index_copy_(0, index, tensor.to(column.device, column.dtype))
+        if column.is_cuda:
+            torch.cuda.synchronize(column.device)
+
+
 def owned_slice(
     value: Any, first: int, n: int, dtype: torch.dtype | None = None
 ) -> np.ndarray | torch.Tensor:

@@ -14,6 +14,11 @@ An aborted reservation that touched nothing publishes again the episodes it evic
 of such an episode it had stamped moved, the rest did not. :func:`restamp_restored` gives each
 such episode (its tail row too) one stamp again, its largest: the rows' bytes did not change,
 and a reader holding an older stamp of them only copies them again.
+
+A rewrite of committed rows in place (the daemon's ``rewrite``) gives the whole episodes those
+rows lie in (their tail rows too) one new stamp, above every old stamp of them, *before* the
+bytes change: a reader that copied any of them under the old stamp copies them again, and the
+rows of one episode keep one stamp between them (:func:`stamp_rows`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["restamp_restored", "stamp_reservation"]
+__all__ = ["restamp_restored", "stamp_reservation", "stamp_rows"]
 
 
 def stamp_reservation(generations: npt.NDArray[np.int64], ranges: Sequence[tuple[int, int]]) -> int:
@@ -45,3 +50,11 @@ def restamp_restored(
     for start, end in episodes:
         rows = np.arange(start, end + tail) % capacity
         generations[rows] = generations[rows].max()
+
+
+def stamp_rows(generations: npt.NDArray[np.int64], rows: npt.NDArray[np.int64]) -> int:
+    """Give every row of ``rows`` (whole episodes, a rewrite's) one new stamp, above the old
+    stamp of each, and return it."""
+    stamp = int(generations[rows].max(initial=0)) + 1
+    generations[rows] = stamp
+    return stamp

@@ -51,7 +51,7 @@ from shmbuffer.wire.spec import Spec as Spec  # noqa: PLC0414
 from shmbuffer.wire.spec import check_field
 
 #: Versioned separately from the package. Minor bumps add optional fields or ops only.
-PROTOCOL_VERSION = "1.10"
+PROTOCOL_VERSION = "1.11"
 PROTOCOL_MAJOR = int(PROTOCOL_VERSION.split(".", maxsplit=1)[0])
 
 MAX_INT = 2**62
@@ -148,6 +148,15 @@ REQUESTS: dict[str, dict[str, Spec]] = {
         "priority": _PRIORITY,
         "meta": _META,  # since 1.9
         "tables": _TABLES,  # since 1.9
+    },
+    # Committed rows changed in place (since 1.11): ``rows`` (i64), the bytes as payload
+    # frames, one per key of ``keys`` (absent: every stored column, in schema order); with
+    # ``generation`` (i64, one per row) rows whose stamp moved are skipped, not refused.
+    "rewrite": {
+        "rows": Spec((bytes,)),
+        "keys": Spec((list,), required=False),
+        "generation": Spec((bytes,), required=False),
+        "timeout_ms": _TIMEOUT,
     },
     "sample": {
         "kind": Spec((str,), choices=("rows", "episodes", "slices")),
@@ -329,6 +338,20 @@ def _check_read(op: str, fields: Mapping[str, Any]) -> None:
         raise ProtocolError(f"op {op!r}: fields 'rows' and 'gens' must hold as many values")
 
 
+def _check_rewrite(op: str, fields: Mapping[str, Any]) -> None:
+    count = _array_size(op, "rows", fields["rows"], MAX_INT)
+    if not count:
+        raise ProtocolError(f"op {op!r}: field 'rows' holds no rows")
+    stamps = fields.get("generation")
+    if stamps is not None and _array_size(op, "generation", stamps, MAX_INT) != count:
+        raise ProtocolError(
+            f"op {op!r}: field 'generation' must hold one stamp per row of field 'rows' ({count})"
+        )
+    keys = fields.get("keys")
+    if keys is not None and (not keys or not all(isinstance(k, str) for k in keys)):
+        raise ProtocolError(f"op {op!r}: field 'keys' must list key names, got {keys!r:.200}")
+
+
 def _check_iterate(op: str, fields: Mapping[str, Any]) -> None:
     if fields["rank"] >= fields["world_size"]:
         raise ProtocolError(
@@ -352,6 +375,7 @@ VALIDATORS: dict[str, Callable[[str, Mapping[str, Any]], None]] = {
     "update_priorities": _check_update,
     "iterate": _check_iterate,
     "read": _check_read,
+    "rewrite": _check_rewrite,
     "configure": _check_configure,
 }
 

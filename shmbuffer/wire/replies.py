@@ -126,6 +126,7 @@ _STATS: dict[str, Spec] = {
             "clients_expired",
             "priority_updates",
             "priority_updates_stale",
+            "rows_rewritten",  # since 1.11
         )
     },
     # since 1.9 (one, "default", without --table): name -> {sampler, rate_limiter,
@@ -163,6 +164,8 @@ REPLIES: dict[str, dict[str, Spec]] = {
     "commit": {"episodes": Spec((list,))},
     "abort": {},
     "write": {"episodes": Spec((list,))},
+    # since 1.11: rows rewritten, and the positions (in the request's rows) of those skipped
+    "rewrite": {"written": Spec((int,)), "skipped": Spec((bytes,))},
     "sample": {
         "rows": _BIN,
         "starts": _BIN,

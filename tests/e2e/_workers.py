@@ -597,3 +597,24 @@ def write_framed_episodes(name: str, episodes: int, width: int, say: Any) -> int
             step += length + 1
         writer.flush()
     return episodes
+
+
+def sample_whole_rows(name: str, seconds: float, say: Any) -> tuple[int, int]:
+    """Sample for ``seconds``, checking every row is whole (``img`` all ``v % 256``):
+    ``(rows checked, rows torn)``. Says "started" once its first sample came back."""
+    import numpy as np
+
+    from shmbuffer import Reader
+
+    checked = torn = 0
+    with Reader(name) as reader:
+        reader.sample(4)
+        say("started", reader.local_draws)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            batch = reader.sample(16)
+            img = batch["img"].reshape(16, -1).numpy()
+            want = (batch["v"].numpy() % 256).astype(np.uint8)
+            torn += int(((img != want[:, None]).any(axis=1)).sum())
+            checked += 16
+    return checked, torn

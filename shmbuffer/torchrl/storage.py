@@ -45,7 +45,7 @@ from shmbuffer.clients.writer import Writer
 from shmbuffer.errors import TornReadError, WaitTimeoutError
 from shmbuffer.storage import rows
 from shmbuffer.storage.schema import Schema, to_host
-from shmbuffer.torchrl import batches, pytrees, saving
+from shmbuffer.torchrl import batches, inplace, pytrees, saving
 from shmbuffer.torchrl.batches import ROW_BATCH_KEY, TENSOR_KEY
 from shmbuffer.torchrl.dims import GridMixin, check_ndim
 
@@ -106,13 +106,15 @@ class DaemonStorage(GridMixin, TensorStorage):  # type: ignore[misc]  # TorchRL 
             row, indexed ``(row, step)`` (``shmbuffer/torchrl/dims.py``).
 
     Writes go through :class:`~shmbuffer.torchrl.DaemonWriter` (a buffer's default over this
-    storage), or ``set`` at the ring's pointer (see :meth:`set`): the daemon decides where rows
-    go. ``rb.empty()``, ``load_state_dict`` and ``loads`` change the rows every process of the
-    job shares, as admin requests (``shmbuffer/torchrl/saving.py``).
+    storage), or ``set`` at the ring's pointer: the daemon decides where new rows go; rows
+    written already may be changed in place (:meth:`set`, ``inplace.py``). ``rb.empty()``,
+    ``load_state_dict`` and ``loads`` change the rows every process of the job shares, as
+    admin requests (``shmbuffer/torchrl/saving.py``).
     """
 
-    #: TorchRL's conditional updates patch a TensorStorage's rows in place: refused here.
-    supports_conditional_update = False
+    #: TorchRL's conditional updates (``rb.update_if_present``, with a writer that tracks
+    #: generations): the live records are rewritten in the daemon (``inplace.py``).
+    supports_conditional_update = True
 
     def __init__(
         self,
@@ -151,6 +153,8 @@ class DaemonStorage(GridMixin, TensorStorage):  # type: ignore[misc]  # TorchRL 
         self._stats: dict[str, Any] | None = None  # the daemon's stats when last asked
         #: ``(index, data)`` a DaemonSampler drew, for the ``get(index)`` that follows it.
         self._handed: tuple[Any, Any] | None = None
+        #: The last ``storage[:]``: the rows, their physical rows and stamps (inplace.py).
+        self._whole: tuple[Any, np.ndarray, np.ndarray] | None = None
 
     # -- the clients, one of each per process -------------------------------------------------
 
@@ -349,7 +353,12 @@ class DaemonStorage(GridMixin, TensorStorage):  # type: ignore[misc]  # TorchRL 
             return self.get_rows(slice(None))[index]
         if self.ndim == 2 and isinstance(index, tuple) and len(index) == 2:
             return self.get_steps(index)  # (rows, steps), as TorchRL indexes an ndim=2 one
-        return self.get_rows(index)
+        rows = self.get_rows(index)
+        if isinstance(index, slice) and index == slice(None) and self._listing is not None:
+            # storage[:], which rb.set_at_/set_/update_ edit and then say so
+            physical = np.arange(len(rows), dtype=np.int64)
+            self._whole = (rows, physical, self._listing.stamps[physical])
+        return rows
 
     def get_rows(self, index: Any) -> Any:
         """Whole daemon rows (see :meth:`get`)."""
@@ -493,11 +502,10 @@ class DaemonStorage(GridMixin, TensorStorage):  # type: ignore[misc]  # TorchRL 
     # -- what a daemon-backed storage does not do ---------------------------------------------
 
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
-        """Write ``data`` at rows ``cursor``, when those are where the daemon's ring puts this
-        process's next rows (its pointer on): what TorchRL's ``RoundRobinWriter`` and a fresh
-        storage's ``set(range(n), rows)`` ask, honoured where this process is the only writer
-        (another's rows landing first would move these on, as a DaemonWriter's). Rows at any
-        other place are refused: the daemon places rows, and never changes one in place."""
+        """Write ``data`` at rows ``cursor``: the ring's next rows (its pointer on: TorchRL's
+        ``RoundRobinWriter``, a fresh storage's ``set(range(n), rows)``) as new rows; rows
+        written already changed in place (``rb[i] = x``, ``write_at``, TorchRL's max-value
+        writer: the daemon's ``rewrite``, ``inplace.py``); any other row is refused."""
         positions = batches.positions_of(cursor, self._max_size_along_dim0())
         if positions is None:
             raise TypeError(f"DaemonStorage.set takes row numbers, got {cursor!r}")
@@ -506,33 +514,28 @@ class DaemonStorage(GridMixin, TensorStorage):  # type: ignore[misc]  # TorchRL 
         batch = batches.as_batch(batches.one_row(data) if positions.ndim == 0 else data)
         num_rows = batches.count_rows(batch)
         positions = positions.reshape(-1)
+        if positions.size != num_rows:
+            raise ValueError(f"{positions.size} rows named for {num_rows} rows of data")
         writer = self.writer
         writer.flush()
         stats = self._fresh_stats()
         pointer, capacity = int(stats["pointer"]), int(stats["capacity"])
-        expected = (pointer + np.arange(positions.size)) % capacity
-        if positions.size != num_rows or not np.array_equal(positions % capacity, expected):
-            raise TypeError(
-                f"DaemonStorage writes rows at the ring's pointer (row {pointer} next), got "
-                f"rows {positions.tolist()[:8]}: the daemon, not this process, decides where "
-                "rows go, and rows are never set in place. Write through "
-                "shmbuffer.torchrl.DaemonWriter() (a ReplayBuffer's default over this storage)"
-            )
-        batches.write_rows(writer, batch, num_rows)
-        writer.flush()
-        self.forget_reads()
+        if np.array_equal(positions % capacity, (pointer + np.arange(num_rows)) % capacity):
+            batches.write_rows(writer, batch, num_rows)  # the next rows: written as new
+            writer.flush()
+            self.forget_reads()
+        else:
+            inplace.set_rows(self, positions, batch)
 
     def _bump_mutation_revision(self) -> None:
-        """TorchRL calls this after changing rows in place; here the change was made to a
-        copy (``rb.set_at_``, ``set_`` and ``update_`` edit what ``storage[:]`` returned), so
-        it is refused rather than lost. The daemon's rows are only ever written whole, by a
-        writer it places, so that a reader copying a row never sees it half changed."""
-        raise TypeError(
-            "DaemonStorage rows are not changed in place (rb.set_at_, rb.set_, rb.update_ "
-            "and rb[i] = x would change this process's copy only; nothing was written): "
-            "write new rows through DaemonWriter (rb.extend), and change what is sampled "
-            "with rb.update_priority on a DaemonSampler"
-        )
+        """After ``rb.set_at_``, ``set_`` or ``update_`` edited what ``storage[:]`` returned:
+        the rows edited are rewritten in the daemon (``inplace.write_back``)."""
+        whole, self._whole = self._whole, None
+        if whole is not None:
+            inplace.write_back(self, *whole)
+
+    def _apply_conditional_patch(self, index: Any, patch: dict[Any, Any]) -> None:
+        inplace.patch_rows(self, index, patch)  # rb.update_if_present's live records
 
     def _empty(self) -> None:
         """``rb.empty()``: clears the whole daemon buffer, for every process (an admin

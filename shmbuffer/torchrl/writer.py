@@ -119,9 +119,25 @@ class DaemonWriter(TorchRLWriter):  # type: ignore[misc]  # TorchRL has no type 
 
     @property
     def _cursor(self) -> int:
-        """Where the ring's next row goes: the daemon's pointer (TorchRL's writers' cursor;
-        the daemon, not this process, moves it, so it cannot be set)."""
+        """Where the ring's next row goes: the daemon's pointer (TorchRL's writers' cursor).
+        The daemon moves it as rows are written; TorchRL code that moves it past the rows it
+        is about to ``write_at`` (``ConsumingSampler``'s refills) sets nothing."""
         return int(self._daemon().reader.stats()["pointer"])
+
+    @_cursor.setter
+    def _cursor(self, value: int) -> None:
+        pass
+
+    def write_at(self, index: Any, data: Any) -> Any:
+        """Write ``data`` at rows ``index`` (TorchRL's ``write_at``): rows already written
+        are changed in place, the ring's next rows written as new (``DaemonStorage.set``).
+        Returns ``index`` as a tensor, and tells the buffer's entities."""
+        self._daemon().set(index, data, set_cursor=False)
+        index = torch.as_tensor(index, dtype=torch.long)
+        index = self._replicate_index(index)
+        for entity in self._daemon()._attached_entities_iter():
+            entity.mark_update(index)
+        return index
 
     @property
     def _write_count(self) -> int:
@@ -165,7 +181,7 @@ class DaemonWriter(TorchRLWriter):  # type: ignore[misc]  # TorchRL has no type 
 
 _ADAPTERS["writer"] = DaemonWriter
 # Writes are round trips to the daemon, which torch.compile cannot trace: run them eagerly.
-for _name in ("add", "extend"):
+for _name in ("add", "extend", "write_at"):
     _eager = torch.compiler.disable(getattr(DaemonWriter, _name))  # type: ignore[no-untyped-call]
     setattr(DaemonWriter, _name, _eager)
 

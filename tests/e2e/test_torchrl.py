@@ -183,10 +183,13 @@ def test_workers_extend_learners_sample_and_share_priorities(
         assert child.exitcode == 0
         assert int((storage[:]["id"] >= 10**6).sum()) == 6
 
-        # TorchRL's own cursor writer, its cursor (0) not the ring's pointer: refused.
+        # TorchRL's own cursor writer, its cursor (0) not the ring's pointer: it changes the
+        # rows there in place, as over TorchRL's own storages; the ring's pointer stays.
+        pointer = storage.writer.conn.call("stats")["stats"]["pointer"]
         own_cursor = ReplayBuffer(storage=storage, writer=RoundRobinWriter(), batch_size=8)
-        with pytest.raises(TypeError, match="DaemonWriter"):
-            own_cursor.extend(TensorDict({"id": torch.arange(3)}, [3]))
+        own_cursor.extend(TensorDict({"id": torch.arange(3) - 7}, [3]))
+        assert storage[:3]["id"].tolist() == [-7, -6, -5]
+        assert storage.writer.conn.call("stats")["stats"]["pointer"] == pointer
         rb.empty()  # the whole daemon buffer, for every process (test_torchrl_saving.py)
         assert len(storage) == 0
     finally:
@@ -272,25 +275,22 @@ def test_remote_storage_priority_column_bare_tensors_and_episode_unit_refused(
         storage.close()
 
 
-def test_in_place_writes_are_refused_and_change_nothing(daemon: Any) -> None:
-    """``rb.set_at_``/``set_``/``update_`` would mutate a copy of the rows (``storage[:]``):
-    they raise, like ``rb[i] = x``, and the daemon's rows stay as written."""
+def test_in_place_writes_change_the_daemon_s_rows(daemon: Any) -> None:
+    """``rb.set_at_``/``set_``/``update_`` edit a copy of the rows (``storage[:]``), then say
+    so: the rows edited are rewritten in the daemon, as is ``rb[i] = x``; nothing is added."""
     storage = DaemonStorage(daemon(capacity=16, unit="transition").name)
     try:
         rb = ReplayBuffer(storage=storage, writer=DaemonWriter(), batch_size=2)
         rb.extend(TensorDict({"a": torch.arange(4.0)[:, None]}, [4]))
-        for name, write in [
-            ("set_at_", lambda: rb.set_at_("a", torch.full((2, 1), 9.0), [0, 1])),
-            ("set_", lambda: rb.set_("a", torch.full((4, 1), 9.0))),
-            ("update_", lambda: rb.update_({"a": torch.full((4, 1), 9.0)})),
-        ]:
-            with pytest.raises(TypeError, match=r"in place.*DaemonWriter"):
-                write()
-            assert storage[:]["a"].flatten().tolist() == [0.0, 1.0, 2.0, 3.0], name
-        with pytest.raises(TypeError, match="DaemonWriter"):
-            rb[0] = TensorDict({"a": torch.ones(1)}, [])
-        # The refusals left the storage picklable (settings only) and usable.
-        assert len(pickle.loads(pickle.dumps(rb))) == 4
+        rb.set_at_("a", torch.full((2, 1), 9.0), [0, 1])
+        assert storage[:]["a"].flatten().tolist() == [9.0, 9.0, 2.0, 3.0]
+        rb.set_("a", torch.full((4, 1), 8.0))
+        assert storage[:]["a"].flatten().tolist() == [8.0] * 4
+        rb.update_({"a": torch.arange(4.0)[:, None] + 1})
+        rb[0] = TensorDict({"a": torch.zeros(1)}, [])
+        assert storage[:]["a"].flatten().tolist() == [0.0, 2.0, 3.0, 4.0]
+        assert len(rb) == 4
+        assert len(pickle.loads(pickle.dumps(rb))) == 4  # picklable (settings only)
     finally:
         storage.close()
 

@@ -205,9 +205,10 @@ def test_the_storage_is_the_one_line_change_for_replay_buffers_and_prioritized_o
             each.storage.close()
 
 
-def test_storage_set_at_the_ring_pointer_is_written_elsewhere_refused(daemon: Any) -> None:
+def test_storage_set_at_the_ring_pointer_is_written_elsewhere_in_place(daemon: Any) -> None:
     """TorchRL's RoundRobinWriter (and ``storage.set(range(n), rows)`` on a fresh storage)
-    write where the ring's pointer is: honoured. Any other row would be changed in place."""
+    write where the ring's pointer is: new rows. A row written already is changed in place,
+    the pointer left where it was (``tests/e2e/test_torchrl_inplace.py``)."""
     storage = DaemonStorage(daemon(capacity=4, unit="transition").name)
     try:
         storage.set(range(3), torch.arange(3))
@@ -216,9 +217,8 @@ def test_storage_set_at_the_ring_pointer_is_written_elsewhere_refused(daemon: An
         rb.extend(torch.arange(10, 13))  # rows 3, 0 and 1, as in TorchRL's ring
         assert storage[:].tolist() == [11, 12, 2, 10] and rb.writer._cursor == 2
         assert storage._storage[[3, 1]].tolist() == [10, 12]  # TorchRL code reads it so
-        with pytest.raises(TypeError, match=r"pointer \(row 2 next\).*\[0\]"):
-            storage.set(0, torch.tensor(7))
-        assert storage[:].tolist() == [11, 12, 2, 10]
+        storage.set(0, torch.tensor(7))
+        assert storage[:].tolist() == [7, 12, 2, 10] and rb.writer._cursor == 2
     finally:
         storage.close()
 

@@ -66,7 +66,7 @@ DIFFERENCES: list[tuple[str, str]] = [
     ("**More than one dimension here.**", r"one- or two-dimensional"),
     (
         "**TorchRL's writers.**",
-        r"writes rows at the ring's pointer|DaemonStorage.set takes|no attribute '(write_at|"
+        r"rows at the ring's pointer|DaemonStorage.set takes|no attribute '(write_at|"
         r"_generation)'|index_generation|TestWriterGeneration",
     ),
     (

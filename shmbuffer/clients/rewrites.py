@@ -42,10 +42,10 @@ def rewrite(
         raise TypeError(f"rewrite takes row numbers, got an index of dtype {rows.dtype}")
     rows = rows.astype(np.int64).reshape(-1)
     given = [key for key, _ in iter_leaves(data)]
-    unknown = [key_str(k) for k in given if k not in schema]
-    if unknown:
-        stored = [key_str(f.key) for f in schema.fields]
-        raise SchemaError(f"keys {unknown} are not stored columns (keys: {stored})")
+    for key in given:
+        if key not in schema:
+            stored = [key_str(f.key) for f in schema.fields]
+            raise SchemaError(f"key {key_str(key)!r} is not in the schema (keys: {stored})")
     part = Schema([schema[k] for k in given])
     shape, leaves = part.validate(data)
     if shape != (rows.size,):

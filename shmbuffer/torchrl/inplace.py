@@ -58,7 +58,7 @@ def set_rows(storage: DaemonStorage, positions: np.ndarray, batch: Any) -> None:
         writer.flush()
     if committed.any():
         part = batches.with_row_batch_size(_take(batch, order[committed]), writer.schema)
-        writer.rewrite(positions[committed], _stored(part))
+        writer.rewrite(positions[committed], _stored(part, writer.schema))
     storage.forget_reads()
 
 
@@ -88,7 +88,9 @@ def write_back(
         return 0
     rows = torch.from_numpy(np.flatnonzero(changed))
     part = batches.with_row_batch_size(edited[rows], storage.writer.schema)
-    written = storage.writer.rewrite(physical[changed], _stored(part), generation=stamps[changed])
+    written = storage.writer.rewrite(
+        physical[changed], _stored(part, storage.writer.schema), generation=stamps[changed]
+    )
     storage.forget_reads()
     return int(written.sum())
 
@@ -106,7 +108,7 @@ def patch_rows(storage: DaemonStorage, index: torch.Tensor, patch: dict[Any, tor
         for key, value in patch.items():
             data.get(key)[where, index[:, 1]] = value.to(data.get(key).device)
         part = batches.with_row_batch_size(data, storage.writer.schema)
-        storage.writer.rewrite(whole, _stored(part))
+        storage.writer.rewrite(whole, _stored(part, storage.writer.schema))
     else:
         data = TensorDict({}, batch_size=[index.numel()])
         for key, value in patch.items():
@@ -123,14 +125,17 @@ def _take(batch: Any, index: np.ndarray) -> Any:
     return {name: _take(value, index) for name, value in batch.items()}
 
 
-def _stored(batch: Any) -> Any:
-    """``batch`` without the zero-byte row-batch column (nothing of it is stored), as the
-    Writer's ``rewrite`` takes it; SchemaError for a batch with no other key."""
+def _stored(batch: Any, schema: Any) -> Any:
+    """``batch`` as the Writer's ``rewrite`` takes it: without the zero-byte row-batch column
+    (nothing of it is stored), nor an ``"index"`` the schema lacks (TorchRL's writers set
+    where a row goes into the row itself: ``TensorDictMaxValueWriter.add``); SchemaError for
+    a batch with no other key."""
+    drop = {ROW_BATCH_KEY} | ({"index"} if ("index",) not in schema else set())
     if isinstance(batch, TensorDictBase):
-        batch = batch.exclude(ROW_BATCH_KEY)
+        batch = batch.exclude(*drop)
         empty = batch.is_empty()
     else:
-        batch = {k: v for k, v in batch.items() if k != ROW_BATCH_KEY}
+        batch = {k: v for k, v in batch.items() if k not in drop}
         empty = not batch
     if empty:
         raise SchemaError("a batch with no keys cannot change rows")

@@ -282,8 +282,9 @@ class DaemonStorage(GridMixin, TensorStorage):  # type: ignore[misc]  # TorchRL 
 
     @property
     def _mutation_revision(self) -> int:
-        """Changes whenever the daemon commits rows (TorchRL's boundary caches key on it)."""
-        return int(self._fresh_stats()["rows_committed"])
+        """Changes when the daemon commits or rewrites rows (TorchRL's caches key on it)."""
+        stats = self._fresh_stats()
+        return int(stats["rows_committed"]) + int(stats.get("rows_rewritten", 0))
 
     def attach(self, buffer: Any) -> None:
         """TorchRL's hook when a buffer takes this storage (before it makes its writer and
@@ -355,8 +356,7 @@ class DaemonStorage(GridMixin, TensorStorage):  # type: ignore[misc]  # TorchRL 
             return self.get_steps(index)  # (rows, steps), as TorchRL indexes an ndim=2 one
         rows = self.get_rows(index)
         if isinstance(index, slice) and index == slice(None) and self._listing is not None:
-            # storage[:], which rb.set_at_/set_/update_ edit and then say so
-            physical = np.arange(len(rows), dtype=np.int64)
+            physical = np.arange(len(rows), dtype=np.int64)  # rb.set_at_ & co. edit storage[:]
             self._whole = (rows, physical, self._listing.stamps[physical])
         return rows
 
@@ -499,7 +499,7 @@ class DaemonStorage(GridMixin, TensorStorage):  # type: ignore[misc]  # TorchRL 
                 "round to it"
             )
 
-    # -- what a daemon-backed storage does not do ---------------------------------------------
+    # -- writing at rows this process names, emptying ----------------------------------------
 
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
         """Write ``data`` at rows ``cursor``: the ring's next rows (its pointer on: TorchRL's

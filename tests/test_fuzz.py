@@ -89,6 +89,8 @@ class Fuzzer:
             "clear": {},
             "shutdown": {"keep": False},
             "checkpoint": {"to": "/tmp/shmbuffer-fuzz-checkpoint"},  # admin only
+            # no payload frames: refused (schema), whatever the fields say
+            "rewrite": {"rows": bytes(16), "timeout_ms": 0},
         }
         # Ops added later are fuzzed only once a template (and a reason it fails) is added here.
         self.specs = {op: specs for op, specs in REQUESTS.items() if op in self.templates}

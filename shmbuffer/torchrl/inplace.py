@@ -32,12 +32,21 @@ if TYPE_CHECKING:
 
 
 def set_rows(storage: DaemonStorage, positions: np.ndarray, batch: Any) -> None:
-    """Store ``batch`` (``batches.as_batch``: one row per position) at ``positions``."""
+    """Store ``batch`` (``batches.as_batch``: one row per position) at ``positions``: all of
+    it as new rows where they are the ring's next rows in order (a ``RoundRobinWriter`` in
+    step with the daemon: its pointer moves on, as that writer's cursor does); otherwise new
+    rows where they are the ring's next rows in any order, rewrites where they are written."""
     writer = storage.writer
     writer.flush()
     stats = storage._fresh_stats()
     pointer, capacity = int(stats["pointer"]), int(stats["capacity"])
+    batch = _without_index(batch, writer.schema)
     positions = positions % capacity
+    if np.array_equal(positions, (pointer + np.arange(positions.size)) % capacity):
+        batches.write_rows(writer, batch, positions.size)
+        writer.flush()
+        storage.forget_reads()
+        return
     # A row named twice gets its last value, as an assignment into a tensor does.
     _, last = np.unique(positions[::-1], return_index=True)
     order = np.sort(positions.size - 1 - last)
@@ -58,7 +67,7 @@ def set_rows(storage: DaemonStorage, positions: np.ndarray, batch: Any) -> None:
         writer.flush()
     if committed.any():
         part = batches.with_row_batch_size(_take(batch, order[committed]), writer.schema)
-        writer.rewrite(positions[committed], _stored(part, writer.schema))
+        writer.rewrite(positions[committed], _stored(part))
     storage.forget_reads()
 
 
@@ -88,9 +97,7 @@ def write_back(
         return 0
     rows = torch.from_numpy(np.flatnonzero(changed))
     part = batches.with_row_batch_size(edited[rows], storage.writer.schema)
-    written = storage.writer.rewrite(
-        physical[changed], _stored(part, storage.writer.schema), generation=stamps[changed]
-    )
+    written = storage.writer.rewrite(physical[changed], _stored(part), generation=stamps[changed])
     storage.forget_reads()
     return int(written.sum())
 
@@ -108,7 +115,7 @@ def patch_rows(storage: DaemonStorage, index: torch.Tensor, patch: dict[Any, tor
         for key, value in patch.items():
             data.get(key)[where, index[:, 1]] = value.to(data.get(key).device)
         part = batches.with_row_batch_size(data, storage.writer.schema)
-        storage.writer.rewrite(whole, _stored(part, storage.writer.schema))
+        storage.writer.rewrite(whole, _stored(part))
     else:
         data = TensorDict({}, batch_size=[index.numel()])
         for key, value in patch.items():
@@ -125,17 +132,25 @@ def _take(batch: Any, index: np.ndarray) -> Any:
     return {name: _take(value, index) for name, value in batch.items()}
 
 
-def _stored(batch: Any, schema: Any) -> Any:
-    """``batch`` as the Writer's ``rewrite`` takes it: without the zero-byte row-batch column
-    (nothing of it is stored), nor an ``"index"`` the schema lacks (TorchRL's writers set
-    where a row goes into the row itself: ``TensorDictMaxValueWriter.add``); SchemaError for
-    a batch with no other key."""
-    drop = {ROW_BATCH_KEY} | ({"index"} if ("index",) not in schema else set())
+def _without_index(batch: Any, schema: Any) -> Any:
+    """``batch`` without an ``"index"`` the buffer's rows do not have: TorchRL's writers set
+    where a row goes into the row they hand the storage (``TensorDictMaxValueWriter.add``),
+    which TorchRL's storages keep only if their rows held one from the start."""
+    if schema is None or ("index",) in schema or "index" not in batch.keys():
+        return batch
     if isinstance(batch, TensorDictBase):
-        batch = batch.exclude(*drop)
+        return batch.exclude("index")
+    return {k: v for k, v in batch.items() if k != "index"}
+
+
+def _stored(batch: Any) -> Any:
+    """``batch`` as the Writer's ``rewrite`` takes it: without the zero-byte row-batch column
+    (nothing of it is stored); SchemaError for a batch with no other key."""
+    if isinstance(batch, TensorDictBase):
+        batch = batch.exclude(ROW_BATCH_KEY)
         empty = batch.is_empty()
     else:
-        batch = {k: v for k, v in batch.items() if k not in drop}
+        batch = {k: v for k, v in batch.items() if k != ROW_BATCH_KEY}
         empty = not batch
     if empty:
         raise SchemaError("a batch with no keys cannot change rows")

@@ -516,16 +516,7 @@ class DaemonStorage(GridMixin, TensorStorage):  # type: ignore[misc]  # TorchRL 
         positions = positions.reshape(-1)
         if positions.size != num_rows:
             raise ValueError(f"{positions.size} rows named for {num_rows} rows of data")
-        writer = self.writer
-        writer.flush()
-        stats = self._fresh_stats()
-        pointer, capacity = int(stats["pointer"]), int(stats["capacity"])
-        if np.array_equal(positions % capacity, (pointer + np.arange(num_rows)) % capacity):
-            batches.write_rows(writer, batch, num_rows)  # the next rows: written as new
-            writer.flush()
-            self.forget_reads()
-        else:
-            inplace.set_rows(self, positions, batch)
+        inplace.set_rows(self, positions, batch)
 
     def _bump_mutation_revision(self) -> None:
         """After ``rb.set_at_``, ``set_`` or ``update_`` edited what ``storage[:]`` returned:

@@ -339,8 +339,10 @@ class Writer:
         a row overwritten since, or no longer stored, is skipped and left out of the mask;
         without it such rows are refused (InvalidArgumentError naming them), nothing written.
         This writer's own writes are flushed first. The bytes travel to the daemon, which
-        copies them in itself, re-stamping the rows' episodes first, so readers copying
-        them meanwhile copy again; it waits while readers lease those episodes
+        copies them in itself, re-stamping the rows' episodes first (every row committed
+        with them: stamps held for any of those, a sample's ``generation``, are out of date
+        afterwards), so readers copying them meanwhile copy again; it waits while readers
+        lease those episodes
         (``reserve_timeout``). Priorities, episodes and places do not change
         (``docs/protocol.md``, ``rewrite``)."""
         self.flush()

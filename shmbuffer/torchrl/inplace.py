@@ -17,7 +17,7 @@ naming the pointer, with nothing written.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,8 +27,8 @@ from shmbuffer.errors import SchemaError
 from shmbuffer.torchrl import batches
 from shmbuffer.torchrl.batches import ROW_BATCH_KEY
 
-if TYPE_CHECKING:
-    from shmbuffer.torchrl.storage import DaemonStorage
+#: A ``DaemonStorage`` (``storage.py`` imports this module, so it is not named here).
+DaemonStorage = Any
 
 
 def set_rows(storage: DaemonStorage, positions: np.ndarray, batch: Any) -> None:
@@ -91,7 +91,10 @@ def write_back(
         if old is None or old.shape != new.shape or old.dtype != new.dtype:
             changed[:] = True  # a new key, shape or dtype: the schema check names it
             break
-        differs = (new != old).reshape(physical.size, -1).any(dim=1)
+        same = new == old
+        if new.is_floating_point():  # a NaN left as it was is no change
+            same |= new.isnan() & old.isnan()
+        differs = (~same).reshape(physical.size, -1).any(dim=1)
         changed |= differs.numpy()
     if not changed.any():
         return 0

@@ -58,3 +58,32 @@ def test_one_reservation_carries_one_stamp_above_the_old_ones() -> None:
         assert len(set(stamps[rows].tolist())) == 1
         assert all(stamps[r] > before[r] for r in rows)
         assert (stamps[3:7] == before[3:7]).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 9), min_size=1, max_size=14),
+    unit=st.sampled_from(["transition", "episode"]),
+    capacity=st.integers(8, 20),
+    pick=st.integers(0, 10**6),
+)
+def test_episode_spans_cover_exactly_the_live_rows_of_the_same_write(
+    lengths: list[int], unit: str, capacity: int, pick: int
+) -> None:
+    """What a rewrite re-stamps (``RowEpisodes.episode_spans``): the whole episode a row lies
+    in, both parts of one the ring's end split, nothing else."""
+    step = 0
+    with Buffer(capacity, unit=unit, seed=1) as buffer:
+        for length in lengths:
+            if length <= capacity:
+                buffer.add_episode({"write": np.full(length, step, np.int64)})
+                step += 1
+        registry = buffer.container.ring.registry
+        live = np.array(sorted(r for ep in registry for r in range(ep.start, ep.end)))
+        if live.size == 0:
+            return
+        row = int(live[pick % live.size])
+        spans = buffer.container.rows_index().episode_spans(np.array([row]))
+        covered = sorted(r for s, e in spans for r in range(s, e))
+        write = buffer.segment.columns[("write",)].numpy()
+        assert covered == [int(r) for r in live if write[r] == write[row]]

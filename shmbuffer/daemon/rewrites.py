@@ -86,9 +86,8 @@ class RewriteOps(DaemonState):
         now: float,
     ) -> None:
         deadline = now + fields.get("timeout_ms", 30_000) / 1000
-        episode_rows = where.episode_rows(kept, self.container.ring.tail)
-        ids = where.ids(episode_rows[where.live(episode_rows)])
-        leased = len(self.leases) and self.leases.pinned(np.unique(ids).tolist())
+        spans = where.episode_spans(kept, self.container.ring.tail)
+        leased = len(self.leases) and self.leases.pinned(self._entries(where, kept, spans))
         if leased:
             raise Deferred(f"rows are leased by readers (episodes {leased[:5]})", deadline)
         self._save_for_checkpoint(_runs(np.unique(kept)), deadline)
@@ -99,9 +98,18 @@ class RewriteOps(DaemonState):
         assert self.segment is not None
         hold = self.spans.out.hold() if self.spans is not None else contextlib.nullcontext()
         with hold:
-            stamp_rows(self.generations, episode_rows)  # before a byte changes
+            stamp_rows(self.generations, spans)  # before a byte changes
             rows.scatter(self.segment.columns, self.segment.arrays, kept, leaves)
         self.counters.rows_rewritten += int(kept.size)
+
+    @staticmethod
+    def _entries(where: Any, kept: np.ndarray, spans: list[tuple[int, int]]) -> list[int]:
+        """The registry ids of the episodes the rows lie in: each row's entry, and where the
+        ring's end split an episode in two, the other part (it holds a span's first row or
+        its last)."""
+        ends = np.array([[s, e - 1] for s, e in spans], dtype=np.int64).reshape(-1)
+        rows = np.concatenate([kept, ends[where.live(ends)]])
+        return [int(i) for i in np.unique(where.ids(rows))]
 
     def _rewritable(self, keys: list[str] | None) -> list[Field]:
         """The stored columns ``keys`` names (all of them if None), SchemaError naming any

@@ -93,13 +93,20 @@ class RowEpisodes(RingListener):
         """The registry id of each live row's entry."""
         return self.index.id_by_end[self.index.end_of_row[rows]]
 
-    def episode_rows(self, rows: I64, tail: int = 0) -> I64:
-        """Every row of the episodes the live ``rows`` lie in (following one the ring's end
-        split into two entries), their ``tail`` rows too: sorted, each once."""
+    def episode_spans(self, rows: I64, tail: int = 0) -> list[tuple[int, int]]:
+        """The ``[start, stop)`` row ranges of the episodes the live ``rows`` lie in
+        (following one the ring's end split into two entries), their ``tail`` rows too, each
+        once; a range that would pass the ring's end is cut there in two."""
         if not rows.size:
-            return rows
+            return []
         firsts = rows - self.rows_before(rows)
         lasts = rows + self.rows_left(rows) + tail  # one past
-        spans = np.unique(np.stack([firsts, lasts], axis=1), axis=0)
-        every = np.concatenate([np.arange(s, e) for s, e in spans.tolist()])
-        return np.unique(every % self.ring.capacity)
+        capacity = self.ring.capacity
+        starts, first = np.unique(firsts % capacity, return_index=True)  # one per episode
+        out = []
+        for start, length in zip(starts.tolist(), (lasts - firsts)[first].tolist(), strict=True):
+            stop = start + length
+            out.append((start, min(stop, capacity)))
+            if stop > capacity:
+                out.append((0, stop - capacity))
+        return out

@@ -18,7 +18,7 @@ and a reader holding an older stamp of them only copies them again.
 A rewrite of committed rows in place (the daemon's ``rewrite``) gives the whole episodes those
 rows lie in (their tail rows too) one new stamp, above every old stamp of them, *before* the
 bytes change: a reader that copied any of them under the old stamp copies them again, and the
-rows of one episode keep one stamp between them (:func:`stamp_rows`).
+rows of one episode keep one stamp between them (:func:`stamp_rows`, the same rule).
 """
 
 from __future__ import annotations
@@ -52,9 +52,7 @@ def restamp_restored(
         generations[rows] = generations[rows].max()
 
 
-def stamp_rows(generations: npt.NDArray[np.int64], rows: npt.NDArray[np.int64]) -> int:
-    """Give every row of ``rows`` (whole episodes, a rewrite's) one new stamp, above the old
-    stamp of each, and return it."""
-    stamp = int(generations[rows].max(initial=0)) + 1
-    generations[rows] = stamp
-    return stamp
+def stamp_rows(generations: npt.NDArray[np.int64], spans: Sequence[tuple[int, int]]) -> int:
+    """Give every row of ``spans`` (``[start, stop)`` ranges: whole episodes, a rewrite's)
+    one new stamp, above the old stamp of each, and return it."""
+    return stamp_reservation(generations, spans)

@@ -18,7 +18,6 @@ and ``--gb`` in ``--to``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -30,7 +29,7 @@ from typing import Any
 
 from bench import data
 from bench.checkpoint import EPISODE, SPEC, write_rows
-from bench.harness import running_daemon
+from bench.harness import running_daemon, standalone
 
 BS = 64 << 20
 
@@ -109,13 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gb", type=float, default=0.1, help="buffer size, GB (1 for the target)")
     parser.add_argument("--to", default="/var/tmp", help="folder on the disk measured")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--json", type=Path, help="also write the figures here")
-    args = parser.parse_args(argv)
-    result = run(args)
-    print(report(result))
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=1))
-    return 0
+    return standalone(parser, argv, run, report)
 
 
 if __name__ == "__main__":

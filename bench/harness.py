@@ -12,6 +12,7 @@ happened inside it.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import multiprocessing as mp
@@ -26,6 +27,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
 from types import TracebackType
 from typing import Any, NamedTuple
 
@@ -363,3 +365,20 @@ class Children:
                 proc.join(timeout=5)
         self.results.cancel_join_thread()
         self.results.close()
+
+
+def standalone(
+    parser: argparse.ArgumentParser,
+    argv: list[str] | None,
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    report: Callable[[dict[str, Any]], str],
+) -> int:
+    """A bench module run on its own (``python -m bench.export``): its arguments and
+    ``--json``, its figures, its report printed and the figures written where ``--json`` says."""
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+    result = run(args)
+    print(report(result))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0

@@ -23,18 +23,16 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.harness import running_daemon
+from bench.harness import running_daemon, standalone
 
 SECONDS = 1.0
 
@@ -181,13 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64, 1024]
     )
-    parser.add_argument("--json", type=Path, help="also write the figures here")
-    args = parser.parse_args(argv)
-    result = run(args)
-    print(report(result))
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=1))
-    return 0
+    return standalone(parser, argv, run, report)
 
 
 if __name__ == "__main__":

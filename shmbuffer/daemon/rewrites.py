@@ -91,16 +91,21 @@ class RewriteOps(DaemonState):
         if leased:
             raise Deferred(f"rows are leased by readers (episodes {leased[:5]})", deadline)
         self._save_for_checkpoint(_runs(np.unique(kept)), deadline)
+        # A row named twice gets its last value (a device column's scatter would pick any).
+        _, last = np.unique(kept[::-1], return_index=True)
+        once = np.sort(kept.size - 1 - last)
+        pick = np.flatnonzero(keep)[once]  # positions in the request's rows
         leaves = {}
         for f, frame in zip(columns, frames, strict=True):
             array = np.frombuffer(frame, dtype=np.uint8)
-            leaves[f.key] = rows.from_bytes(array, f.dtype, (keep.size, *f.shape))[keep]
+            leaves[f.key] = rows.from_bytes(array, f.dtype, (keep.size, *f.shape))[pick]
+        kept = kept[once]
         assert self.segment is not None
         hold = self.spans.out.hold() if self.spans is not None else contextlib.nullcontext()
         with hold:
             stamp_rows(self.generations, spans)  # before a byte changes
             rows.scatter(self.segment.columns, self.segment.arrays, kept, leaves)
-        self.counters.rows_rewritten += int(kept.size)
+        self.counters.rows_rewritten += int(kept.size)  # distinct rows
 
     @staticmethod
     def _entries(where: Any, kept: np.ndarray, spans: list[tuple[int, int]]) -> list[int]:

@@ -148,9 +148,9 @@ def scatter(
     leaves: Mapping[Key, Any],
 ) -> None:
     """Copy row ``i`` of each validated leaf into physical row ``rows[i]`` of its column (a
-    rewrite in place: rows anywhere, some columns only); a row named twice gets its last.
-    Casts are ``unsafe`` as in :func:`write`, for the same reason. Device columns are
-    synchronised before the return: the caller's reply says the rows are written."""
+    rewrite in place: rows anywhere, some columns only), each row named once. Casts are
+    ``unsafe`` as in :func:`write`, for the same reason. Device columns are synchronised
+    before the return: the caller's reply says the rows are written."""
     for key, value in leaves.items():
         src = as_numpy(value)
         dst = arrays.get(key) if columns[key].dtype != torch.bfloat16 else None

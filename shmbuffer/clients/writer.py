@@ -342,9 +342,8 @@ class Writer:
         copies them in itself, re-stamping the rows' episodes first (every row committed
         with them: stamps held for any of those, a sample's ``generation``, are out of date
         afterwards), so readers copying them meanwhile copy again; it waits while readers
-        lease those episodes
-        (``reserve_timeout``). Priorities, episodes and places do not change
-        (``docs/protocol.md``, ``rewrite``)."""
+        lease those episodes (``reserve_timeout``). Priorities, episodes and places do not
+        change (``docs/protocol.md``, ``rewrite``)."""
         self.flush()
         return rewrite(self.conn, self.schema, index, data, generation, self._pipe.reserve_timeout)
 

@@ -9,9 +9,10 @@ plus the journal records written after it.
 Records (:mod:`shmbuffer.daemon.records`, their format, types and replay) are int64 fields
 behind a length and a CRC: EPOCH, RESERVE, COMMIT, CLEAR, RESTORE, PRIORITY (the ring, the
 registry and priorities), META (what a commit attached), SAMPLE (a draw), LEASE, RENEW,
-RELEASE (leases) and RESERVE_PINNED, ABORT (rows pinned to a local writer, ``pins.py``). A
-crash in the middle of a write leaves a short or CRC-failing last record, which
-:meth:`Journal.load` ignores (its request was never acknowledged).
+RELEASE (leases), RESERVE_PINNED, ABORT (rows pinned to a writer, ``pins.py``) and REWRITE,
+REWRITTEN (a rewrite's copy: begun, not done, its episodes go on resume). A crash in the
+middle of a write leaves a short or CRC-failing last record, which :meth:`Journal.load`
+ignores (its request was never acknowledged).
 
 Space is reserved ahead, never discovered at append: the file is preallocated with
 ``posix_fallocate`` in chunks of :data:`JOURNAL_CHUNK` bytes and records are written in place
@@ -108,18 +109,22 @@ from shmbuffer.daemon.records import (
     RESERVE,
     RESERVE_PINNED,
     RESTORE,
+    REWRITE,
+    REWRITTEN,
     SAMPLE,
     SAMPLE_BODY,
     SAMPLE_RNG_BODY,
     SAMPLE_RNG_TABLE_BODY,
     SAMPLE_TABLE_BODY,
     apply_record,
+    drop_cut_short,
     encode_record,
     iter_records,
     meta_body,
     pin_fields,
     priority_fields,
     record_bytes,
+    rewrite_spans,
     time_bits,
     writer_body,
 )
@@ -470,6 +475,11 @@ class Journal:
         )
         self._append(RESERVE_PINNED, [*fields, *extra])
 
+    def append_rewrite(self, spans: list[tuple[int, int]] | None) -> None:
+        """The rows a rewrite is about to change in place; None: it changed them."""
+        flat = [] if spans is None else [len(spans), *(v for span in spans for v in span)]
+        self._append(REWRITE if spans is not None else REWRITTEN, flat)
+
     def append_abort(self, reservation_id: int) -> None:
         """A pinned reservation ended without a commit."""
         self._append(ABORT, [reservation_id])
@@ -552,11 +562,14 @@ class Journal:
         first = next(records, None)
         if first is not None and first[0] == EPOCH and int(first[1][0]) == state.get("epoch"):
             used = first[2]
+            cut: list[tuple[int, int]] = []  # a rewrite begun and not done (records.py)
             for kind, fields, end in records:
-                done = apply_record(container, counters, kind, fields, leases, pins, writers)
-                if not done and stateful:
-                    diverged += 1
+                if kind in (REWRITE, REWRITTEN):
+                    cut = rewrite_spans(fields) if kind == REWRITE else []
+                elif not apply_record(container, counters, kind, fields, leases, pins, writers):
+                    diverged += stateful
                 replayed, used = replayed + 1, end
+            drop_cut_short(container, cut)
         elif first is not None:  # an older generation: already in the snapshot
             used = len(data)
         for table in container.tables.values():

@@ -34,7 +34,11 @@ time, m, (start, stop) * m, k, length * k]`` (the reservation, its writer's proc
 and its episodes' lengths, or ``-k`` for k equal episodes; then the tables' mask where only
 some); ``ABORT [id]`` ends such a pin without a commit (a COMMIT whose first episode starts its
 rows ends it too). ``META [n, id * n, nbytes]`` and msgpack bytes follow a COMMIT whose writer
-attached metadata: the values, ``{"m": values}``, padded to a whole int64. Any other abort needs
+attached metadata: the values, ``{"m": values}``, padded to a whole int64. ``REWRITE [n,
+(start, stop) * n]`` (the rows of the episodes a ``rewrite`` is about to change in place) and
+``REWRITTEN []`` (it changed them) bracket the daemon's copy: a REWRITE the journal does not
+close with a REWRITTEN was cut short by a crash, and a resume evicts those episodes
+(:func:`rewrite_spans`, ``Journal.load``), whose rows may be half changed. Any other abort needs
 no record: it changed nothing but what its RESERVE record already holds; nor does a lease's
 expiry (a resume drops it by its wall-clock expiry). A crash in the middle of a write leaves a
 short or CRC-failing last record, which :meth:`Journal.load` ignores (its request was never
@@ -63,6 +67,7 @@ EPOCH, RESERVE, COMMIT, CLEAR, RESTORE, PRIORITY = 0, 1, 2, 3, 4, 5
 SAMPLE, LEASE, RENEW, RELEASE = 6, 7, 8, 9
 RESERVE_PINNED, ABORT = 10, 11
 META, WRITER = 12, 13
+REWRITE, REWRITTEN = 14, 15
 HEAD = struct.Struct("<II")
 #: A SAMPLE's body: its type and six fields, and with the generator's six words.
 SAMPLE_BODY = struct.Struct("<7q")
@@ -122,6 +127,22 @@ def meta_body(ids: list[int], payload: bytes) -> bytes:
 def meta_bytes(num_ids: int, payload: bytes) -> int:
     """The encoded size of a META record of ``num_ids`` episodes."""
     return HEAD.size + 8 * (num_ids + 3) + len(payload) + (-len(payload) % 8)
+
+
+def rewrite_spans(f: np.ndarray) -> list[Range]:
+    """A REWRITE record's row ranges."""
+    n = int(f[0])
+    if f.size != 1 + 2 * n:
+        raise JournalError(f"REWRITE record of {f.size} fields for {n} ranges")
+    return [(int(f[1 + 2 * i]), int(f[2 + 2 * i])) for i in range(n)]
+
+
+def drop_cut_short(container: Container, spans: list[Range]) -> None:
+    """After a replay: the episodes of a rewrite the journal did not close (a REWRITE with no
+    REWRITTEN after it) go, since their rows may be half changed."""
+    if spans:
+        c = container
+        c.replay_reserve(spans, c.pointer, c.rows_written, c.next_reservation)
 
 
 def record_bytes(num_fields: int) -> int:

@@ -18,8 +18,9 @@ the first byte and the last. In that request, in this order:
    and copies them again; one the daemon answers next gets the new stamp and the new bytes.
 
 The ring, the registry, the samplers and priorities do not change: the rows keep their places
-and their episodes; only what they hold does. Not journaled: a daemon killed during the copy
-itself (microseconds) resumes with those rows as far as the copy got.
+and their episodes; only what they hold does. The copy is bracketed in the journal (REWRITE
+before the stamps move, REWRITTEN after the last byte): a daemon killed in between resumes
+without those episodes, whose rows may be half changed (``records.py``).
 
 Refused where it cannot be done so: compressed columns (a chunk holds a whole episode) and
 columns that store nothing (``next_of``).
@@ -33,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from shmbuffer.daemon.clients import Client
+from shmbuffer.daemon.records import record_bytes
 from shmbuffer.daemon.state import DaemonState, Deferred, Frames, Reply
 from shmbuffer.errors import InvalidArgumentError, LimitExceededError, SchemaError
 from shmbuffer.storage import rows
@@ -101,10 +103,16 @@ class RewriteOps(DaemonState):
             leaves[f.key] = rows.from_bytes(array, f.dtype, (keep.size, *f.shape))[pick]
         kept = kept[once]
         assert self.segment is not None
+        journal = self.journal
+        self._journal_room(record_bytes(1 + 2 * len(spans)) + record_bytes(0))
         hold = self.spans.out.hold() if self.spans is not None else contextlib.nullcontext()
         with hold:
+            if journal is not None:  # a crash before REWRITTEN: a resume evicts them
+                journal.append_rewrite(spans)
             stamp_rows(self.generations, spans)  # before a byte changes
             rows.scatter(self.segment.columns, self.segment.arrays, kept, leaves)
+            if journal is not None:
+                journal.append_rewrite(None)
         self.counters.rows_rewritten += int(kept.size)  # distinct rows
 
     @staticmethod

@@ -618,3 +618,19 @@ def sample_whole_rows(name: str, seconds: float, say: Any) -> tuple[int, int]:
             torn += int(((img != want[:, None]).any(axis=1)).sum())
             checked += 16
     return checked, torn
+
+
+def rewrite_big(name: str, rows: list[int], value: int, say: Any) -> None:
+    """Rewrite ``rows`` (``img`` all ``value % 256``, ``v`` = ``value``) in one request; the
+    daemon may be killed under it."""
+    import numpy as np
+
+    from shmbuffer import Writer
+
+    with Writer(name, timeout=30) as writer:
+        img = np.full((len(rows), *writer.schema["img"].shape), value % 256, dtype=np.uint8)
+        say("sending")
+        try:
+            writer.rewrite(rows, {"img": img, "v": np.full(len(rows), value)})
+        except Exception as exc:  # the daemon killed mid-request
+            say("refused", type(exc).__name__)

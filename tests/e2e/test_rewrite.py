@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -142,3 +143,55 @@ def test_a_rewrite_waits_for_a_readers_lease(daemon: Any, children: Any, how: st
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGKILL)
     wait_for(lambda: stored(d.name, np.array([4]))["v"].tolist() == [44], 5)
+
+
+def whole_rows(name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Every committed row's ``v``, and whether its ``img`` is all ``v % 256``."""
+    with Reader(name) as reader:
+        physical, gens = reader.committed_rows()
+        data, moved = reader.read(physical, gens)
+    assert not moved.any()
+    img = data["img"].reshape(len(physical), -1).numpy()
+    v = data["v"].numpy()
+    return v, (img == (v % 256).astype(np.uint8)[:, None]).all(axis=1)
+
+
+def test_a_daemon_killed_mid_rewrite_resumes_without_those_episodes(
+    daemon: Any, children: Any
+) -> None:
+    """SIGKILL while the daemon copies a rewrite (caught by ``spans.bin``'s sequence number,
+    odd from the new stamps to the last byte): ``--resume`` serves no half-changed row; the
+    episode the rewrite touched is gone, the other is whole. A rewrite that finished before the
+    kill comes back as written."""
+    big = (1024, 1024)  # 1 MiB rows: the copy of 48 takes tens of milliseconds
+    d = daemon(capacity=96, unit="transition")
+
+    def rows(first: int, n: int) -> dict[str, Any]:
+        v = np.arange(first, first + n)
+        img = np.empty((n, *big), dtype=np.uint8)
+        img.reshape(n, -1)[:] = (v % 256).astype(np.uint8)[:, None]
+        return {"img": img, "v": v}
+
+    with Writer(d.name) as writer:
+        writer.extend(rows(0, 48))  # episode A: rows 0..47
+        writer.flush()
+        writer.extend(rows(48, 48))  # episode B: rows 48..95
+        writer.flush()
+        done = {"img": np.full((1, *big), 700 % 256, np.uint8), "v": np.array([700])}
+        assert writer.rewrite([60], done).all()  # finished: kept across the kill
+    words = np.memmap(Path(d.segment_path) / "spans.bin", dtype=np.int64, mode="r", shape=(8,))
+    before = int(words[0])
+    children.spawn("rewrite", "rewrite_big", d.name, list(range(48)), 1000)
+    assert children.get(30)[:2] == ("rewrite", "sending")
+    deadline = time.monotonic() + 20
+    while not (int(words[0]) & 1 and int(words[0]) > before):
+        assert time.monotonic() < deadline, "the rewrite never began its copy"
+    time.sleep(0.002)  # into the copy
+    d.process.kill()
+    d.process.wait(10)
+    del words
+    daemon(name=d.name, capacity=96, unit="transition", args=["--resume"])
+    v, whole = whole_rows(d.name)
+    assert whole.all(), f"half-changed rows served: {v[~whole].tolist()}"
+    assert set(v.tolist()) >= set(range(48, 96)) - {60} | {700}  # episode B, its rewrite kept
+    assert not set(v.tolist()) & set(range(48))  # episode A: gone, or rewritten whole

@@ -195,3 +195,12 @@ def test_a_daemon_killed_mid_rewrite_resumes_without_those_episodes(
     assert whole.all(), f"half-changed rows served: {v[~whole].tolist()}"
     assert set(v.tolist()) >= set(range(48, 96)) - {60} | {700}  # episode B, its rewrite kept
     assert not set(v.tolist()) & set(range(48))  # episode A: gone, or rewritten whole
+
+
+def test_a_row_named_twice_gets_its_last_value(daemon: Any) -> None:
+    d = daemon(capacity=8, unit="transition")
+    with Writer(d.name) as writer:
+        writer.extend(rows_of(np.arange(8)))
+        assert writer.rewrite([5, 2, 5], {"v": np.array([50, 20, 55])}).all()
+    assert stored(d.name, np.array([2, 5]))["v"].tolist() == [20, 55]
+    assert d.stats()["rows_rewritten"] == 2

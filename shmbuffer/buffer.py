@@ -400,7 +400,7 @@ class Buffer:
         if spec is not None and self.segment is not None:
             _, left = self.container.extent(drawn.rows)
             n_step_batch(data, drawn.rows, self.segment.columns, left, spec)
-        her_batch(data, drawn.rows, self.segment, self.container.extent, relabel)
+        her_batch(data, drawn.rows, self.segment, self.container.extent, relabel, drawer.rng)
         info = self._info(drawn.rows, drawn.probability, drawn.weight) if return_info else None
         return data if info is None else (data, info)
 

@@ -195,3 +195,15 @@ def test_her_and_n_step_are_not_combined() -> None:
         buffer.add_episode(episode(0, 4, "terminated"))
         with pytest.raises(InvalidArgumentError, match="her and n_step"):
             buffer.sample(2, n_step=2, her={"reward_fn": reward_fn})
+
+
+def test_a_seeded_buffer_relabels_alike_run_after_run() -> None:
+    """The goals are drawn with the buffer's seeded generator, as its rows are."""
+    batches = []
+    for _ in range(2):
+        with Buffer(32, seed=5) as buffer:
+            buffer.add_episode(episode(0, 12, "terminated"))
+            buffer.add_episode(episode(100, 12, "truncated"))
+            batches.append(buffer.sample(64, her={"strategy": "future", "reward_fn": reward_fn}))
+    assert torch.equal(batches[0]["desired_goal"], batches[1]["desired_goal"])
+    assert torch.equal(batches[0]["obs"], batches[1]["obs"])

@@ -65,7 +65,8 @@ def sample_her(
         assert reader.segment is not None
         columns, stamps = reader.segment.columns, reader.segment.generations
         for _ in range(MAX_RESAMPLES):
-            goals = draw_goals(spec, physical, items["before"], items["left"], columns, _RNG)
+            rng = _goal_rng(reader)
+            goals = draw_goals(spec, physical, items["before"], items["left"], columns, rng)
             values = goal_values(goals, columns, spec)
             item, rows = rows_read(goals, len(stamps))
             torn = np.unique(item[stamps[rows] != gens[item]])
@@ -112,5 +113,13 @@ def _redraw(
         values[torn] = fresh_items[name]
 
 
-#: The goal draws' generator (a process's own: the daemon's draws are seeded there).
-_RNG = np.random.default_rng()
+def _goal_rng(reader: Any) -> np.random.Generator:
+    """The reader's generator of goal draws: from the daemon's ``--seed`` (where it says one,
+    as for a reader's own row draws) and this client's id, so that a seeded run relabels
+    alike run after run; from the OS otherwise. Made at the first relabelled sample."""
+    if reader._her_rng is None:
+        seed = (reader.conn.buffer.get("local_draws") or {}).get("seed")
+        entropy = None if seed is None else [seed, reader.conn.client_id, 1]
+        reader._her_rng = np.random.default_rng(entropy)
+    rng: np.random.Generator = reader._her_rng
+    return rng

@@ -217,6 +217,7 @@ class ReaderState:
         self.local_redraws = 0  # of those, rows this reader drew again itself
         #: Where the daemon publishes its live runs (None: it does not, or not for us).
         self._local_info: dict[str, Any] | None = None
+        self._her_rng: Any = None  # relabelled samples' goal draws (her_reads.py)
         # The runs a daemon publishes are the default table's draws (its limiter and use
         # counts): a reader of another table draws through the daemon.
         if local_draws and not self.remote and own is self.conn.buffer:

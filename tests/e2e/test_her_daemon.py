@@ -10,6 +10,7 @@ import threading
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -95,3 +96,19 @@ def test_bad_options_are_refused_before_the_draw(daemon: Any) -> None:
         with pytest.raises(InvalidArgumentError, match="strategy must be one of"):
             reader.sample(2, her={"reward_fn": reward_fn, "strategy": "later"})
         assert len(reader.sample(4)) == 4  # nothing was consumed by the refused calls
+
+
+def test_a_seeded_daemon_relabels_alike_run_after_run(daemon: Any) -> None:
+    """With ``--seed`` the daemon draws the rows and each reader's goal draws are seeded from
+    it (and the reader's place among the clients): two fresh runs relabel alike."""
+    goals = []
+    for _ in range(2):
+        d = daemon(capacity=32, unit="transition", args=["--seed", "4"])
+        with Writer(d.name) as writer, Reader(d.name, prefetch=False) as reader:
+            writer.add_episode(episode(0, 12, "terminated"))
+            writer.add_episode(episode(100, 12, "truncated"))
+            writer.flush()
+            data = reader.sample(64, her={"strategy": "future", "reward_fn": reward_fn})
+            goals.append(data["desired_goal"])
+        d.stop()
+    assert torch.equal(goals[0], goals[1])

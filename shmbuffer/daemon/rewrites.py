@@ -13,9 +13,10 @@ the first byte and the last. In that request, in this order:
    while a running checkpoint cannot save those rows yet (``_save_for_checkpoint``: the rows of
    its cut are saved before they change);
 3. readers that draw rows themselves are held off (``SpansFile.hold``: its sequence number
-   stays odd), the whole episodes of the rows get one new stamp (``stamp_rows``), and only then
-   are the bytes copied: a reader that copied any of those rows before sees their stamp moved
-   and copies them again; one the daemon answers next gets the new stamp and the new bytes.
+   stays odd), the whole episodes of the rows get one new stamp (``stamp_reservation``, a
+   reservation's rule), and only then are the bytes copied: a reader that copied any of
+   those rows before sees their stamp moved and copies them again; one the daemon answers
+   next gets the new stamp and the new bytes.
 
 The ring, the registry, the samplers and priorities do not change: the rows keep their places
 and their episodes; only what they hold does. The copy is bracketed in the journal (REWRITE
@@ -39,7 +40,7 @@ from shmbuffer.daemon.state import DaemonState, Deferred, Frames, Reply
 from shmbuffer.errors import InvalidArgumentError, LimitExceededError, SchemaError
 from shmbuffer.storage import rows
 from shmbuffer.storage.schema import Field
-from shmbuffer.storage.stamps import stamp_rows
+from shmbuffer.storage.stamps import stamp_reservation
 from shmbuffer.wire.protocol import decode_i64, encode_i64, payload_sizes
 
 
@@ -109,7 +110,7 @@ class RewriteOps(DaemonState):
         with hold:
             if journal is not None:  # a crash before REWRITTEN: a resume evicts them
                 journal.append_rewrite(spans)
-            stamp_rows(self.generations, spans)  # before a byte changes
+            stamp_reservation(self.generations, spans)  # before a byte changes
             rows.scatter(self.segment.columns, self.segment.arrays, kept, leaves)
             if journal is not None:
                 journal.append_rewrite(None)

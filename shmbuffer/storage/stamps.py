@@ -18,7 +18,7 @@ and a reader holding an older stamp of them only copies them again.
 A rewrite of committed rows in place (the daemon's ``rewrite``) gives the whole episodes those
 rows lie in (their tail rows too) one new stamp, above every old stamp of them, *before* the
 bytes change: a reader that copied any of them under the old stamp copies them again, and the
-rows of one episode keep one stamp between them (:func:`stamp_rows`, the same rule).
+rows of one episode keep one stamp between them (:func:`stamp_reservation` of their ranges).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["restamp_restored", "stamp_reservation", "stamp_rows"]
+__all__ = ["restamp_restored", "stamp_reservation"]
 
 
 def stamp_reservation(generations: npt.NDArray[np.int64], ranges: Sequence[tuple[int, int]]) -> int:
@@ -50,9 +50,3 @@ def restamp_restored(
     for start, end in episodes:
         rows = np.arange(start, end + tail) % capacity
         generations[rows] = generations[rows].max()
-
-
-def stamp_rows(generations: npt.NDArray[np.int64], spans: Sequence[tuple[int, int]]) -> int:
-    """Give every row of ``spans`` (``[start, stop)`` ranges: whole episodes, a rewrite's)
-    one new stamp, above the old stamp of each, and return it."""
-    return stamp_reservation(generations, spans)

@@ -49,6 +49,17 @@ def episode(e: int) -> tuple[dict[str, Any], dict[str, Any]]:
     return data, meta
 
 
+def filled_source(daemon: Any) -> Any:
+    """A daemon holding every episode of :data:`LENGTHS`, committed."""
+    source = daemon(capacity=CAPACITY, unit="transition")
+    with Writer(source.name, timeout=10) as writer:
+        for e in range(len(LENGTHS)):
+            data, meta = episode(e)
+            writer.add_episode(data, meta=meta)
+        writer.flush()
+    return source
+
+
 def flat(data: dict[str, Any], prefix: str = "") -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for key, value in data.items():
@@ -108,12 +119,7 @@ def test_round_trip_keeps_bytes_boundaries_and_metadata(
     first = f"parquet:{tmp_path / 'one'}" if kind == "parquet" else "minari:test/one-v0"
     again = f"parquet:{tmp_path / 'two'}" if kind == "parquet" else "minari:test/two-v0"
 
-    source = daemon(capacity=CAPACITY, unit="transition")
-    with Writer(source.name, timeout=10) as writer:
-        for e in range(len(LENGTHS)):
-            data, meta = episode(e)
-            writer.add_episode(data, meta=meta)
-        writer.flush()
+    source = filled_source(daemon)
     done = e2e_env.cli("export", "--name", source.name, "--to", first, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "exported" in done.stdout
@@ -171,12 +177,7 @@ def test_a_failed_live_export_waits_for_the_cut_and_leaves_no_spool(daemon, e2e_
     """The conversion fails (the destination holds a dataset), the daemon's copy of the cut
     perhaps still running: the error names it, the spool is gone, and the daemon exports
     again at once (the export waited for its checkpoint: none is left running)."""
-    source = daemon(capacity=CAPACITY, unit="transition")
-    with Writer(source.name, timeout=10) as writer:
-        for e in range(len(LENGTHS)):
-            data, meta = episode(e)
-            writer.add_episode(data, meta=meta)
-        writer.flush()
+    source = filled_source(daemon)
     spool = tmp_path / "spool"
     target = f"parquet:{tmp_path / 'out'}"
     args = ["--name", source.name, "--spool", str(spool)]

@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_leaves
 
 from shmbuffer.torchrl import DaemonStorage, DaemonWriter
 from tests.e2e import _workers
+from tests.peers._torchrl_native import outcome, record
 
 START_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 10.0
@@ -253,27 +254,16 @@ def pytest_runtest_teardown(item: pytest.Item) -> None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Any:
-    outcome = yield
-    report = outcome.get_result()
-    if report.when == "teardown" or (report.when == "setup" and report.passed):
+    report = (yield).get_result()
+    state = outcome(report)
+    if state is None:
         return
-    if report.when == "setup" and report.skipped:
-        state = "skipped"
-    elif report.when == "call":
-        state = "passed" if report.passed else "skipped" if report.skipped else "failed"
-    else:
-        state = "failed"
     message = ""
     crash = getattr(report.longrepr, "reprcrash", None)
     if state == "failed" and crash is not None:
         message = crash.message.strip().splitlines()[0][:400] if crash.message.strip() else ""
     elif state == "failed":
         message = str(report.longrepr).strip().splitlines()[-1][:400]
-    record = {
-        "test": item.nodeid,
-        "outcome": state,
-        "message": message,
-        "daemon": item.nodeid in _USED,
-    }
-    with open(os.environ["SHMBUFFER_TORCHRL_REPORT"], "a") as out:
-        out.write(json.dumps(record) + "\n")
+    record(
+        {"test": item.nodeid, "outcome": state, "message": message, "daemon": item.nodeid in _USED}
+    )
